@@ -1,0 +1,234 @@
+"""Drop-in factorized layers: W = u vᵀ ⊕ μ (Factorized-FL Eq. 2; SimFed Eq. 6).
+
+``FactorizedConv2d`` and ``FactorizedLinear`` keep the factors u [R, rank], v [rank, C]
+and the sparse bias μ [R, C] as parameters and rebuild the weight with the fused op
+``pfl_kernels.ops.factorized_weight`` on every forward, so gradients reach u, v and μ.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .._layout import LAYOUTS, layout_geometry
+from ..ops import factorized_weight
+from ..reference.factorized import unplace
+
+_CONV_STATE = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+               "groups", "padding_mode", "_reversed_padding_repeated_twice")
+
+
+def _check_rank(rank) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
+    return rank
+
+
+class _FactorizedMixin:
+    """Parameters, weight reconstruction and sparsity accounting shared by both layers."""
+
+    u: nn.Parameter
+    v: nn.Parameter
+    mu: Optional[nn.Parameter]
+
+    def _init_factors(self, shape, layout, rank, sparse, device, dtype) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.rank = _check_rank(rank)
+        self.layout = layout
+        self.weight_shape = tuple(shape)
+        rows, cols, _, _ = layout_geometry(shape, layout)
+        kw = {"device": device, "dtype": dtype}
+        self.u = nn.Parameter(torch.empty(rows, rank, **kw))
+        self.v = nn.Parameter(torch.empty(rank, cols, **kw))
+        self.register_parameter("mu", nn.Parameter(torch.empty(rows, cols, **kw)) if sparse else None)
+
+    def _reset_factors(self) -> None:
+        # The released Factorized-FL code: u, v Xavier-uniform, μ zeros.
+        nn.init.xavier_uniform_(self.u)
+        nn.init.xavier_uniform_(self.v)
+        if self.mu is not None:
+            nn.init.zeros_(self.mu)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The reconstructed weight place(u @ v + μ) in the shape of the dense layer's weight."""
+        return factorized_weight(self.u, self.v, self.mu, shape=self.weight_shape, layout=self.layout)
+
+    def _load_dense_weight(self, weight: torch.Tensor) -> None:
+        """Set u, v to the best rank-r part of ``weight`` (SVD) and μ to the rest."""
+        with torch.no_grad():
+            m = unplace(weight.detach().to(torch.float64), self.weight_shape, self.layout)
+            left, sing, right = torch.linalg.svd(m, full_matrices=False)
+            r = min(self.rank, sing.numel())
+            root = sing[:r].sqrt()
+            u = torch.zeros(m.shape[0], self.rank, dtype=torch.float64, device=m.device)
+            v = torch.zeros(self.rank, m.shape[1], dtype=torch.float64, device=m.device)
+            u[:, :r] = left[:, :r] * root
+            v[:r] = root[:, None] * right[:r]
+            self.u.copy_(u)
+            self.v.copy_(v)
+            if self.mu is not None:
+                self.mu.copy_(m - u @ v)
+
+    def sparsity_loss(self) -> torch.Tensor:
+        """‖μ‖₁, the sparsity term of Factorized-FL Eq. 6 (differentiable; 0 without μ)."""
+        if self.mu is None:
+            return self.u.new_zeros(())
+        return self.mu.abs().sum()
+
+    def nnz(self, threshold: float = 0.0) -> int:
+        """Number of μ entries with |μ| ≥ threshold (> 0 when threshold is 0); 0 without μ."""
+        if self.mu is None:
+            return 0
+        if threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {threshold}")
+        mag = self.mu.detach().abs()
+        return int((mag >= threshold).sum() if threshold > 0 else (mag > 0).sum())
+
+    def parameter_count(self, threshold: float = 0.0) -> int:
+        """Entries a client would send: u, v and the μ entries counted by ``nnz(threshold)``.
+
+        The bias (if any) is not included; add ``bias.numel()`` where it is sent.
+        """
+        return self.u.numel() + self.v.numel() + self.nnz(threshold)
+
+
+class FactorizedConv2d(_FactorizedMixin, nn.Module):
+    """``nn.Conv2d`` whose weight is u vᵀ ⊕ μ (Factorized-FL Eq. 2; SimFed Eq. 6 with layout='simfed').
+
+    Takes every ``nn.Conv2d`` argument with the same meaning, plus:
+        rank: r, the number of columns of u (>= 1).
+        layout: how (R, C) maps onto the weight: 'spatial' (default; u over the kh·kw kernel
+            positions, v over (out, in) pairs), 'simfed' (u over in·kh, v over out·kw),
+            or 'view' (the released code's reshape).
+        sparse: keep the sparse bias μ [R, C] (default True).
+
+    Parameters: ``u`` [R, rank], ``v`` [rank, C], ``mu`` [R, C] (None when sparse=False),
+    ``bias`` [out_channels] (None when bias=False).  ``weight`` is a read-only property.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, padding_mode="zeros", device=None, dtype=None, *,
+                 rank=1, layout="spatial", sparse=True):
+        super().__init__()
+        if layout == "linear":
+            raise ValueError("layout 'linear' is for FactorizedLinear; use 'spatial', 'simfed' or 'view'")
+        # nn.Conv2d validates every argument (groups, padding strings, padding_mode, ...) and
+        # derives the padding state; build one on the meta device so nothing is allocated.
+        spec = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                         bias, padding_mode, device="meta")
+        for name in _CONV_STATE:
+            setattr(self, name, getattr(spec, name))
+        shape = (out_channels, in_channels // groups, *self.kernel_size)
+        self._init_factors(shape, layout, rank, sparse, device, dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """u, v Xavier-uniform, μ zeros (released code); bias as ``nn.Conv2d``."""
+        self._reset_factors()
+        if self.bias is not None:
+            fan_in = self.weight_shape[1] * self.weight_shape[2] * self.weight_shape[3]
+            bound = 1 / math.sqrt(fan_in)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.padding_mode != "zeros":
+            padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            return F.conv2d(padded, weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv2d(input, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    @classmethod
+    def from_dense(cls, module: nn.Conv2d, *, rank: int = 1, layout: str = "spatial",
+                   sparse: bool = True) -> "FactorizedConv2d":
+        """A factorized copy of ``module``: u, v the best rank-r part of its weight (SVD), μ the rest.
+
+        With sparse=True the new layer computes the same function as ``module``; with
+        sparse=False it keeps only the rank-r approximation.
+        """
+        if not isinstance(module, nn.Conv2d):
+            raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
+        w = module.weight
+        layer = cls(module.in_channels, module.out_channels, module.kernel_size, module.stride,
+                    module.padding, module.dilation, module.groups, module.bias is not None,
+                    module.padding_mode, device=w.device, dtype=w.dtype, rank=rank, layout=layout,
+                    sparse=sparse)
+        layer._load_dense_weight(w)
+        if module.bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(module.bias)
+        layer.train(module.training)
+        return layer
+
+    def extra_repr(self) -> str:
+        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+             f"stride={self.stride}, padding={self.padding}")
+        if self.dilation != (1, 1):
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.bias is None:
+            s += ", bias=False"
+        if self.padding_mode != "zeros":
+            s += f", padding_mode={self.padding_mode!r}"
+        return s + f", rank={self.rank}, layout={self.layout!r}, sparse={self.mu is not None}"
+
+
+class FactorizedLinear(_FactorizedMixin, nn.Module):
+    """``nn.Linear`` whose weight is u vᵀ ⊕ μ, with u over inputs and v over outputs.
+
+    Parameters: ``u`` [in_features, rank], ``v`` [rank, out_features], ``mu``
+    [in_features, out_features] (None when sparse=False), ``bias`` [out_features].
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
+                 rank=1, sparse=True):
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self._init_factors((out_features, in_features), "linear", rank, sparse, device, dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """u, v Xavier-uniform, μ zeros (released code); bias as ``nn.Linear``."""
+        self._reset_factors()
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight, self.bias)
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, *, rank: int = 1, sparse: bool = True) -> "FactorizedLinear":
+        """A factorized copy of ``module`` (exact with sparse=True; see FactorizedConv2d.from_dense)."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
+        w = module.weight
+        layer = cls(module.in_features, module.out_features, module.bias is not None,
+                    device=w.device, dtype=w.dtype, rank=rank, sparse=sparse)
+        layer._load_dense_weight(w)
+        if module.bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(module.bias)
+        layer.train(module.training)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, rank={self.rank}, sparse={self.mu is not None}")

@@ -1,0 +1,44 @@
+"""Argument checks shared by the op wrappers: clear errors that name the argument."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(name: str, t, *, dims: tuple[int, ...]) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a floating tensor with a dim in ``dims``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    if t.dim() not in dims:
+        want = " or ".join(str(d) for d in dims)
+        raise ValueError(f"{name} must have {want} dimensions, got shape {list(t.shape)}")
+
+
+def check_same(ref_name: str, ref: torch.Tensor, name: str, t: Optional[torch.Tensor]) -> None:
+    """Raise unless ``t`` (if given) has the dtype and device of ``ref``."""
+    if t is None:
+        return
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}")
+
+
+def client_count(named: dict[str, Optional[torch.Tensor]], base_dims: int) -> Optional[int]:
+    """The client count K shared by tensors that carry a leading client dimension.
+
+    Tensors with ``base_dims`` dimensions are shared by all clients; tensors with one more
+    carry K.  Returns None when none carries K; raises when two disagree.
+    """
+    k, k_name = None, None
+    for name, t in named.items():
+        if t is not None and t.dim() == base_dims + 1:
+            if k is not None and t.shape[0] != k:
+                raise ValueError(f"{name} has {t.shape[0]} clients (dim 0) but {k_name} has {k}")
+            k, k_name = t.shape[0], name
+    return k

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up (or refresh) the project's virtual environment in .venv and build pfl-kernels.
+#
+# - A torch the machine already has (e.g. a CUDA build on a GPU machine) is kept: the venv
+#   then sees the system site-packages and nothing installs another torch.  Otherwise
+#   torch==$PFL_TORCH_VERSION (default 2.13.0) is installed.
+# - The extension is compiled against that torch, so the package is installed with
+#   --no-build-isolation; it is rebuilt only when setup.py, pyproject.toml or csrc/ change.
+# Quick when everything is in place already.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${PFL_VENV:-.venv}
+TORCH_VERSION=${PFL_TORCH_VERSION:-2.13.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "setup: using the torch already installed for $PYTHON ($("$PYTHON" -c 'import torch; print(torch.__version__)'))"
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+  else
+    "$PYTHON" -m venv "$VENV"
+  fi
+fi
+PY="$VENV/bin/python"
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+
+# Install only what is missing, so nothing already there (torch above all) is replaced.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  pip_install "torch==$TORCH_VERSION"
+fi
+missing=()
+for spec in "triton:triton" "pytest:pytest" "pytest_benchmark:pytest-benchmark" "numpy:numpy" \
+            "ninja:ninja" "setuptools:setuptools" "expecttest:expecttest"; do
+  "$PY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  # The constraint keeps pip from touching torch while resolving these.
+  pip_install -c <("$PY" -c "import torch; print('torch==' + torch.__version__)") "${missing[@]}"
+fi
+
+stamp="$VENV/.pfl-build-stamp"
+want=$(cat setup.py pyproject.toml $(find csrc -type f | sort) | sha256sum | cut -d' ' -f1)
+have=$(cat "$stamp" 2>/dev/null || true)
+if [ "$want" != "$have" ] || ! "$PY" -c "import pfl_kernels" 2>/dev/null; then
+  echo "setup: building pfl-kernels (C++ extension against torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --disable-pip-version-check \
+    --no-build-isolation --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+  "$PY" -c "import pfl_kernels._C" || { echo "setup: the C++ extension did not build (see above)"; exit 1; }
+  echo "$want" > "$stamp"
+fi

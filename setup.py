@@ -1,0 +1,57 @@
+"""Build of pfl-kernels and its extension ``pfl_kernels._C``.
+
+Torch extensions must be built against the installed torch, so install with
+``pip install --no-build-isolation -e .`` (or without -e).
+
+Environment switches:
+  PFL_KERNELS_SKIP_EXTENSION=1   build no extension (the pure-PyTorch/Triton paths still work)
+  PFL_KERNELS_CUDA=1 / =0        force / skip compiling csrc/cuda (default: only where
+                                 CUDA_HOME is set and torch is a CUDA build)
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name):
+    value = os.environ.get(name)
+    return None if value is None or value == "" else value not in ("0", "false", "no")
+
+
+def _extensions():
+    if _flag("PFL_KERNELS_SKIP_EXTENSION"):
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
+    use_cuda = _flag("PFL_KERNELS_CUDA")
+    if use_cuda is None:
+        use_cuda = CUDA_HOME is not None and torch.version.cuda is not None
+    use_cuda = bool(use_cuda and cuda_sources)
+
+    openmp = ["-fopenmp"] if not torch.backends.mps.is_built() else []
+    cxx = ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x03090000", *openmp]
+    extra = {"cxx": cxx}
+    extension = CppExtension
+    if use_cuda:
+        extension = CUDAExtension
+        sources += cuda_sources
+        extra["nvcc"] = ["-O3", "-std=c++17"]
+    ext = extension("pfl_kernels._C", sources, extra_compile_args=extra,
+                    extra_link_args=openmp, py_limited_api=True)
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    packages=find_packages(include=["pfl_kernels*", "pfl_algorithms*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    options={"bdist_wheel": {"py_limited_api": "cp39"}} if ext_modules else {},
+)

@@ -1,0 +1,342 @@
+"""The factorized-weight ops on CPU (the C++ kernels when built) against the float64 reference."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import pfl_kernels
+from pfl_kernels._layout import layout_geometry
+from pfl_kernels.ops import factorized_weight, soft_threshold_
+from pfl_kernels.reference import factorized as ref
+from tests.tolerances import assert_close
+
+CONV_SHAPES = [(5, 3, 1, 1), (7, 5, 3, 3), (6, 4, 5, 5), (3, 2, 7, 7), (5, 3, 3, 5)]
+LINEAR_SHAPES = [(9, 13), (1, 1), (17, 4)]
+CASES = [(layout, s) for layout in ("spatial", "simfed", "view") for s in CONV_SHAPES] + \
+        [("linear", s) for s in LINEAR_SHAPES]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+BIAS_MODES = ["none", "mu", "mu+mask"]
+
+
+def make_factors(shape, layout, rank, bias_mode, clients, dtype, seed=0):
+    """Random factors (never zeros), in float64, and cast copies in ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    rows, cols, _, _ = layout_geometry(shape, layout)
+    lead = () if clients is None else (clients,)
+    u = torch.randn(*lead, rows, rank, generator=g, dtype=torch.float64)
+    v = torch.randn(*lead, rank, cols, generator=g, dtype=torch.float64)
+    mu = torch.randn(*lead, rows, cols, generator=g, dtype=torch.float64) if bias_mode != "none" else None
+    mask = None
+    if bias_mode == "mu+mask":
+        mask = (torch.rand(*lead, rows, cols, generator=g) > 0.5).to(torch.float64)
+    exact = tuple(None if t is None else t.to(dtype).to(torch.float64) for t in (u, v, mu, mask))
+    cast = tuple(None if t is None else t.to(dtype) for t in (u, v, mu, mask))
+    return exact, cast
+
+
+def naive_weight(m, shape, layout):
+    """The layout table of the README, element by element (checks the reference itself)."""
+    w = torch.empty(shape, dtype=m.dtype)
+    if layout == "linear":
+        for o, i in itertools.product(range(shape[0]), range(shape[1])):
+            w[o, i] = m[i, o]
+        return w
+    out_c, in_c, kh, kw = shape
+    for o, i, h, x in itertools.product(range(out_c), range(in_c), range(kh), range(kw)):
+        if layout == "spatial":
+            w[o, i, h, x] = m[h * kw + x, o * in_c + i]
+        elif layout == "simfed":
+            w[o, i, h, x] = m[i * kh + h, o * kw + x]
+        else:  # view: row-major reshape of M
+            w[o, i, h, x] = m.reshape(-1)[((o * in_c + i) * kh + h) * kw + x]
+    return w
+
+
+@pytest.mark.parametrize("layout,shape", [("spatial", (4, 3, 2, 3)), ("simfed", (4, 3, 2, 3)),
+                                          ("view", (4, 3, 2, 3)), ("linear", (5, 3))])
+def test_reference_follows_layout_table(layout, shape):
+    (u, v, mu, mask), _ = make_factors(shape, layout, 2, "mu+mask", None, torch.float64)
+    m = u @ v + mu * mask
+    assert torch.equal(ref.factorized_weight(u, v, mu, mask, shape=shape, layout=layout),
+                       naive_weight(m, shape, layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("clients", [None, 3])
+@pytest.mark.parametrize("bias_mode", BIAS_MODES)
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("layout,shape", CASES)
+def test_forward_and_backward_match_reference(layout, shape, rank, bias_mode, clients, dtype):
+    exact, cast = make_factors(shape, layout, rank, bias_mode, clients, dtype)
+    w = torch.ops.pfl.factorized_weight(*cast, shape=list(shape), layout=layout)
+    assert w.dtype == dtype and w.is_contiguous()
+    assert_close(w, ref.factorized_weight(*exact, shape=shape, layout=layout), dtype, "W")
+
+    grad_w = torch.randn(w.shape, dtype=torch.float64).to(dtype)
+    output_mask = [True, True, bias_mode != "none", bias_mode == "mu+mask"]
+    got = torch.ops.pfl.factorized_weight_backward(grad_w, *cast, shape=list(shape), layout=layout,
+                                                   output_mask=output_mask)
+    want = ref.factorized_weight_backward(grad_w.to(torch.float64), *exact, shape=shape, layout=layout,
+                                          output_mask=output_mask)
+    for name, g, e in zip(("grad_u", "grad_v", "grad_mu", "grad_mask"), got, want):
+        assert g.dtype == dtype, name
+        # Sums over up to C terms: scale the tolerance with the reduction length for bf16.
+        assert_close(g, e, dtype, name)
+
+
+@pytest.mark.parametrize("layout,shape", [("spatial", (6, 4, 3, 3)), ("simfed", (5, 3, 3, 5)),
+                                          ("view", (4, 3, 5, 5)), ("linear", (7, 11))])
+@pytest.mark.parametrize("output_mask", list(itertools.product([False, True], repeat=4)))
+def test_backward_output_mask_subsets(layout, shape, output_mask):
+    exact, _ = make_factors(shape, layout, 2, "mu+mask", 2, torch.float64)
+    grad_w = torch.randn(2, *shape, dtype=torch.float64)
+    got = torch.ops.pfl.factorized_weight_backward(grad_w, *exact, shape=list(shape), layout=layout,
+                                                   output_mask=list(output_mask))
+    want = ref.factorized_weight_backward(grad_w, *exact, shape=shape, layout=layout,
+                                          output_mask=list(output_mask))
+    for wanted, g, e, t in zip(output_mask, got, want, exact):
+        if wanted:
+            assert g.shape == t.shape
+            assert_close(g, e, torch.float64)
+        else:
+            assert g.shape == (0,)
+
+
+def _strided(t):
+    """The same values as ``t`` in a non-contiguous tensor (a transposed, sliced buffer)."""
+    big = torch.randn(*t.shape[:-2], t.shape[-1], 2 * t.shape[-2], dtype=t.dtype)
+    view = big[..., ::2].transpose(-1, -2)
+    view.copy_(t)
+    assert not view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("layout,shape", [("spatial", (8, 5, 3, 3)), ("simfed", (6, 5, 3, 5)),
+                                          ("view", (5, 3, 5, 5)), ("linear", (13, 9))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_non_contiguous_and_expanded_inputs(layout, shape, dtype):
+    k = 3
+    exact, cast = make_factors(shape, layout, 2, "mu+mask", k, dtype)
+    strided = tuple(_strided(t) for t in cast)
+    # Shared factors arrive as stride-0 expansions of one client's tensor.
+    shared = tuple(t[0].expand_as(t) for t in cast)
+    for inputs, exact_inputs in ((strided, exact), (shared, tuple(t[0].expand_as(t) for t in exact))):
+        w = torch.ops.pfl.factorized_weight(*inputs, shape=list(shape), layout=layout)
+        assert_close(w, ref.factorized_weight(*exact_inputs, shape=shape, layout=layout), dtype, "W")
+        grad_w = torch.randn(k, *shape, dtype=dtype).transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert not grad_w.is_contiguous() or shape[-1] == 1
+        got = torch.ops.pfl.factorized_weight_backward(grad_w, *inputs, shape=list(shape), layout=layout,
+                                                       output_mask=[True] * 4)
+        want = ref.factorized_weight_backward(grad_w.to(torch.float64), *exact_inputs, shape=shape,
+                                              layout=layout, output_mask=[True] * 4)
+        for name, g, e in zip(("grad_u", "grad_v", "grad_mu", "grad_mask"), got, want):
+            assert_close(g, e, dtype, name)
+
+
+def test_wrapper_broadcasts_shared_factors_and_sums_their_gradients():
+    shape, layout, k = (6, 4, 3, 3), "spatial", 4
+    (u, v, mu, mask), _ = make_factors(shape, layout, 2, "mu+mask", k, torch.float64)
+    u_shared = u[0].clone().requires_grad_()
+    mask_shared = mask[0].clone()
+    v, mu = v.requires_grad_(), mu.requires_grad_()
+    w = factorized_weight(u_shared, v, mu, mask_shared, shape=shape, layout=layout)
+    assert w.shape == (k, *shape)
+    grad_w = torch.randn_like(w)
+    w.backward(grad_w)
+    u_ref, v_ref, mu_ref = (t.detach().clone().requires_grad_() for t in (u_shared, v, mu))
+    ref.factorized_weight(u_ref.expand(k, -1, -1), v_ref, mu_ref, mask_shared.expand(k, -1, -1),
+                          shape=shape, layout=layout).backward(grad_w)
+    for name, a, b in (("u", u_shared, u_ref), ("v", v, v_ref), ("mu", mu, mu_ref)):
+        assert_close(a.grad, b.grad, torch.float64, name)
+
+
+def test_bool_mask_is_accepted():
+    (u, v, mu, mask), _ = make_factors((4, 3, 3, 3), "spatial", 1, "mu+mask", None, torch.float32)
+    u, v, mu, mask = (t.float() for t in (u, v, mu, mask))
+    w = factorized_weight(u, v, mu, mask.bool(), shape=(4, 3, 3, 3))
+    assert torch.equal(w, factorized_weight(u, v, mu, mask, shape=(4, 3, 3, 3)))
+
+
+@pytest.mark.parametrize("layout,shape", [("spatial", (3, 2, 3, 3)), ("simfed", (3, 2, 3, 2)),
+                                          ("view", (2, 3, 2, 3)), ("linear", (4, 5))])
+@pytest.mark.parametrize("bias_mode,clients", [("none", None), ("mu", 2), ("mu+mask", None), ("mu+mask", 2)])
+def test_gradcheck(layout, shape, bias_mode, clients):
+    (u, v, mu, mask), _ = make_factors(shape, layout, 2, bias_mode, clients, torch.float64)
+    inputs = [t.requires_grad_() for t in (u, v, mu, mask) if t is not None]
+
+    def fn(*args):
+        return factorized_weight(*args, shape=shape, layout=layout)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("layout,shape", [("spatial", (3, 2, 3, 3)), ("simfed", (3, 2, 3, 2)),
+                                          ("view", (2, 3, 2, 3)), ("linear", (4, 5))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_opcheck(layout, shape, dtype):
+    _, (u, v, mu, mask) = make_factors(shape, layout, 2, "mu+mask", 3, dtype)
+    kwargs = {"shape": list(shape), "layout": layout}
+    torch.library.opcheck(torch.ops.pfl.factorized_weight,
+                          (u.requires_grad_(), v.requires_grad_(), mu.requires_grad_(), mask), kwargs)
+    torch.library.opcheck(torch.ops.pfl.factorized_weight, (u[0], v[0]), kwargs)
+    grad_w = torch.randn(3, *shape, dtype=dtype)
+    torch.library.opcheck(torch.ops.pfl.factorized_weight_backward,
+                          (grad_w, u.detach(), v.detach(), mu.detach(), mask),
+                          {**kwargs, "output_mask": [True, False, True, True]})
+    torch.library.opcheck(torch.ops.pfl.soft_threshold_, (mu.detach().clone(), 0.3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 3.0])
+def test_soft_threshold_matches_reference(dtype, threshold):
+    mu = torch.randn(3, 17, 29, dtype=torch.float64).to(dtype)
+    expected = mu.to(torch.float64)
+    ref.soft_threshold_(expected, threshold)
+    got = soft_threshold_(mu, threshold)
+    assert got is mu
+    assert_close(mu, expected, dtype, "mu")
+    if threshold > 0:
+        assert (mu[expected == 0] == 0).all(), "entries below the threshold must become exact zeros"
+
+
+def test_soft_threshold_non_contiguous_view_leaves_the_rest_untouched():
+    base = torch.randn(4, 9, 10)
+    before = base.clone()
+    view = base[:, 1::2, ::3].transpose(1, 2)
+    soft_threshold_(view, 0.4)
+    expected = before.clone()
+    ev = expected[:, 1::2, ::3].transpose(1, 2)
+    ref.soft_threshold_(ev, 0.4)
+    assert torch.equal(base, expected)
+
+
+def test_compile_matches_eager():
+    shape, layout = (6, 4, 3, 3), "spatial"
+    _, (u, v, mu, mask) = make_factors(shape, layout, 1, "mu+mask", 2, torch.float32)
+
+    def fn(u, v, mu, mask):
+        return (factorized_weight(u, v, mu, mask, shape=shape, layout=layout) ** 2).sum()
+
+    args = [u.requires_grad_(), v.requires_grad_(), mu.requires_grad_(), mask]
+    eager = fn(*args)
+    eager_grads = torch.autograd.grad(eager, args[:3])
+    compiled = torch.compile(fn, fullgraph=True)(*args)
+    compiled_grads = torch.autograd.grad(compiled, args[:3])
+    assert_close(compiled, eager.to(torch.float64), torch.float32, "loss")
+    for g, e in zip(compiled_grads, eager_grads):
+        assert_close(g, e.to(torch.float64), torch.float32, "grad")
+
+
+# ---- bad input: one test per case, each error names the argument --------------------------
+
+def _good(clients=None):
+    _, (u, v, mu, mask) = make_factors((4, 3, 3, 3), "spatial", 2, "mu+mask", clients, torch.float32)
+    return u, v, mu, mask
+
+
+def test_error_unknown_layout():
+    u, v, mu, _ = _good()
+    with pytest.raises(ValueError, match="layout must be one of"):
+        factorized_weight(u, v, mu, shape=(4, 3, 3, 3), layout="spatail")
+
+
+def test_error_shape_rank_for_layout():
+    u, v, _, _ = _good()
+    with pytest.raises(ValueError, match="shape must be"):
+        factorized_weight(u, v, shape=(12, 9), layout="spatial")
+
+
+def test_error_u_rows_do_not_fit_shape():
+    u, v, _, _ = _good()
+    with pytest.raises(ValueError, match="u must have R=9 rows"):
+        factorized_weight(u[:5], v, shape=(4, 3, 3, 3))
+
+
+def test_error_v_does_not_match_u_rank():
+    u, v, _, _ = _good()
+    with pytest.raises(ValueError, match=r"v must have shape \[\.\.\., 2, 12\]"):
+        factorized_weight(u, v[:1], shape=(4, 3, 3, 3))
+
+
+def test_error_zero_rank():
+    u, v, _, _ = _good()
+    with pytest.raises(ValueError, match="rank >= 1"):
+        factorized_weight(u[:, :0], v[:0], shape=(4, 3, 3, 3))
+
+
+def test_error_mask_shape():
+    u, v, mu, mask = _good()
+    with pytest.raises(ValueError, match=r"mask must have shape \[\.\.\., 9, 12\]"):
+        factorized_weight(u, v, mu, mask[:, :5], shape=(4, 3, 3, 3))
+
+
+def test_error_mu_shape():
+    u, v, mu, _ = _good()
+    with pytest.raises(ValueError, match=r"mu must have shape"):
+        factorized_weight(u, v, mu.t(), shape=(4, 3, 3, 3))
+
+
+def test_error_mask_without_mu():
+    u, v, _, mask = _good()
+    with pytest.raises(ValueError, match="mask was given without mu"):
+        factorized_weight(u, v, None, mask, shape=(4, 3, 3, 3))
+
+
+def test_error_dtype_mixture():
+    u, v, mu, _ = _good()
+    with pytest.raises(TypeError, match=r"v must have the dtype of u"):
+        factorized_weight(u, v.double(), mu, shape=(4, 3, 3, 3))
+
+
+def test_error_integer_dtype():
+    u, v, _, _ = _good()
+    with pytest.raises(TypeError, match="u must be a floating tensor"):
+        factorized_weight(u.long(), v, shape=(4, 3, 3, 3))
+
+
+def test_error_device_mixture():
+    u, v, mu, _ = _good()
+    with pytest.raises(ValueError, match="mu must be on the device of u"):
+        factorized_weight(u, v, mu.to("meta"), shape=(4, 3, 3, 3))
+
+
+def test_error_client_counts_differ():
+    u, v, mu, _ = _good(clients=3)
+    with pytest.raises(ValueError, match="has 2 clients"):
+        factorized_weight(u, v[:2], mu, shape=(4, 3, 3, 3))
+
+
+def test_error_too_many_dims():
+    u, v, _, _ = _good(clients=3)
+    with pytest.raises(ValueError, match="u must have 2 or 3 dimensions"):
+        factorized_weight(u[None], v, shape=(4, 3, 3, 3))
+
+
+def test_error_op_level_checks_without_the_wrapper():
+    u, v, _, _ = _good()
+    # RuntimeError from torch._check / TORCH_CHECK, ValueError from TORCH_CHECK_VALUE.
+    with pytest.raises((RuntimeError, ValueError), match="v must have C=12 columns"):
+        torch.ops.pfl.factorized_weight(u, v[:, :7], shape=[4, 3, 3, 3], layout="spatial")
+    with pytest.raises((RuntimeError, ValueError), match="layout"):
+        torch.ops.pfl.factorized_weight(u, v, shape=[4, 3, 3, 3], layout="nope")
+
+
+@pytest.mark.parametrize("threshold", [-0.1, float("nan"), float("inf")])
+def test_error_soft_threshold_bad_threshold(threshold):
+    with pytest.raises(ValueError, match="threshold must be a finite number >= 0"):
+        soft_threshold_(torch.randn(3, 3), threshold)
+
+
+def test_error_soft_threshold_integer_tensor():
+    with pytest.raises(TypeError, match="mu must be a floating"):
+        soft_threshold_(torch.ones(3, dtype=torch.int64), 0.1)
+
+
+def test_cpu_runs_the_cpp_kernels_when_built():
+    if not pfl_kernels._extension.LOADED:
+        pytest.skip(f"C++ extension not loaded: {pfl_kernels._extension.REASON}")
+    info = pfl_kernels.backend_info()
+    for op in ("pfl::factorized_weight", "pfl::factorized_weight_backward", "pfl::soft_threshold_"):
+        assert info[op]["cpu"] == {"implementation": "cpp", "reason": ""}, op
