@@ -118,6 +118,48 @@ def _backward(ctx, grad_w):
 torch.library.register_autograd(FACTORIZED_WEIGHT, _backward, setup_context=_setup_context)
 
 
+def _fold_vmap_dim(info, in_dims, tensors, u_index):
+    """Move the vmapped dim to the front and fold it into the client dim K.
+
+    vmap over B copies of an op on [K?, ...] inputs is the op on B·K clients; inputs
+    that are not vmapped are expanded (stride 0, no copy).  Returns the folded tensors
+    and a function that unfolds an output [B·K?, ...] back to [B, K?, ...].
+    """
+    batch = info.batch_size
+    dims = tuple(in_dims) + (None,) * (len(tensors) - len(in_dims))
+    # u's own (logical) dims: 2 without a client dim, 3 with one.
+    has_clients = tensors[u_index].dim() - (dims[u_index] is not None) == 3
+    folded = []
+    for t, d in zip(tensors, dims):
+        if t is not None:
+            t = t.movedim(d, 0) if d is not None else t.expand(batch, *t.shape)
+            if has_clients:
+                t = t.reshape(-1, *t.shape[2:])
+        folded.append(t)
+
+    def unfold(out):
+        return out.reshape(batch, -1, *out.shape[1:]) if has_clients else out
+
+    return folded, unfold
+
+
+@torch.library.register_vmap(FACTORIZED_WEIGHT)
+def _factorized_weight_vmap(info, in_dims, u, v, mu=None, mask=None, *, shape, layout="spatial"):
+    (u, v, mu, mask), unfold = _fold_vmap_dim(info, in_dims, (u, v, mu, mask), 0)
+    return unfold(torch.ops.pfl.factorized_weight(u, v, mu, mask, shape=shape, layout=layout)), 0
+
+
+@torch.library.register_vmap(FACTORIZED_WEIGHT_BACKWARD)
+def _factorized_weight_backward_vmap(info, in_dims, grad_w, u, v, mu, mask, *, shape, layout, output_mask):
+    (grad_w, u, v, mu, mask), unfold = _fold_vmap_dim(info, in_dims, (grad_w, u, v, mu, mask), 1)
+    grads = torch.ops.pfl.factorized_weight_backward(grad_w, u, v, mu, mask, shape=shape, layout=layout,
+                                                     output_mask=output_mask)
+    # Gradients not asked for are empty [0] tensors: unbatched (vmap broadcasts them).
+    asked = [g.dim() > 1 for g in grads]
+    return (tuple(unfold(g) if a else g for g, a in zip(grads, asked)),
+            tuple(0 if a else None for a in asked))
+
+
 def factorized_weight(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tensor] = None,
                       mask: Optional[torch.Tensor] = None, *, shape: Sequence[int],
                       layout: str = "spatial") -> torch.Tensor:
