@@ -22,7 +22,8 @@ from ..reference import factorized as ref
 from ._checks import check_same, check_tensor, client_count
 from ._library import define_op
 
-def _check_op_args(u, v, mu, mask, shape, layout):
+
+def _check_op_args(u, v, mu, mask, shape, layout, grad_w=None):
     """Checks of the op contract that also hold under tracing (fake tensors)."""
     rows, cols, _, _ = layout_geometry(shape, layout)
     torch._check(u.dim() in (2, 3), lambda: f"u must be [R, r] or [K, R, r], got {list(u.shape)}")
@@ -43,6 +44,9 @@ def _check_op_args(u, v, mu, mask, shape, layout):
     torch._check(mask is None or mu is not None, lambda: "mask given without mu")
     if u.dim() == 3:
         torch._check(v.shape[0] == u.shape[0], lambda: f"v must have u's {u.shape[0]} clients")
+    if grad_w is not None:
+        torch._check(list(grad_w.shape) == lead + list(shape),
+                     lambda: f"grad_w must have shape {lead + list(shape)}, got {list(grad_w.shape)}")
     return lead
 
 
@@ -52,7 +56,7 @@ def _reference_forward(u, v, mu=None, mask=None, *, shape, layout="spatial"):
 
 
 def _reference_backward(grad_w, u, v, mu, mask, *, shape, layout, output_mask):
-    _check_op_args(u, v, mu, mask, shape, layout)
+    _check_op_args(u, v, mu, mask, shape, layout, grad_w)
     return ref.factorized_weight_backward(grad_w, u, v, mu, mask, shape=shape, layout=layout,
                                           output_mask=output_mask)
 
@@ -80,9 +84,7 @@ def _factorized_weight_fake(u, v, mu=None, mask=None, *, shape, layout="spatial"
 
 @torch.library.register_fake(FACTORIZED_WEIGHT_BACKWARD)
 def _factorized_weight_backward_fake(grad_w, u, v, mu, mask, *, shape, layout, output_mask):
-    lead = _check_op_args(u, v, mu, mask, shape, layout)
-    torch._check(list(grad_w.shape) == lead + list(shape),
-                 lambda: f"grad_w must have shape {lead + list(shape)}, got {list(grad_w.shape)}")
+    _check_op_args(u, v, mu, mask, shape, layout, grad_w)
     empty = u.new_empty(0)
     return (
         torch.empty_like(u, memory_format=torch.contiguous_format) if output_mask[0] else empty,
