@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+
 LOADED = False
 REASON = ""
 

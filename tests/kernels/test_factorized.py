@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -334,9 +335,12 @@ def test_error_soft_threshold_integer_tensor():
         soft_threshold_(torch.ones(3, dtype=torch.int64), 0.1)
 
 
-def test_cpu_runs_the_cpp_kernels_when_built():
-    if not pfl_kernels._extension.LOADED:
-        pytest.skip(f"C++ extension not loaded: {pfl_kernels._extension.REASON}")
+def test_cpu_runs_the_cpp_kernels():
+    """The C++ kernels are what the CPU tests above exercise, unless explicitly switched off."""
+    if any(os.environ.get(v, "0") not in ("", "0") for v in ("PFL_KERNELS_SKIP_EXTENSION",
+                                                              "PFL_KERNELS_DISABLE_EXTENSION")):
+        pytest.skip("the C++ extension is switched off by the environment")
+    assert pfl_kernels._extension.LOADED, pfl_kernels._extension.REASON
     info = pfl_kernels.backend_info()
     for op in ("pfl::factorized_weight", "pfl::factorized_weight_backward", "pfl::soft_threshold_"):
         assert info[op]["cpu"] == {"implementation": "cpp", "reason": ""}, op
