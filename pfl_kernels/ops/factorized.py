@@ -34,13 +34,15 @@ def _check_op_args(u, v, mu, mask, shape, layout, grad_w=None):
                  f"and layout {layout!r}, got {list(v.shape)}")
     torch._check(v.shape[-2] == u.shape[-1], lambda: f"v must have rank {u.shape[-1]} rows (u's last dim), "
                  f"got {list(v.shape)}")
-    torch._check(v.dtype == u.dtype, lambda: f"v must have u's dtype {u.dtype}, got {v.dtype}")
     lead = list(u.shape[:-2])
     for name, t in (("mu", mu), ("mask", mask)):
         if t is not None:
             torch._check(list(t.shape) == lead + [rows, cols],
                          lambda: f"{name} must have shape {lead + [rows, cols]}, got {list(t.shape)}")
+    for name, t in (("v", v), ("mu", mu), ("mask", mask), ("grad_w", grad_w)):
+        if t is not None:
             torch._check(t.dtype == u.dtype, lambda: f"{name} must have u's dtype {u.dtype}, got {t.dtype}")
+            torch._check(t.device == u.device, lambda: f"{name} must be on u's device {u.device}, got {t.device}")
     torch._check(mask is None or mu is not None, lambda: "mask given without mu")
     if u.dim() == 3:
         torch._check(v.shape[0] == u.shape[0], lambda: f"v must have u's {u.shape[0]} clients")
@@ -85,13 +87,8 @@ def _factorized_weight_fake(u, v, mu=None, mask=None, *, shape, layout="spatial"
 @torch.library.register_fake(FACTORIZED_WEIGHT_BACKWARD)
 def _factorized_weight_backward_fake(grad_w, u, v, mu, mask, *, shape, layout, output_mask):
     _check_op_args(u, v, mu, mask, shape, layout, grad_w)
-    empty = u.new_empty(0)
-    return (
-        torch.empty_like(u, memory_format=torch.contiguous_format) if output_mask[0] else empty,
-        torch.empty_like(v, memory_format=torch.contiguous_format) if output_mask[1] else empty,
-        u.new_empty(mu.shape) if output_mask[2] and mu is not None else empty,
-        u.new_empty(mask.shape) if output_mask[3] and mask is not None else empty,
-    )
+    shapes = (u.shape, v.shape, None if mu is None else mu.shape, None if mask is None else mask.shape)
+    return tuple(u.new_empty(s if wanted and s is not None else (0,)) for s, wanted in zip(shapes, output_mask))
 
 
 @torch.library.register_fake(SOFT_THRESHOLD)

@@ -49,16 +49,14 @@ def factorized_weight_backward(grad_w, u, v, mu, mask, *, shape, layout, output_
     grad_mask = G * mu.
     """
     g = unplace(grad_w, shape, layout)
-    # Outputs are contiguous, like every kernel's (g is a permuted view of grad_w).
-    empty = u.new_empty(0)
-    grad_u = torch.matmul(g, v.transpose(-1, -2)) if output_mask[0] else empty
-    grad_v = torch.matmul(u.transpose(-1, -2), g) if output_mask[1] else empty
-    grad_mu = empty
+    # Outputs are contiguous, like every kernel's (g is a permuted view of grad_w), and
+    # never alias each other or the inputs.
+    grad_u = torch.matmul(g, v.transpose(-1, -2)).contiguous() if output_mask[0] else u.new_empty(0)
+    grad_v = torch.matmul(u.transpose(-1, -2), g).contiguous() if output_mask[1] else u.new_empty(0)
+    grad_mu = u.new_empty(0)
     if output_mask[2] and mu is not None:
-        grad_mu = (g * mask if mask is not None else g).contiguous()
-        if grad_mu.data_ptr() == grad_w.data_ptr():
-            grad_mu = grad_mu.clone()
-    grad_mask = (g * mu).contiguous() if output_mask[3] and mask is not None else empty
+        grad_mu = (g * mask).contiguous() if mask is not None else g.clone(memory_format=torch.contiguous_format)
+    grad_mask = (g * mu).contiguous() if output_mask[3] and mask is not None else u.new_empty(0)
     return grad_u, grad_v, grad_mu, grad_mask
 
 

@@ -183,9 +183,10 @@ def test_opcheck(layout, shape, dtype):
                           (u.requires_grad_(), v.requires_grad_(), mu.requires_grad_(), mask), kwargs)
     torch.library.opcheck(torch.ops.pfl.factorized_weight, (u[0], v[0]), kwargs)
     grad_w = torch.randn(3, *shape, dtype=dtype)
-    torch.library.opcheck(torch.ops.pfl.factorized_weight_backward,
-                          (grad_w, u.detach(), v.detach(), mu.detach(), mask),
-                          {**kwargs, "output_mask": [True, False, True, True]})
+    for output_mask in ([True, False, True, True], [False, True, False, False]):
+        torch.library.opcheck(torch.ops.pfl.factorized_weight_backward,
+                              (grad_w, u.detach(), v.detach(), mu.detach(), mask),
+                              {**kwargs, "output_mask": output_mask})
     torch.library.opcheck(torch.ops.pfl.soft_threshold_, (mu.detach().clone(), 0.3))
 
 
