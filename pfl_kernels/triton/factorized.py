@@ -1,0 +1,402 @@
+"""Triton kernels of the factorized-weight ops, registered for the CUDA dispatch key.
+
+The ops are memory bound (rank r is 1..4, so the FLOPs are tiny): the floor is reading
+mu and mask once and writing W once (forward), reading G, mu, mask once and writing
+grad_mu, grad_mask once (backward).  So every kernel makes exactly one pass:
+
+* forward: one program per (client, R-block, C-block) tile computes the rank-r outer
+  product plus ``mu * mask`` in registers and stores it straight into the final layout
+  of W (no separate permute pass);
+* backward: one program per tile reads G (through grad_w's strides), writes the
+  grad_mu / grad_mask tiles and the tile's partial sums of grad_u (over its columns) and
+  grad_v (over its rows) into small float32/float64 buffers; a ``torch.sum`` over the
+  tile axis finishes them.  No atomics, so the result is deterministic; when one tile
+  spans all of R (the common conv case) grad_v needs no summing pass at all.
+
+Addressing.  W viewed as [K, A, R, B] holds M[k, r, c] at ``(a, r, b) = (c // B, r, c % B)``
+(see ``pfl_kernels._layout``).  ``MODE`` picks how c maps to (a, b) so that the compiler
+sees the contiguous axis: MODE_T (B == 1, W is Mᵀ: r is the contiguous axis of W, and
+Triton's coalescing pass stages the tile through shared memory so that both the row-major
+loads of mu/mask and the r-major stores of W are coalesced), MODE_M (A == 1, W is M) and
+MODE_GENERAL (simfed: runs of B contiguous columns).
+
+All operands are read through their strides (stride 0 for factors shared over K), so
+nothing big is copied; the only exception is a grad_w whose strides cannot express the
+[K, A, R, B] view (e.g. a channels_last gradient), which is made contiguous first.
+Offsets inside one client are int32; the client offset is int64.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .._layout import layout_geometry
+from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
+from ..ops._library import LIB
+from ..ops.factorized import _check_op_args
+
+try:  # torch >= 2.6: launches that make_fx / torch.export can trace
+    from torch.library import wrap_triton as _wrap_triton
+except ImportError:  # pragma: no cover
+    _wrap_triton = None
+
+MODE_GENERAL, MODE_T, MODE_M = 0, 1, 2
+
+# Tile budget: 4096 elements per program is 16 fp32 values per thread at 8 warps, enough
+# bytes in flight per SM to saturate HBM.  BLOCK_R <= 64 keeps all of R in one tile for
+# every conv kernel up to 7x7 (R = kh*kw), so grad_v needs no summing pass there.
+# Tests shrink these to force many tiles.
+_MAX_TILE = 4096
+_MAX_BLOCK_R = 64
+_SOFT_BLOCK = 4096
+
+
+def _launch(kernel):
+    """``wrap_triton(kernel)`` where torch has it, else the kernel itself."""
+    if _wrap_triton is None:
+        return kernel
+    try:
+        return _wrap_triton(kernel)
+    except RuntimeError:  # older torch refuses the interpreter's InterpretedFunction
+        return kernel
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on the tensor's GPU, not the current one (Triton launches on the current)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _check_devices(*tensors: Optional[torch.Tensor]) -> None:
+    """A kernel reads raw pointers: every operand must be on the first one's device."""
+    dev = tensors[0].device
+    for t in tensors:
+        torch._check(t is None or t.device == dev,
+                     lambda: f"all operands must be on {dev}, got one on {t.device}")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mode(a: int, b: int) -> int:
+    if b == 1:
+        return MODE_T
+    if a == 1:
+        return MODE_M
+    return MODE_GENERAL
+
+
+def _blocks(rows: int, cols: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C): all of R in one tile when R is small (conv kernels: 1..25)."""
+    block_r = min(triton.next_power_of_2(rows), _MAX_BLOCK_R)
+    block_c = min(triton.next_power_of_2(cols), max(1, _MAX_TILE // block_r))
+    return block_r, block_c
+
+
+def _num_warps(block_r: int, block_c: int) -> int:
+    """8 warps for a full tile, fewer for the small tiles of small layers."""
+    return max(1, min(8, block_r * block_c // 512))
+
+
+def _strides3(t: Optional[torch.Tensor]) -> tuple[int, int, int]:
+    """(client, row, col) strides of a [R, C] or [K, R, C] operand; client stride 0 when 2-D."""
+    if t is None:
+        return 0, 0, 0
+    if t.dim() == 2:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+@triton.jit
+def _w_offsets(r, c, B, s_a, s_r, s_b, MODE: tl.constexpr):
+    """Offsets in W (viewed [A, R, B] with strides s_a, s_r, s_b) of M[r, c]: a 2-D tile."""
+    if MODE == 1:  # MODE_T, B == 1: c is a
+        offs = c[None, :] * s_a + r[:, None] * s_r
+    elif MODE == 2:  # MODE_M, A == 1: c is b
+        offs = r[:, None] * s_r + c[None, :] * s_b
+    else:
+        a = c // B
+        b = c - a * B
+        offs = a[None, :] * s_a + r[:, None] * s_r + b[None, :] * s_b
+    return offs
+
+
+@triton.jit
+def _factorized_weight_kernel(
+    u_ptr, v_ptr, mu_ptr, mask_ptr, w_ptr,
+    R, C, B, n_rb, n_cb,
+    su_k, su_r, su_j, sv_k, sv_j, sv_c,
+    smu_k, smu_r, smu_c, smk_k, smk_r, smk_c,
+    sw_k, sw_a, sw_r, sw_b,
+    RANK: tl.constexpr, MODE: tl.constexpr, HAS_MU: tl.constexpr, HAS_MASK: tl.constexpr,
+    ACC_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # Tiles of one client are consecutive, C-blocks fastest: neighbouring programs touch
+    # neighbouring memory of mu/mask (row-major) and of W.
+    pid = tl.program_id(0)
+    tiles = n_rb * n_cb
+    k = (pid // tiles).to(tl.int64)
+    t = pid % tiles
+    rb = t // n_cb
+    cb = t % n_cb
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    rm = r < R
+    cm = c < C
+    m2 = rm[:, None] & cm[None, :]
+
+    if ACC_F64:
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(RANK):
+        uj = tl.load(u_ptr + k * su_k + r * su_r + j * su_j, mask=rm, other=0).to(acc.dtype)
+        vj = tl.load(v_ptr + k * sv_k + j * sv_j + c * sv_c, mask=cm, other=0).to(acc.dtype)
+        acc += uj[:, None] * vj[None, :]
+    if HAS_MU:
+        mu = tl.load(mu_ptr + k * smu_k + r[:, None] * smu_r + c[None, :] * smu_c,
+                     mask=m2, other=0).to(acc.dtype)
+        if HAS_MASK:
+            mk = tl.load(mask_ptr + k * smk_k + r[:, None] * smk_r + c[None, :] * smk_c,
+                         mask=m2, other=0).to(acc.dtype)
+            mu = mu * mk
+        acc += mu
+    offs = _w_offsets(r, c, B, sw_a, sw_r, sw_b, MODE)
+    tl.store(w_ptr + k * sw_k + offs, acc.to(w_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _factorized_weight_backward_kernel(
+    g_ptr, u_ptr, v_ptr, mu_ptr, mask_ptr,
+    gu_ptr, gv_ptr, gmu_ptr, gmask_ptr,
+    R, C, B, n_rb, n_cb,
+    sg_k, sg_a, sg_r, sg_b,
+    su_k, su_r, su_j, sv_k, sv_j, sv_c,
+    smu_k, smu_r, smu_c, smk_k, smk_r, smk_c,
+    RANK: tl.constexpr, MODE: tl.constexpr, HAS_MASK: tl.constexpr,
+    NEED_U: tl.constexpr, NEED_V: tl.constexpr, NEED_MU: tl.constexpr, NEED_MASK: tl.constexpr,
+    ACC_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles = n_rb * n_cb
+    k = (pid // tiles).to(tl.int64)
+    t = pid % tiles
+    rb = t // n_cb
+    cb = t % n_cb
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    rm = r < R
+    cm = c < C
+    m2 = rm[:, None] & cm[None, :]
+
+    if ACC_F64:
+        g = tl.load(g_ptr + k * sg_k + _w_offsets(r, c, B, sg_a, sg_r, sg_b, MODE),
+                    mask=m2, other=0).to(tl.float64)
+    else:
+        g = tl.load(g_ptr + k * sg_k + _w_offsets(r, c, B, sg_a, sg_r, sg_b, MODE),
+                    mask=m2, other=0).to(tl.float32)
+
+    # grad_mu / grad_mask: contiguous [K, R, C] outputs.
+    out = k * R * C + r[:, None] * C + c[None, :]
+    if NEED_MU:
+        gmu = g
+        if HAS_MASK:
+            gmu = gmu * tl.load(mask_ptr + k * smk_k + r[:, None] * smk_r + c[None, :] * smk_c,
+                                mask=m2, other=0).to(g.dtype)
+        tl.store(gmu_ptr + out, gmu.to(gmu_ptr.dtype.element_ty), mask=m2)
+    if NEED_MASK:
+        gmk = g * tl.load(mu_ptr + k * smu_k + r[:, None] * smu_r + c[None, :] * smu_c,
+                          mask=m2, other=0).to(g.dtype)
+        tl.store(gmask_ptr + out, gmk.to(gmask_ptr.dtype.element_ty), mask=m2)
+
+    # Partial sums (G is 0 outside the tile, so the masked lanes add nothing):
+    # grad_u partials [K, n_cb, R, RANK], grad_v partials [K, n_rb, RANK, C], float32/64
+    # (or the gradient itself, in its dtype, when n_cb / n_rb is 1).
+    for j in tl.static_range(RANK):
+        if NEED_U:
+            vj = tl.load(v_ptr + k * sv_k + j * sv_j + c * sv_c, mask=cm, other=0).to(g.dtype)
+            gu = tl.sum(g * vj[None, :], axis=1)
+            tl.store(gu_ptr + ((k * n_cb + cb) * R + r) * RANK + j, gu.to(gu_ptr.dtype.element_ty),
+                     mask=rm)
+        if NEED_V:
+            uj = tl.load(u_ptr + k * su_k + r * su_r + j * su_j, mask=rm, other=0).to(g.dtype)
+            gv = tl.sum(g * uj[:, None], axis=0)
+            tl.store(gv_ptr + ((k * n_rb + rb) * RANK + j) * C + c, gv.to(gv_ptr.dtype.element_ty),
+                     mask=cm)
+
+
+@triton.jit
+def _soft_threshold_kernel(
+    x_ptr, thr_ptr, n, size1, size2, size3, st0, st1, st2, st3, BLOCK: tl.constexpr,
+):
+    # Element i of the (up to 4-D, row-major) index space sits at sum(index_d * stride_d);
+    # a dense tensor is passed as one dim (sizes 1, which Triton specializes away).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    i3 = i % size3
+    rest = i // size3
+    i2 = rest % size2
+    rest = rest // size2
+    i1 = rest % size1
+    i0 = rest // size1
+    ptrs = x_ptr + i0 * st0 + i1 * st1 + i2 * st2 + i3 * st3
+    x = tl.load(ptrs, mask=m, other=0)
+    thr = tl.load(thr_ptr)
+    xa = x.to(thr.dtype)
+    # sign(x) * max(|x| - t, 0); ``x * 0`` keeps the reference's NaN (and the sign of 0).
+    y = tl.where(xa > thr, xa - thr, tl.where(xa < -thr, xa + thr, xa * 0))
+    tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=m)
+
+
+def factorized_weight_triton(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tensor] = None,
+                             mask: Optional[torch.Tensor] = None, *, shape: Sequence[int],
+                             layout: str = "spatial") -> torch.Tensor:
+    """Triton ``pfl::factorized_weight``: W = place(u @ v + mu * mask, shape, layout).
+
+    Same contract as ``pfl_kernels.reference.factorized.factorized_weight``: u [K?, R, r],
+    v [K?, r, C], mu/mask [K?, R, C] (any strides, stride 0 for shared factors); returns a
+    contiguous W [K?, *shape] in u's dtype.
+    """
+    lead = _check_op_args(u, v, mu, mask, shape, layout)
+    _check_devices(u, v, mu, mask)
+    rows, cols, outer, inner = layout_geometry(shape, layout)
+    rank = u.shape[-1]
+    kk = lead[0] if lead else 1
+    w = torch.empty(lead + [int(s) for s in shape], dtype=u.dtype, device=u.device)
+    if w.numel() == 0:
+        return w
+    block_r, block_c = _blocks(rows, cols)
+    n_rb, n_cb = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
+    su, sv = _strides3(u), _strides3(v)
+    smu, smk = _strides3(mu), _strides3(mask)
+    with _device_guard(u):
+        _launch(_factorized_weight_kernel)[(kk * n_rb * n_cb,)](
+            u, v, u if mu is None else mu, u if mask is None else mask, w,
+            rows, cols, inner, n_rb, n_cb,
+            *su, *sv, *smu, *smk,
+            rows * cols, rows * inner, inner, 1,
+            RANK=rank, MODE=_mode(outer, inner), HAS_MU=mu is not None,
+            HAS_MASK=mask is not None, ACC_F64=u.dtype == torch.float64,
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_num_warps(block_r, block_c),
+        )
+    return w
+
+
+def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
+                                      mu: Optional[torch.Tensor], mask: Optional[torch.Tensor], *,
+                                      shape: Sequence[int], layout: str,
+                                      output_mask: Sequence[bool]):
+    """Triton ``pfl::factorized_weight_backward``: (grad_u, grad_v, grad_mu, grad_mask).
+
+    With G = grad_W in (R, C) order: grad_u = G vᵀ, grad_v = uᵀ G, grad_mu = G * mask (or G),
+    grad_mask = G * mu.  A gradient not asked for by ``output_mask`` (or whose input is
+    None) is ``u.new_empty(0)``, as in the reference.  grad_w may have any strides.
+    """
+    lead = _check_op_args(u, v, mu, mask, shape, layout)
+    torch._check(list(grad_w.shape) == lead + [int(s) for s in shape],
+                 lambda: f"grad_w must have shape {lead + list(shape)}, got {list(grad_w.shape)}")
+    _check_devices(u, v, mu, mask, grad_w)
+    rows, cols, outer, inner = layout_geometry(shape, layout)
+    rank = u.shape[-1]
+    kk = lead[0] if lead else 1
+    need_u, need_v = bool(output_mask[0]), bool(output_mask[1])
+    need_mu = bool(output_mask[2]) and mu is not None
+    need_mask = bool(output_mask[3]) and mask is not None
+    if not (need_u or need_v or need_mu or need_mask):
+        return tuple(u.new_empty(0) for _ in range(4))
+
+    acc = _acc_dtype(u.dtype)
+    block_r, block_c = _blocks(rows, cols)
+    n_rb, n_cb = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
+    # grad_w as [K, A, R, B] through its own strides; copy only if they cannot say it.
+    g = grad_w if lead else grad_w.unsqueeze(0)
+    try:
+        g = g.view(kk, outer, rows, inner)
+    except RuntimeError:
+        g = g.reshape(kk, outer, rows, inner)
+    # Unused outputs get a dummy pointer (u); each returned empty is its own tensor, as
+    # outputs of an op must not alias one another.
+    # A partial-sum buffer with one tile along its summed axis is the gradient itself:
+    # the kernel then writes it in u's dtype and no summing pass runs.
+    gu_part = u.new_empty((kk, n_cb, rows, rank), dtype=u.dtype if n_cb == 1 else acc) if need_u else u
+    gv_part = u.new_empty((kk, n_rb, rank, cols), dtype=u.dtype if n_rb == 1 else acc) if need_v else u
+    gmu = u.new_empty(lead + [rows, cols]) if need_mu else u
+    gmask = u.new_empty(lead + [rows, cols]) if need_mask else u
+    if kk > 0:
+        with _device_guard(u):
+            _launch(_factorized_weight_backward_kernel)[(kk * n_rb * n_cb,)](
+                g, u, v, u if mu is None else mu, u if mask is None else mask,
+                gu_part, gv_part, gmu, gmask,
+                rows, cols, inner, n_rb, n_cb,
+                *g.stride(),
+                *_strides3(u), *_strides3(v), *_strides3(mu), *_strides3(mask),
+                RANK=rank, MODE=_mode(outer, inner), HAS_MASK=mask is not None,
+                NEED_U=need_u, NEED_V=need_v, NEED_MU=need_mu, NEED_MASK=need_mask,
+                ACC_F64=acc == torch.float64, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=_num_warps(block_r, block_c),
+            )
+    # Finish the cross-tile reductions (deterministic: a fixed-order torch.sum).
+    grad_u = grad_v = None
+    if need_u:
+        grad_u = (gu_part if n_cb == 1 else gu_part.sum(1).to(u.dtype)).reshape(lead + [rows, rank])
+    if need_v:
+        grad_v = (gv_part if n_rb == 1 else gv_part.sum(1).to(u.dtype)).reshape(lead + [rank, cols])
+    return tuple(t if need else u.new_empty(0) for t, need in
+                 ((grad_u, need_u), (grad_v, need_v), (gmu, need_mu), (gmask, need_mask)))
+
+
+def _dense_span(t: torch.Tensor) -> bool:
+    """Whether t's elements fill a contiguous block of memory (any order, no overlap)."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1),
+                               key=lambda p: p[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def soft_threshold_triton_(mu: torch.Tensor, threshold: float) -> None:
+    """Triton ``pfl::soft_threshold_``: in place mu <- sign(mu) * max(|mu| - threshold, 0).
+
+    Any shape and strides: a dense tensor (contiguous in any dim order) is one flat pass;
+    other views of up to 4 dims are addressed through their strides; anything else goes
+    through a contiguous temporary.
+    """
+    torch._check(threshold >= 0, lambda: f"threshold must be >= 0, got {threshold}")
+    n = mu.numel()
+    if n == 0:
+        return
+    # As in the reference (copy_ into mu): elements sharing memory cannot be updated in place.
+    torch._check(torch._debug_has_internal_overlap(mu) != 1,
+                 lambda: "soft_threshold_: mu has elements that share memory (e.g. an expanded tensor)")
+    # The threshold travels as a 1-element tensor: a float argument would be fp32, which
+    # is not exact enough for float64 mu.
+    thr = torch.full((1,), float(threshold), dtype=_acc_dtype(mu.dtype), device=mu.device)
+    if _dense_span(mu):
+        flat = mu.as_strided((n,), (1,), mu.storage_offset())
+        target, sizes, strides = flat, [n, 1, 1, 1], [1, 0, 0, 0]
+    elif mu.dim() <= 4:
+        target = mu
+        sizes = [1] * (4 - mu.dim()) + list(mu.shape)
+        strides = [0] * (4 - mu.dim()) + list(mu.stride())
+    else:
+        tmp = mu.contiguous()
+        soft_threshold_triton_(tmp, threshold)
+        mu.copy_(tmp)
+        return
+    with _device_guard(mu):
+        _launch(_soft_threshold_kernel)[(triton.cdiv(n, _SOFT_BLOCK),)](
+            target, thr, n, sizes[1], sizes[2], sizes[3], *strides, BLOCK=_SOFT_BLOCK, num_warps=4,
+        )
+
+
+LIB.impl("factorized_weight", factorized_weight_triton, "CUDA")
+LIB.impl("factorized_weight_backward", factorized_weight_backward_triton, "CUDA")
+LIB.impl("soft_threshold_", soft_threshold_triton_, "CUDA")
