@@ -27,7 +27,7 @@ def _extensions():
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/autograd/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     use_cuda = _flag("PFL_KERNELS_CUDA")
     if use_cuda is None:

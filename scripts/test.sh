@@ -8,6 +8,8 @@ PY=${PFL_VENV:-.venv}/bin/python
 
 "$PY" -m pfl_kernels
 "$PY" -m pytest tests -q -p no:cacheprovider "$@"
+# The fallback without the extension (reference kernels, autograd registered from Python).
+PFL_KERNELS_DISABLE_EXTENSION=1 "$PY" -m pytest tests/kernels tests/nn -q -p no:cacheprovider "$@"
 # Triton kernels on the CPU: TRITON_INTERPRET must be set before triton is imported.
 TRITON_INTERPRET=1 "$PY" -m pytest tests -q -p no:cacheprovider -m triton_interpret "$@"
 # Benchmarks are never timed in CI; run each benchmarked function once so they stay working.

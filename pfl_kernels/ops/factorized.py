@@ -20,7 +20,7 @@ import torch
 from .._layout import layout_geometry
 from ..reference import factorized as ref
 from ._checks import check_same, check_tensor, client_count
-from ._library import define_op
+from ._library import define_op, has_kernel
 
 
 def _check_op_args(u, v, mu, mask, shape, layout, grad_w=None):
@@ -114,7 +114,10 @@ def _backward(ctx, grad_w):
     return tuple(g if wanted else None for g, wanted in zip(grads, output_mask))[:n_inputs]
 
 
-torch.library.register_autograd(FACTORIZED_WEIGHT, _backward, setup_context=_setup_context)
+# The C++ extension registers the same autograd formula for the Autograd key (no Python
+# round trip per call, csrc/autograd/factorized.cpp); without it, register it here.
+if not has_kernel(FACTORIZED_WEIGHT, "Autograd"):
+    torch.library.register_autograd(FACTORIZED_WEIGHT, _backward, setup_context=_setup_context)
 
 
 def _fold_vmap_dim(info, in_dims, tensors, u_index):
