@@ -33,8 +33,10 @@ class _FactorizedMixin:
     u: nn.Parameter
     v: nn.Parameter
     mu: Optional[nn.Parameter]
+    bias: Optional[nn.Parameter]
 
-    def _init_factors(self, shape, layout, rank, sparse, device, dtype) -> None:
+    def _init_parameters(self, shape, layout, rank, sparse, bias, device, dtype) -> None:
+        """Create u, v, mu and bias for a weight of ``shape`` and initialise them."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.rank = _check_rank(rank)
@@ -45,13 +47,19 @@ class _FactorizedMixin:
         self.u = nn.Parameter(torch.empty(rows, rank, **kw))
         self.v = nn.Parameter(torch.empty(rank, cols, **kw))
         self.register_parameter("mu", nn.Parameter(torch.empty(rows, cols, **kw)) if sparse else None)
+        self.register_parameter("bias", nn.Parameter(torch.empty(shape[0], **kw)) if bias else None)
+        self.reset_parameters()
 
-    def _reset_factors(self) -> None:
-        # The released Factorized-FL code: u, v Xavier-uniform, μ zeros.
+    def reset_parameters(self) -> None:
+        """u, v Xavier-uniform, μ zeros (the released Factorized-FL code); bias as the dense layer."""
         nn.init.xavier_uniform_(self.u)
         nn.init.xavier_uniform_(self.v)
         if self.mu is not None:
             nn.init.zeros_(self.mu)
+        if self.bias is not None:
+            # nn.Conv2d / nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = prod(weight.shape[1:]).
+            bound = 1 / math.sqrt(math.prod(self.weight_shape[1:]))
+            nn.init.uniform_(self.bias, -bound, bound)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -124,20 +132,7 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
         for name in _CONV_STATE:
             setattr(self, name, getattr(spec, name))
         shape = (out_channels, in_channels // groups, *self.kernel_size)
-        self._init_factors(shape, layout, rank, sparse, device, dtype)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_channels, device=device, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """u, v Xavier-uniform, μ zeros (released code); bias as ``nn.Conv2d``."""
-        self._reset_factors()
-        if self.bias is not None:
-            fan_in = self.weight_shape[1] * self.weight_shape[2] * self.weight_shape[3]
-            bound = 1 / math.sqrt(fan_in)
-            nn.init.uniform_(self.bias, -bound, bound)
+        self._init_parameters(shape, layout, rank, sparse, bias, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -197,19 +192,7 @@ class FactorizedLinear(_FactorizedMixin, nn.Module):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.in_features = in_features
         self.out_features = out_features
-        self._init_factors((out_features, in_features), "linear", rank, sparse, device, dtype)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """u, v Xavier-uniform, μ zeros (released code); bias as ``nn.Linear``."""
-        self._reset_factors()
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.bias, -bound, bound)
+        self._init_parameters((out_features, in_features), "linear", rank, sparse, bias, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.linear(input, self.weight, self.bias)

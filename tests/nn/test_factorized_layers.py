@@ -230,3 +230,12 @@ def test_error_from_dense_wrong_module():
         FactorizedConv2d.from_dense(nn.Linear(3, 3))
     with pytest.raises(TypeError, match="module must be an nn.Linear"):
         FactorizedLinear.from_dense(nn.Conv2d(3, 3, 1))
+
+
+def test_bias_init_matches_the_dense_layers_bound():
+    torch.manual_seed(4)
+    conv = FactorizedConv2d(4, 300, (3, 5), groups=2)
+    assert conv.bias.abs().max() <= 1 / math.sqrt(2 * 3 * 5)
+    assert conv.bias.abs().max() > 0.9 / math.sqrt(2 * 3 * 5)
+    lin = FactorizedLinear(49, 500)
+    assert 0.9 / 7 < lin.bias.abs().max() <= 1 / 7
