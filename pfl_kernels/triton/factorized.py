@@ -128,17 +128,13 @@ def _w_offsets(r, c, B, s_a, s_r, s_b, MODE: tl.constexpr):
 
 
 @triton.jit
-def _factorized_weight_kernel(
-    u_ptr, v_ptr, mu_ptr, mask_ptr, w_ptr,
-    R, C, B, n_rb, n_cb,
-    su_k, su_r, su_j, sv_k, sv_j, sv_c,
-    smu_k, smu_r, smu_c, smk_k, smk_r, smk_c,
-    sw_k, sw_a, sw_r, sw_b,
-    RANK: tl.constexpr, MODE: tl.constexpr, HAS_MU: tl.constexpr, HAS_MASK: tl.constexpr,
-    ACC_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    # Tiles of one client are consecutive, C-blocks fastest: neighbouring programs touch
-    # neighbouring memory of mu/mask (row-major) and of W.
+def _tile(R, C, n_rb, n_cb, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile: client k (int64), block indices (rb, cb), rows r, columns c,
+    and the bounds masks of r, c and the 2-D tile.
+
+    Tiles of one client are consecutive, C-blocks fastest: neighbouring programs touch
+    neighbouring memory of mu/mask (row-major) and of W.
+    """
     pid = tl.program_id(0)
     tiles = n_rb * n_cb
     k = (pid // tiles).to(tl.int64)
@@ -149,7 +145,20 @@ def _factorized_weight_kernel(
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     rm = r < R
     cm = c < C
-    m2 = rm[:, None] & cm[None, :]
+    return k, rb, cb, r, c, rm, cm, rm[:, None] & cm[None, :]
+
+
+@triton.jit
+def _factorized_weight_kernel(
+    u_ptr, v_ptr, mu_ptr, mask_ptr, w_ptr,
+    R, C, B, n_rb, n_cb,
+    su_k, su_r, su_j, sv_k, sv_j, sv_c,
+    smu_k, smu_r, smu_c, smk_k, smk_r, smk_c,
+    sw_k, sw_a, sw_r, sw_b,
+    RANK: tl.constexpr, MODE: tl.constexpr, HAS_MU: tl.constexpr, HAS_MASK: tl.constexpr,
+    ACC_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    k, _, _, r, c, rm, cm, m2 = _tile(R, C, n_rb, n_cb, BLOCK_R, BLOCK_C)
 
     if ACC_F64:
         acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float64)
@@ -183,17 +192,7 @@ def _factorized_weight_backward_kernel(
     NEED_U: tl.constexpr, NEED_V: tl.constexpr, NEED_MU: tl.constexpr, NEED_MASK: tl.constexpr,
     ACC_F64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles = n_rb * n_cb
-    k = (pid // tiles).to(tl.int64)
-    t = pid % tiles
-    rb = t // n_cb
-    cb = t % n_cb
-    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    rm = r < R
-    cm = c < C
-    m2 = rm[:, None] & cm[None, :]
+    k, rb, cb, r, c, rm, cm, m2 = _tile(R, C, n_rb, n_cb, BLOCK_R, BLOCK_C)
 
     if ACC_F64:
         g = tl.load(g_ptr + k * sg_k + _w_offsets(r, c, B, sg_a, sg_r, sg_b, MODE),
