@@ -16,10 +16,7 @@ from torch.nn import functional as F
 from .._layout import LAYOUTS, layout_geometry
 from ..ops import factorized_weight
 from ..reference.factorized import unplace
-
-_CONV_STATE = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
-               "groups", "padding_mode", "_reversed_padding_repeated_twice")
-
+from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward
 
 def _check_rank(rank) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -125,21 +122,12 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
         super().__init__()
         if layout == "linear":
             raise ValueError("layout 'linear' is for FactorizedLinear; use 'spatial', 'simfed' or 'view'")
-        # nn.Conv2d validates every argument (groups, padding strings, padding_mode, ...) and
-        # derives the padding state; build one on the meta device so nothing is allocated.
-        spec = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-                         bias, padding_mode, device="meta")
-        for name in _CONV_STATE:
-            setattr(self, name, getattr(spec, name))
-        shape = (out_channels, in_channels // groups, *self.kernel_size)
+        shape = adopt_conv2d_arguments(self, in_channels, out_channels, kernel_size, stride, padding,
+                                       dilation, groups, bias, padding_mode)
         self._init_parameters(shape, layout, rank, sparse, bias, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if self.padding_mode != "zeros":
-            padded = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            return F.conv2d(padded, weight, self.bias, self.stride, 0, self.dilation, self.groups)
-        return F.conv2d(input, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return conv2d_forward(self, input, self.weight, self.bias)
 
     @classmethod
     def from_dense(cls, module: nn.Conv2d, *, rank: int = 1, layout: str = "spatial",
@@ -152,9 +140,7 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
         if not isinstance(module, nn.Conv2d):
             raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
         w = module.weight
-        layer = cls(module.in_channels, module.out_channels, module.kernel_size, module.stride,
-                    module.padding, module.dilation, module.groups, module.bias is not None,
-                    module.padding_mode, device=w.device, dtype=w.dtype, rank=rank, layout=layout,
+        layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, rank=rank, layout=layout,
                     sparse=sparse)
         layer._load_dense_weight(w)
         if module.bias is not None:
@@ -164,17 +150,7 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
         return layer
 
     def extra_repr(self) -> str:
-        s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-             f"stride={self.stride}, padding={self.padding}")
-        if self.dilation != (1, 1):
-            s += f", dilation={self.dilation}"
-        if self.groups != 1:
-            s += f", groups={self.groups}"
-        if self.bias is None:
-            s += ", bias=False"
-        if self.padding_mode != "zeros":
-            s += f", padding_mode={self.padding_mode!r}"
-        return s + f", rank={self.rank}, layout={self.layout!r}, sparse={self.mu is not None}"
+        return conv2d_extra_repr(self) + f", rank={self.rank}, layout={self.layout!r}, sparse={self.mu is not None}"
 
 
 class FactorizedLinear(_FactorizedMixin, nn.Module):

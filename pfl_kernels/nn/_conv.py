@@ -1,0 +1,55 @@
+"""What every drop-in Conv2d replacement shares: nn.Conv2d's arguments and its forward."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+_CONV_STATE = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+               "groups", "padding_mode", "_reversed_padding_repeated_twice")
+
+
+def adopt_conv2d_arguments(module: nn.Module, in_channels, out_channels, kernel_size, stride, padding,
+                           dilation, groups, bias, padding_mode) -> tuple[int, ...]:
+    """Validate the arguments as ``nn.Conv2d`` does, copy its state onto ``module``, return the weight shape.
+
+    A Conv2d built on the meta device allocates nothing, and gives the same errors
+    (groups, padding strings, padding_mode) and the same derived padding state.
+    """
+    spec = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                     bias, padding_mode, device="meta")
+    for name in _CONV_STATE:
+        setattr(module, name, getattr(spec, name))
+    return (out_channels, in_channels // groups, *spec.kernel_size)
+
+
+def conv2d_forward(module: nn.Module, input: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``nn.Conv2d``'s forward with a given weight and bias (every padding mode)."""
+    if module.padding_mode != "zeros":
+        padded = F.pad(input, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        return F.conv2d(padded, weight, bias, module.stride, 0, module.dilation, module.groups)
+    return F.conv2d(input, weight, bias, module.stride, module.padding, module.dilation, module.groups)
+
+
+def conv2d_extra_repr(module: nn.Module) -> str:
+    """The arguments part of ``nn.Conv2d``'s repr."""
+    s = (f"{module.in_channels}, {module.out_channels}, kernel_size={module.kernel_size}, "
+         f"stride={module.stride}, padding={module.padding}")
+    if module.dilation != (1, 1):
+        s += f", dilation={module.dilation}"
+    if module.groups != 1:
+        s += f", groups={module.groups}"
+    if module.bias is None:
+        s += ", bias=False"
+    if module.padding_mode != "zeros":
+        s += f", padding_mode={module.padding_mode!r}"
+    return s
+
+
+def conv2d_arguments(module: nn.Conv2d) -> tuple:
+    """The positional arguments that rebuild ``module`` (for ``from_dense``)."""
+    return (module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+            module.dilation, module.groups, module.bias is not None, module.padding_mode)
