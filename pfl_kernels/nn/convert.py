@@ -1,4 +1,5 @@
-"""Converters that turn any model's Conv2d / Linear layers into factorized layers in place."""
+"""Converters that turn any model's Conv2d / Linear layers into factorized or multi-branch
+layers in place, and helpers that address those layers' parameter groups."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -6,7 +7,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..ops import project_simplex_
 from .factorized import FactorizedConv2d, FactorizedLinear
+from .multibranch import MultiBranchConv2d, MultiBranchLinear
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -48,20 +51,61 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
         ValueError: a name in ``exclude`` that the model does not have; ``model`` itself a
             Conv2d/Linear.
     """
+    def make(module):
+        if isinstance(module, nn.Conv2d):
+            return FactorizedConv2d.from_dense(module, rank=rank, layout=layout, sparse=sparse)
+        return FactorizedLinear.from_dense(module, rank=rank, sparse=sparse)
+
+    return _convert(model, exclude, make, "FactorizedConv2d.from_dense or FactorizedLinear.from_dense")
+
+
+def _convert(model: nn.Module, exclude: Iterable[str], make, from_dense_names: str) -> nn.Module:
+    """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place."""
     if isinstance(model, (nn.Conv2d, nn.Linear)):
-        raise ValueError("model is itself a Conv2d/Linear; use FactorizedConv2d.from_dense or "
-                         "FactorizedLinear.from_dense on it")
+        raise ValueError(f"model is itself a Conv2d/Linear; use {from_dense_names} on it")
     exclude = _check_exclude(model, exclude)
     targets = []
     for name, module in model.named_modules():
         if not name or any(name == e or name.startswith(e + ".") for e in exclude):
             continue
-        if isinstance(module, nn.Conv2d):
-            targets.append((name, FactorizedConv2d.from_dense(module, rank=rank, layout=layout, sparse=sparse)))
-        elif isinstance(module, nn.Linear):
-            targets.append((name, FactorizedLinear.from_dense(module, rank=rank, sparse=sparse)))
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            targets.append((name, make(module)))
     for name, new in targets:
         _replace(model, name, new)
+    return model
+
+
+def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", shared_alpha: bool = False,
+                exclude: Iterable[str] = (), noise: float = 0.0) -> nn.Module:
+    """Replace every ``nn.Conv2d`` and ``nn.Linear`` of ``model`` by its multi-branch version, in place.
+
+    Each layer becomes ``MultiBranchConv2d.from_dense`` / ``MultiBranchLinear.from_dense`` of
+    itself (pFedMB Eq. 1–2), so with noise=0 the model computes the same function as before.
+
+    Args:
+        branches: B >= 1.  simplex: 'softmax' or 'project' (see the layers).
+        shared_alpha: one α for the whole model (pFedMB Section 5.2) instead of one per layer:
+            every converted layer then holds the same ``alpha_param`` Parameter.
+        exclude: qualified module names to leave dense (their children too).
+        noise: symmetry-breaking noise of the branches, relative to each weight's std.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError: unknown names in ``exclude``; ``model`` itself a Conv2d/Linear; bad
+            branches/simplex/noise.
+    """
+    def make(module):
+        kind = MultiBranchConv2d if isinstance(module, nn.Conv2d) else MultiBranchLinear
+        return kind.from_dense(module, branches=branches, noise=noise, simplex=simplex)
+
+    _convert(model, exclude, make, "MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense")
+    layers = multibranch_layers(model)
+    if shared_alpha and layers:
+        shared = layers[0].alpha_param
+        for layer in layers[1:]:
+            layer.alpha_param = shared
     return model
 
 
@@ -77,3 +121,34 @@ def sparsity_loss(model: nn.Module) -> torch.Tensor:
         param = next(model.parameters(), None)
         return torch.zeros((), device=None if param is None else param.device)
     return torch.stack(losses).sum()
+
+
+def multibranch_layers(model: nn.Module) -> list[nn.Module]:
+    """All MultiBranchConv2d / MultiBranchLinear layers of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, (MultiBranchConv2d, MultiBranchLinear))]
+
+
+def branch_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The branch weights and biases W_b of every multi-branch layer (pFedMB's W group)."""
+    return [p for layer in multibranch_layers(model) for p in (layer.branch_weight, layer.branch_bias)
+            if p is not None]
+
+
+def alpha_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The α parameters of the multi-branch layers, each once (a shared α appears once).
+
+    pFedMB trains α with W fixed, then W with α fixed: give the two groups to two optimizers
+    or to one optimizer as two parameter groups.
+    """
+    seen: dict[int, nn.Parameter] = {}
+    for layer in multibranch_layers(model):
+        seen.setdefault(id(layer.alpha_param), layer.alpha_param)
+    return list(seen.values())
+
+
+@torch.no_grad()
+def project_alpha_(model: nn.Module) -> None:
+    """Project every α of ``simplex='project'`` layers back onto the simplex (after an optimizer step)."""
+    for layer in multibranch_layers(model):
+        if layer.simplex == "project":
+            project_simplex_(layer.alpha_param)

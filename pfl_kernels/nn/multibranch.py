@@ -1,0 +1,182 @@
+"""Drop-in multi-branch layers of pFedMB: W = Σ_b α_b W_b with α on the simplex (Eq. 1–2).
+
+Each layer holds B branch weights ``branch_weight`` [B, *weight shape], per-branch biases
+``branch_bias`` [B, out] combined with the same α, and ``alpha_param`` [B]: the logits of
+α under ``simplex='softmax'`` (the default; the paper does not say how it keeps α on the
+simplex) or α itself under ``simplex='project'``, kept on the simplex by
+``project_alpha_()`` after each optimizer step.  Initial α is uniform (the paper's choice).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..ops import branch_combine, project_simplex_
+from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward
+
+SIMPLEX_MODES = ("softmax", "project")
+
+
+def _check_branches(branches) -> int:
+    if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+        raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
+    return branches
+
+
+class _MultiBranchMixin:
+    """Parameters, α on the simplex and the combined weight, shared by both layers."""
+
+    branch_weight: nn.Parameter
+    branch_bias: Optional[nn.Parameter]
+    alpha_param: nn.Parameter
+
+    def _init_parameters(self, shape, branches, simplex, bias, device, dtype) -> None:
+        if simplex not in SIMPLEX_MODES:
+            raise ValueError(f"simplex must be one of {SIMPLEX_MODES}, got {simplex!r}")
+        self.branches = _check_branches(branches)
+        self.simplex = simplex
+        self.weight_shape = tuple(shape)
+        kw = {"device": device, "dtype": dtype}
+        self.branch_weight = nn.Parameter(torch.empty(branches, *shape, **kw))
+        self.register_parameter("branch_bias", nn.Parameter(torch.empty(branches, shape[0], **kw)) if bias else None)
+        self.alpha_param = nn.Parameter(torch.empty(branches, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each branch initialised as the dense layer would be (independent draws); α uniform."""
+        fan_in = math.prod(self.weight_shape[1:])
+        for branch in self.branch_weight:
+            # nn.Conv2d / nn.Linear: kaiming_uniform_(a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+            nn.init.kaiming_uniform_(branch, a=math.sqrt(5))
+        if self.branch_bias is not None:
+            bound = 1 / math.sqrt(fan_in)
+            nn.init.uniform_(self.branch_bias, -bound, bound)
+        self._reset_alpha()
+
+    def _reset_alpha(self) -> None:
+        with torch.no_grad():
+            if self.simplex == "softmax":
+                self.alpha_param.zero_()
+            else:
+                self.alpha_param.fill_(1.0 / self.branches)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """α [B] on the simplex (differentiable with respect to ``alpha_param``)."""
+        if self.simplex == "softmax":
+            return torch.softmax(self.alpha_param, dim=-1)
+        return self.alpha_param
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Σ_b α_b W_b, in the shape of the dense layer's weight."""
+        return branch_combine(self.branch_weight, self.alpha)
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        """Σ_b α_b bias_b, or None without bias."""
+        if self.branch_bias is None:
+            return None
+        return branch_combine(self.branch_bias, self.alpha)
+
+    def _combined(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        alpha = self.alpha  # one softmax for weight and bias
+        bias = None if self.branch_bias is None else branch_combine(self.branch_bias, alpha)
+        return branch_combine(self.branch_weight, alpha), bias
+
+    @torch.no_grad()
+    def project_alpha_(self) -> None:
+        """Project α back onto the simplex (``simplex='project'``; a no-op under softmax)."""
+        if self.simplex == "project":
+            project_simplex_(self.alpha_param)
+
+    def _load_dense(self, weight: torch.Tensor, bias: Optional[torch.Tensor], noise: float) -> None:
+        """Every branch := the dense weight (+ Gaussian noise of std noise·std(weight)); α uniform."""
+        if not noise >= 0:
+            raise ValueError(f"noise must be >= 0, got {noise}")
+        with torch.no_grad():
+            self.branch_weight.copy_(weight.expand_as(self.branch_weight))
+            if noise > 0:
+                self.branch_weight.add_(torch.randn_like(self.branch_weight) * (noise * weight.std()))
+            if bias is not None:
+                self.branch_bias.copy_(bias.expand_as(self.branch_bias))
+        self._reset_alpha()
+
+    def _branch_repr(self) -> str:
+        return f", branches={self.branches}, simplex={self.simplex!r}"
+
+
+class MultiBranchConv2d(_MultiBranchMixin, nn.Module):
+    """``nn.Conv2d`` whose weight and bias are convex combinations of B branches (pFedMB Eq. 1–2).
+
+    Takes every ``nn.Conv2d`` argument with the same meaning, plus ``branches`` (B >= 1) and
+    ``simplex`` ('softmax' or 'project').  ``weight``, ``bias`` and ``alpha`` are properties.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, padding_mode="zeros", device=None, dtype=None, *,
+                 branches=2, simplex="softmax"):
+        super().__init__()
+        shape = adopt_conv2d_arguments(self, in_channels, out_channels, kernel_size, stride, padding,
+                                       dilation, groups, bias, padding_mode)
+        self._init_parameters(shape, branches, simplex, bias, device, dtype)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return conv2d_forward(self, input, *self._combined())
+
+    @classmethod
+    def from_dense(cls, module: nn.Conv2d, *, branches: int = 2, noise: float = 0.0,
+                   simplex: str = "softmax") -> "MultiBranchConv2d":
+        """A multi-branch copy of ``module``: every branch starts as its weight (and bias).
+
+        With noise=0 the layer computes the dense function (up to rounding of Σ α_b = 1);
+        noise > 0 adds Gaussian noise of std noise·std(weight) to each branch to break symmetry.
+        """
+        if not isinstance(module, nn.Conv2d):
+            raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
+        w = module.weight
+        layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, branches=branches, simplex=simplex)
+        layer._load_dense(w.detach(), None if module.bias is None else module.bias.detach(), noise)
+        layer.train(module.training)
+        return layer
+
+    def extra_repr(self) -> str:
+        return conv2d_extra_repr(self) + self._branch_repr()
+
+
+class MultiBranchLinear(_MultiBranchMixin, nn.Module):
+    """``nn.Linear`` whose weight and bias are convex combinations of B branches (pFedMB Eq. 1–2)."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
+                 branches=2, simplex="softmax"):
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self._init_parameters((out_features, in_features), branches, simplex, bias, device, dtype)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, *self._combined())
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, *, branches: int = 2, noise: float = 0.0,
+                   simplex: str = "softmax") -> "MultiBranchLinear":
+        """A multi-branch copy of ``module`` (see ``MultiBranchConv2d.from_dense``)."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
+        w = module.weight
+        layer = cls(module.in_features, module.out_features, module.bias is not None, device=w.device,
+                    dtype=w.dtype, branches=branches, simplex=simplex)
+        layer._load_dense(w.detach(), None if module.bias is None else module.bias.detach(), noise)
+        layer.train(module.training)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.branch_bias is not None}" + self._branch_repr())

@@ -1,0 +1,167 @@
+"""Convex combination of branches (pFedMB Eq. 1–2) and the projection onto the simplex.
+
+Ops in the ``pfl`` namespace:
+
+* ``branch_combine(weights, alpha) -> W``: W = Σ_b alpha[..., b] · weights[..., b, *shape].
+* ``branch_combine_backward(grad_w, weights, alpha, output_mask) -> (grad_weights, grad_alpha)``:
+  one pass over grad_W; a gradient not asked for is an empty tensor of shape [0].
+* ``project_simplex_(x)``: in place, each row of x [..., B] onto the probability simplex.
+
+At the op level ``alpha``'s shape is the leading part of ``weights``' shape: weights
+[B, *shape] with alpha [B], or weights [K, B, *shape] with alpha [K, B].  The Python
+wrapper also takes branches shared by all clients (weights [B, *shape], alpha [K, B]).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..reference import branch as ref
+from ._checks import FLOAT_DTYPES, check_same, check_tensor
+from ._library import define_op, has_kernel
+
+
+def _check_op_args(weights, alpha, grad_w=None):
+    """Checks of the op contract that also hold under tracing (fake tensors)."""
+    torch._check(alpha.dim() in (1, 2), lambda: f"alpha must be [B] or [K, B], got {list(alpha.shape)}")
+    torch._check(alpha.shape[-1] >= 1, lambda: f"alpha must have B >= 1 branches, got {list(alpha.shape)}")
+    torch._check(weights.dim() >= alpha.dim() and list(weights.shape[: alpha.dim()]) == list(alpha.shape),
+                 lambda: f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape] to match "
+                         f"alpha, got {list(weights.shape)}")
+    for name, t in (("weights", weights), ("grad_w", grad_w)):
+        if t is not None:
+            torch._check(t.dtype == alpha.dtype, lambda: f"{name} must have alpha's dtype {alpha.dtype}, got {t.dtype}")
+            torch._check(t.device == alpha.device,
+                         lambda: f"{name} must be on alpha's device {alpha.device}, got {t.device}")
+    out_shape = list(weights.shape[: alpha.dim() - 1]) + list(weights.shape[alpha.dim():])
+    if grad_w is not None:
+        torch._check(list(grad_w.shape) == out_shape,
+                     lambda: f"grad_w must have shape {out_shape}, got {list(grad_w.shape)}")
+    return out_shape
+
+
+def _reference_forward(weights, alpha):
+    _check_op_args(weights, alpha)
+    return ref.branch_combine(weights, alpha)
+
+
+def _reference_backward(grad_w, weights, alpha, output_mask):
+    _check_op_args(weights, alpha, grad_w)
+    return ref.branch_combine_backward(grad_w, weights, alpha, output_mask)
+
+
+def _reference_project(x):
+    torch._check(x.dim() >= 1 and x.shape[-1] >= 1, lambda: f"x must be [..., B] with B >= 1, got {list(x.shape)}")
+    ref.project_simplex_(x)
+
+
+BRANCH_COMBINE = define_op("branch_combine(Tensor weights, Tensor alpha) -> Tensor", _reference_forward)
+BRANCH_COMBINE_BACKWARD = define_op(
+    "branch_combine_backward(Tensor grad_w, Tensor weights, Tensor alpha, bool[2] output_mask) "
+    "-> (Tensor, Tensor)", _reference_backward)
+PROJECT_SIMPLEX = define_op("project_simplex_(Tensor(a!) x) -> ()", _reference_project)
+
+
+@torch.library.register_fake(BRANCH_COMBINE)
+def _branch_combine_fake(weights, alpha):
+    return weights.new_empty(_check_op_args(weights, alpha))
+
+
+@torch.library.register_fake(BRANCH_COMBINE_BACKWARD)
+def _branch_combine_backward_fake(grad_w, weights, alpha, output_mask):
+    _check_op_args(weights, alpha, grad_w)
+    return (weights.new_empty(weights.shape if output_mask[0] else (0,)),
+            alpha.new_empty(alpha.shape if output_mask[1] else (0,)))
+
+
+@torch.library.register_fake(PROJECT_SIMPLEX)
+def _project_simplex_fake(x):
+    torch._check(x.dim() >= 1 and x.shape[-1] >= 1, lambda: f"x must be [..., B] with B >= 1, got {list(x.shape)}")
+
+
+def _setup_context(ctx, inputs, output):
+    weights, alpha = inputs
+    ctx.save_for_backward(weights, alpha)
+
+
+def _backward(ctx, grad_w):
+    weights, alpha = ctx.saved_tensors
+    output_mask = list(ctx.needs_input_grad[:2])
+    grad_weights, grad_alpha = torch.ops.pfl.branch_combine_backward(grad_w, weights, alpha, output_mask)
+    return (grad_weights if output_mask[0] else None, grad_alpha if output_mask[1] else None)
+
+
+# As for factorized_weight: C++ autograd when the extension is loaded, else this one.
+if not has_kernel(BRANCH_COMBINE, "Autograd"):
+    torch.library.register_autograd(BRANCH_COMBINE, _backward, setup_context=_setup_context)
+
+
+def branch_combine(weights: torch.Tensor, alpha: torch.Tensor, *,
+                   shared_weights: Optional[bool] = None) -> torch.Tensor:
+    """Combine branches with simplex weights: ``W = Σ_b alpha[..., b] · weights[..., b, *shape]``.
+
+    pFedMB Eq. 1–2 (every layer is a convex combination of B branches, α per client).
+
+    Args:
+        weights: [B, *shape] (branches shared by all clients) or [K, B, *shape].
+        alpha: [B] or [K, B] (one row of branch weights per client).  α is used as given:
+            keeping it on the simplex is the caller's (the layers do it).
+        shared_weights: whether weights lacks the client dimension.  Inferred from the
+            shapes; needed only when both readings fit (K == B and weights [B, B, ...]).
+
+    Returns:
+        W [*shape], or [K, *shape] when alpha is [K, B].  Gradients flow to both inputs; for
+        shared weights they are summed over the clients.
+
+    Raises:
+        TypeError: non-floating or differing dtypes.  ValueError: shapes that do not fit,
+        B < 1, devices that differ, or an ambiguous shared/per-client reading.
+    """
+    check_tensor("alpha", alpha, dims=(1, 2))
+    if not isinstance(weights, torch.Tensor) or weights.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"weights must be a floating torch.Tensor, got {getattr(weights, 'dtype', type(weights))}")
+    check_same("alpha", alpha, "weights", weights)
+    n_branches = alpha.shape[-1]
+    if n_branches < 1:
+        raise ValueError(f"alpha must have B >= 1 branches (its last dim), got shape {list(alpha.shape)}")
+    if alpha.dim() == 2:
+        per_client = weights.dim() >= 2 and tuple(weights.shape[:2]) == tuple(alpha.shape)
+        shared = weights.dim() >= 1 and weights.shape[0] == n_branches
+        if shared_weights is None:
+            if per_client and shared:
+                raise ValueError(
+                    f"weights {list(weights.shape)} reads both as [K, B, *shape] and as shared [B, *shape] "
+                    f"for alpha {list(alpha.shape)}: pass shared_weights=True or False")
+            shared_weights = shared and not per_client
+        if shared_weights:
+            if not shared:
+                raise ValueError(f"shared weights must be [B={n_branches}, *shape], got {list(weights.shape)}")
+            weights = weights.expand(alpha.shape[0], *weights.shape)
+    elif shared_weights is False:
+        raise ValueError("shared_weights=False needs alpha with a client dimension [K, B]")
+    if weights.dim() < alpha.dim() or tuple(weights.shape[: alpha.dim()]) != tuple(alpha.shape):
+        raise ValueError(f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape] or "
+                         f"[{n_branches}, *shape] to match alpha {list(alpha.shape)}, got {list(weights.shape)}")
+    return torch.ops.pfl.branch_combine(weights, alpha)
+
+
+def project_simplex_(x: torch.Tensor) -> torch.Tensor:
+    """In place, replace each row of ``x`` [..., B] by its Euclidean projection onto the simplex.
+
+    The projection argmin_{p: p ≥ 0, Σp = 1} ‖p − x‖₂ keeps pFedMB's α on the simplex after an
+    optimizer step (``simplex='project'``).  Rows of a bank [K, B] are projected in one call.
+    Call it under ``torch.no_grad()``.  Returns ``x``.
+
+    Raises:
+        TypeError: x not a floating tensor.  ValueError: x without a last dim of size >= 1,
+        or holding NaN/Inf.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be a floating torch.Tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have B >= 1 entries in its last dim, got shape {list(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x must be finite to be projected onto the simplex (it holds NaN or Inf)")
+    torch.ops.pfl.project_simplex_(x)
+    return x

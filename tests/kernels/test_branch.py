@@ -1,0 +1,265 @@
+"""The multi-branch ops on CPU (the C++ kernels when built) against the float64 reference."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+import pfl_kernels
+from pfl_kernels.ops import branch_combine, project_simplex_
+from pfl_kernels.reference import branch as ref
+from tests.tolerances import assert_close
+
+SHAPES = [(6, 3, 5, 5), (16, 6, 5, 5), (7, 5, 3, 3), (5, 3, 1, 1), (4, 3, 3, 5), (120, 41), (10, 84), (13,)]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+def make_inputs(shape, branches, clients, dtype, seed=0):
+    """Random branches and α on the simplex (never zeros), in float64 and cast to ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    lead = () if clients is None else (clients,)
+    weights = torch.randn(*lead, branches, *shape, generator=g, dtype=torch.float64)
+    alpha = torch.softmax(torch.randn(*lead, branches, generator=g, dtype=torch.float64), -1)
+    cast = (weights.to(dtype), alpha.to(dtype))
+    return tuple(t.to(torch.float64) for t in cast), cast
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("clients", [None, 3])
+@pytest.mark.parametrize("branches", [1, 2, 5, 10])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_backward_match_reference(shape, branches, clients, dtype):
+    exact, cast = make_inputs(shape, branches, clients, dtype)
+    w = torch.ops.pfl.branch_combine(*cast)
+    assert w.dtype == dtype and w.is_contiguous()
+    assert w.shape == ((clients,) if clients else ()) + shape
+    assert_close(w, ref.branch_combine(*exact), dtype, "W")
+    grad_w = torch.randn(w.shape, dtype=torch.float64).to(dtype)
+    got = torch.ops.pfl.branch_combine_backward(grad_w, *cast, [True, True])
+    want = ref.branch_combine_backward(grad_w.to(torch.float64), *exact, [True, True])
+    for name, g, e in zip(("grad_weights", "grad_alpha"), got, want):
+        assert g.dtype == dtype and g.is_contiguous(), name
+        # ⟨grad_W, W_b⟩ sums N products: scale the absolute tolerance with sqrt(N) in low precision.
+        scale = (e.abs().max().item() if name == "grad_alpha" and dtype != torch.float64 else 1.0)
+        assert_close(g / scale, e / scale, dtype, name)
+
+
+@pytest.mark.parametrize("output_mask", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("clients", [None, 2])
+def test_backward_output_mask(output_mask, clients):
+    exact, _ = make_inputs((5, 4, 3, 3), 3, clients, torch.float64)
+    grad_w = torch.randn(((clients,) if clients else ()) + (5, 4, 3, 3), dtype=torch.float64)
+    got = torch.ops.pfl.branch_combine_backward(grad_w, *exact, list(output_mask))
+    want = ref.branch_combine_backward(grad_w, *exact, list(output_mask))
+    for wanted, g, e, t in zip(output_mask, got, want, exact):
+        if wanted:
+            assert_close(g, e, torch.float64)
+        else:
+            assert g.shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_non_contiguous_and_expanded_inputs(dtype):
+    k, b, shape = 3, 4, (6, 5, 3, 3)
+    exact, (weights, alpha) = make_inputs(shape, b, k, dtype)
+    strided_w = torch.randn(k, b, 6, 5, 3, 6, dtype=dtype)[..., ::2]
+    strided_w.copy_(weights)
+    strided_a = torch.randn(b, k, dtype=dtype).t()
+    strided_a.copy_(alpha)
+    shared_w = weights[0].expand(k, *weights.shape[1:])
+    grad_w = torch.randn(k, 6, 5, 3, 3, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    for w_in, w_exact in ((strided_w, exact[0]), (shared_w, exact[0][0].expand_as(exact[0]))):
+        assert not w_in.is_contiguous()
+        assert_close(torch.ops.pfl.branch_combine(w_in, strided_a), ref.branch_combine(w_exact, exact[1]), dtype)
+        got = torch.ops.pfl.branch_combine_backward(grad_w, w_in, strided_a, [True, True])
+        want = ref.branch_combine_backward(grad_w.to(torch.float64), w_exact, exact[1], [True, True])
+        for g, e in zip(got, want):
+            assert_close(g, e, dtype)
+
+
+def test_shared_branches_with_per_client_alpha():
+    """pFedMB's local view of a global model: one set of branches, α per client."""
+    exact, _ = make_inputs((4, 3, 3, 3), 5, None, torch.float64)
+    weights = exact[0].clone().requires_grad_()
+    alpha = torch.softmax(torch.randn(7, 5, dtype=torch.float64), -1).requires_grad_()
+    w = branch_combine(weights, alpha)
+    assert w.shape == (7, 4, 3, 3, 3)
+    for k in range(7):
+        assert_close(w[k], ref.branch_combine(weights.detach(), alpha[k].detach()), torch.float64)
+    grad = torch.randn_like(w)
+    w.backward(grad)
+    w_ref, a_ref = weights.detach().clone().requires_grad_(), alpha.detach().clone().requires_grad_()
+    ref.branch_combine(w_ref.expand(7, *w_ref.shape), a_ref).backward(grad)
+    assert_close(weights.grad, w_ref.grad, torch.float64, "shared weights grad (summed over clients)")
+    assert_close(alpha.grad, a_ref.grad, torch.float64, "alpha grad")
+
+
+def test_ambiguous_shared_or_per_client_reading_must_be_stated():
+    weights = torch.randn(3, 3, 4)
+    alpha = torch.softmax(torch.randn(3, 3), -1)
+    with pytest.raises(ValueError, match="pass shared_weights=True or False"):
+        branch_combine(weights, alpha)
+    per_client = branch_combine(weights, alpha, shared_weights=False)
+    shared = branch_combine(weights, alpha, shared_weights=True)
+    assert per_client.shape == (3, 4) and shared.shape == (3, 3, 4)
+    assert torch.allclose(shared[1], ref.branch_combine(weights, alpha[1]))
+
+
+@pytest.mark.parametrize("clients", [None, 2])
+@pytest.mark.parametrize("shape", [(3, 2, 3, 3), (4, 5), (3,)], ids=str)
+def test_gradcheck(shape, clients):
+    exact, _ = make_inputs(shape, 3, clients, torch.float64)
+    inputs = [t.clone().requires_grad_() for t in exact]
+    assert torch.autograd.gradcheck(branch_combine, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("clients", [None, 3])
+def test_opcheck(dtype, clients):
+    _, (weights, alpha) = make_inputs((4, 3, 3, 3), 5, clients, dtype)
+    torch.library.opcheck(torch.ops.pfl.branch_combine, (weights.requires_grad_(), alpha.requires_grad_()))
+    torch.library.opcheck(torch.ops.pfl.branch_combine, (weights.detach(), alpha.detach().requires_grad_()))
+    grad_w = torch.randn(((clients,) if clients else ()) + (4, 3, 3, 3), dtype=dtype)
+    for output_mask in ([True, True], [False, True], [True, False]):
+        torch.library.opcheck(torch.ops.pfl.branch_combine_backward,
+                              (grad_w, weights.detach(), alpha.detach(), output_mask))
+    x = torch.randn(4, 5, dtype=dtype)
+    torch.library.opcheck(torch.ops.pfl.project_simplex_, (x,))
+
+
+def test_compile_matches_eager():
+    _, (weights, alpha) = make_inputs((6, 4, 3, 3), 5, 2, torch.float32)
+    args = [weights.requires_grad_(), alpha.requires_grad_()]
+
+    def fn(weights, alpha):
+        return (branch_combine(weights, alpha) ** 2).sum()
+
+    eager = fn(*args)
+    eager_grads = torch.autograd.grad(eager, args)
+    compiled = torch.compile(fn, fullgraph=True)(*args)
+    compiled_grads = torch.autograd.grad(compiled, args)
+    assert_close(compiled, eager.double(), torch.float32, "loss")
+    for g, e in zip(compiled_grads, eager_grads):
+        assert_close(g, e.double(), torch.float32, "grad")
+
+
+# ---- simplex projection ----------------------------------------------------------------
+
+def sort_based_projection(x: torch.Tensor) -> torch.Tensor:
+    """Float64 reference, written independently: the KKT conditions row by row."""
+    out = torch.empty_like(x, dtype=torch.float64)
+    for idx in itertools.product(*(range(s) for s in x.shape[:-1])):
+        row = x[idx].to(torch.float64)
+        u = torch.sort(row, descending=True).values.tolist()
+        total, theta = 0.0, None
+        for j, uj in enumerate(u, start=1):
+            total += uj
+            if uj - (total - 1) / j > 0:
+                theta = (total - 1) / j
+        out[idx] = torch.clamp(row - theta, min=0)
+    return out
+
+
+ROWS = {
+    "random": torch.randn(6, 7, dtype=torch.float64) * 3,
+    "ties": torch.tensor([[0.5, 0.5, 0.5, 0.5], [2.0, 2.0, -1.0, -1.0], [1.0, 1.0, 1.0, 0.0]], dtype=torch.float64),
+    "all_negative": -torch.rand(3, 5, dtype=torch.float64) - 0.5,
+    "on_simplex": torch.softmax(torch.randn(4, 6, dtype=torch.float64), -1),
+    "vertex": torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64),
+    "single_entry": torch.randn(5, 1, dtype=torch.float64),
+    "clients": torch.randn(3, 4, 10, dtype=torch.float64),
+    "wide": torch.randn(2, 300, dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("case", list(ROWS))
+def test_project_simplex_matches_sort_based_reference(case, dtype):
+    x = ROWS[case].to(dtype)
+    expected = sort_based_projection(x)
+    got = project_simplex_(x.clone())
+    assert_close(got, expected, dtype, case)
+    assert (got >= 0).all()
+    assert_close(got.sum(-1), torch.ones(got.shape[:-1], dtype=torch.float64), dtype, "row sums")
+    if case == "on_simplex":
+        assert_close(got, x.to(torch.float64), dtype, "a point on the simplex is its own projection")
+
+
+def test_project_simplex_non_contiguous_view_leaves_the_rest_untouched():
+    base = torch.randn(6, 9, dtype=torch.float64)
+    before = base.clone()
+    view = base[::2, 1::2]  # rows of 4, strided
+    project_simplex_(view)
+    assert_close(view, sort_based_projection(before[::2, 1::2]), torch.float64)
+    mask = torch.ones_like(base, dtype=torch.bool)
+    mask[::2, 1::2] = False
+    assert torch.equal(base[mask], before[mask])
+    column_rows = torch.randn(5, 4, dtype=torch.float64)
+    rows_t = column_rows.t()  # each row strided by 4
+    expected = sort_based_projection(rows_t)
+    project_simplex_(rows_t)
+    assert_close(rows_t, expected, torch.float64)
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+def test_error_alpha_length_differs_from_branches():
+    with pytest.raises(ValueError, match=r"weights must have shape \[4, \*shape\]"):
+        branch_combine(torch.randn(5, 3, 3), torch.rand(4))
+
+
+def test_error_per_client_shapes_do_not_match():
+    with pytest.raises(ValueError, match="weights must have shape"):
+        branch_combine(torch.randn(2, 5, 3), torch.rand(3, 5))
+
+
+def test_error_alpha_dims():
+    with pytest.raises(ValueError, match="alpha must have 1 or 2 dimensions"):
+        branch_combine(torch.randn(2, 3, 5, 4), torch.rand(2, 3, 5))
+
+
+def test_error_zero_branches():
+    with pytest.raises(ValueError, match="B >= 1"):
+        branch_combine(torch.randn(0, 3), torch.rand(0))
+
+
+def test_error_dtype_mixture():
+    with pytest.raises(TypeError, match="weights must have the dtype of alpha"):
+        branch_combine(torch.randn(3, 4, dtype=torch.float64), torch.rand(3))
+
+
+def test_error_integer_inputs():
+    with pytest.raises(TypeError, match="weights must be a floating"):
+        branch_combine(torch.ones(3, 4, dtype=torch.int64), torch.rand(3))
+    with pytest.raises(TypeError, match="alpha must be a floating"):
+        branch_combine(torch.randn(3, 4), torch.ones(3, dtype=torch.int64))
+
+
+def test_error_device_mixture():
+    with pytest.raises(ValueError, match="weights must be on the device of alpha"):
+        branch_combine(torch.randn(3, 4, device="meta"), torch.rand(3))
+
+
+def test_error_op_level_checks_without_the_wrapper():
+    with pytest.raises((RuntimeError, ValueError), match="weights"):
+        torch.ops.pfl.branch_combine(torch.randn(5, 3), torch.rand(4))
+
+
+def test_error_project_simplex_bad_input():
+    with pytest.raises(TypeError, match="x must be a floating"):
+        project_simplex_(torch.ones(3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="B >= 1"):
+        project_simplex_(torch.empty(3, 0))
+    with pytest.raises(ValueError, match="finite"):
+        project_simplex_(torch.tensor([[0.2, float("nan")]]))
+
+
+def test_cpu_runs_the_cpp_kernels():
+    if any(os.environ.get(v, "0") not in ("", "0") for v in ("PFL_KERNELS_SKIP_EXTENSION",
+                                                              "PFL_KERNELS_DISABLE_EXTENSION")):
+        pytest.skip("the C++ extension is switched off by the environment")
+    info = pfl_kernels.backend_info()
+    for op in ("pfl::branch_combine", "pfl::branch_combine_backward", "pfl::project_simplex_"):
+        assert info[op]["cpu"] == {"implementation": "cpp", "reason": ""}, op
