@@ -20,6 +20,7 @@ import torch
 from ..reference import branch as ref
 from ._checks import FLOAT_DTYPES, check_same, check_tensor
 from ._library import define_op, has_kernel
+from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
 def _check_op_args(weights, alpha, grad_w=None):
@@ -95,6 +96,21 @@ def _backward(ctx, grad_w):
 # As for factorized_weight: C++ autograd when the extension is loaded, else this one.
 if not has_kernel(BRANCH_COMBINE, "Autograd"):
     torch.library.register_autograd(BRANCH_COMBINE, _backward, setup_context=_setup_context)
+
+
+@torch.library.register_vmap(BRANCH_COMBINE)
+def _branch_combine_vmap(info, in_dims, weights, alpha):
+    has_clients = logical_dim(alpha, in_dims[1]) == 2
+    (weights, alpha), unfold = fold_vmap_dim(info, in_dims, (weights, alpha), has_clients)
+    return unfold(torch.ops.pfl.branch_combine(weights, alpha)), 0
+
+
+@torch.library.register_vmap(BRANCH_COMBINE_BACKWARD)
+def _branch_combine_backward_vmap(info, in_dims, grad_w, weights, alpha, output_mask):
+    has_clients = logical_dim(alpha, in_dims[2]) == 2
+    (grad_w, weights, alpha), unfold = fold_vmap_dim(info, in_dims, (grad_w, weights, alpha), has_clients)
+    grads = torch.ops.pfl.branch_combine_backward(grad_w, weights, alpha, output_mask)
+    return unfold_gradients(grads, list(output_mask), unfold)
 
 
 def branch_combine(weights: torch.Tensor, alpha: torch.Tensor, *,

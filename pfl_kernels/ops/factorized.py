@@ -21,6 +21,7 @@ from .._layout import layout_geometry
 from ..reference import factorized as ref
 from ._checks import check_same, check_tensor, client_count
 from ._library import define_op, has_kernel
+from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
 def _check_op_args(u, v, mu, mask, shape, layout, grad_w=None):
@@ -120,46 +121,21 @@ if not has_kernel(FACTORIZED_WEIGHT, "Autograd"):
     torch.library.register_autograd(FACTORIZED_WEIGHT, _backward, setup_context=_setup_context)
 
 
-def _fold_vmap_dim(info, in_dims, tensors, u_index):
-    """Move the vmapped dim to the front and fold it into the client dim K.
-
-    vmap over B copies of an op on [K?, ...] inputs is the op on B·K clients; inputs
-    that are not vmapped are expanded (stride 0, no copy).  Returns the folded tensors
-    and a function that unfolds an output [B·K?, ...] back to [B, K?, ...].
-    """
-    batch = info.batch_size
-    dims = tuple(in_dims) + (None,) * (len(tensors) - len(in_dims))
-    # u's own (logical) dims: 2 without a client dim, 3 with one.
-    has_clients = tensors[u_index].dim() - (dims[u_index] is not None) == 3
-    folded = []
-    for t, d in zip(tensors, dims):
-        if t is not None:
-            t = t.movedim(d, 0) if d is not None else t.expand(batch, *t.shape)
-            if has_clients:
-                t = t.reshape(-1, *t.shape[2:])
-        folded.append(t)
-
-    def unfold(out):
-        return out.reshape(batch, -1, *out.shape[1:]) if has_clients else out
-
-    return folded, unfold
-
-
 @torch.library.register_vmap(FACTORIZED_WEIGHT)
 def _factorized_weight_vmap(info, in_dims, u, v, mu=None, mask=None, *, shape, layout="spatial"):
-    (u, v, mu, mask), unfold = _fold_vmap_dim(info, in_dims, (u, v, mu, mask), 0)
+    has_clients = logical_dim(u, in_dims[0]) == 3
+    (u, v, mu, mask), unfold = fold_vmap_dim(info, in_dims, (u, v, mu, mask), has_clients)
     return unfold(torch.ops.pfl.factorized_weight(u, v, mu, mask, shape=shape, layout=layout)), 0
 
 
 @torch.library.register_vmap(FACTORIZED_WEIGHT_BACKWARD)
 def _factorized_weight_backward_vmap(info, in_dims, grad_w, u, v, mu, mask, *, shape, layout, output_mask):
-    (grad_w, u, v, mu, mask), unfold = _fold_vmap_dim(info, in_dims, (grad_w, u, v, mu, mask), 1)
+    has_clients = logical_dim(u, in_dims[1]) == 3
+    (grad_w, u, v, mu, mask), unfold = fold_vmap_dim(info, in_dims, (grad_w, u, v, mu, mask), has_clients)
     grads = torch.ops.pfl.factorized_weight_backward(grad_w, u, v, mu, mask, shape=shape, layout=layout,
                                                      output_mask=output_mask)
-    # Gradients not asked for are empty [0] tensors: unbatched (vmap broadcasts them).
-    asked = [g.dim() > 1 for g in grads]
-    return (tuple(unfold(g) if a else g for g, a in zip(grads, asked)),
-            tuple(0 if a else None for a in asked))
+    asked = [m and t is not None for m, t in zip(output_mask, (u, v, mu, mask))]
+    return unfold_gradients(grads, asked, unfold)
 
 
 def factorized_weight(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tensor] = None,

@@ -263,3 +263,26 @@ def test_cpu_runs_the_cpp_kernels():
     info = pfl_kernels.backend_info()
     for op in ("pfl::branch_combine", "pfl::branch_combine_backward", "pfl::project_simplex_"):
         assert info[op]["cpu"] == {"implementation": "cpp", "reason": ""}, op
+
+
+@pytest.mark.parametrize("clients", [None, 2])
+def test_vmap_forward_backward_and_autograd(clients):
+    """vmap over V copies (a batched executor) is one call on V·K clients."""
+    shape, branches, copies = (4, 3, 3, 3), 3, 4
+    stacks = [make_inputs(shape, branches, clients, torch.float64, seed=s)[0] for s in range(copies)]
+    weights, alpha = (torch.stack([st[i] for st in stacks]) for i in range(2))
+    shared_weights = weights[0].clone().requires_grad_()  # not vmapped
+    alpha = alpha.clone().requires_grad_()
+    w = torch.func.vmap(torch.ops.pfl.branch_combine, in_dims=(None, 0))(shared_weights, alpha)
+    for c in range(copies):
+        assert_close(w[c], ref.branch_combine(shared_weights.detach(), alpha[c].detach()), torch.float64)
+    grad = torch.randn_like(w)
+    w.backward(grad)
+    expected = [ref.branch_combine_backward(grad[c], shared_weights.detach(), alpha[c].detach(), [True, True])
+                for c in range(copies)]
+    assert_close(shared_weights.grad, sum(e[0] for e in expected), torch.float64, "grad of unbatched weights")
+    assert_close(alpha.grad, torch.stack([e[1] for e in expected]), torch.float64, "grad of alpha")
+    got = torch.func.vmap(torch.ops.pfl.branch_combine_backward, in_dims=(0, None, 0, None))(
+        grad, shared_weights.detach(), alpha.detach(), [False, True])
+    assert got[0].shape == (copies, 0)
+    assert_close(got[1], torch.stack([e[1] for e in expected]), torch.float64, "vmap of the backward op")
