@@ -1,10 +1,17 @@
-"""Shared pytest hooks of the benchmarks.
+"""Shared pytest hooks of the benchmark suites (``bench_factorized.py``, ``bench_branch.py``).
+
+Conventions every suite follows, which these hooks and ``benchmarks/report.py`` rely on:
+each test is parametrized with ``repeat`` (0, 1, ...: the same measurement taken again,
+later in the run) and labels its benchmark's ``extra_info`` with ``case``, ``shape``,
+``side`` and ``impl`` (plus ``branches`` where the suite varies B).
 
 * Records, in pytest-benchmark's JSON, what the measuring process ran on;
   ``benchmarks/report.py`` reads it back from there, so the backends it prints are those
   active while the numbers were taken (not those of the report's own process).
 * With ``--benchmark-disable`` (a smoke run: each function called once, nothing timed)
-  only the first repeat of each pair runs: the others would call the same code again.
+  only the first repeat of each group runs: the others would call the same code again.
+  This holds for any set of suites run together, e.g.
+  ``pytest benchmarks/bench_factorized.py benchmarks/bench_branch.py --benchmark-disable``.
 """
 from __future__ import annotations
 

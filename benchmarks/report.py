@@ -1,20 +1,30 @@
-"""Run the CPU benchmarks of the factorized ops and layers and print their ratios.
+"""Run the CPU benchmark suites of pfl-kernels and print their ratios.
 
-    python benchmarks/report.py [--quick] [--json PATH] [--benchmark-json PATH]
+    python benchmarks/report.py [--quick] [--suite factorized|branch|all] [--json PATH]
+                                [--benchmark-json PATH]
 
-Runs ``benchmarks/bench_factorized.py`` under pytest-benchmark in a child process (with
-OMP_WAIT_POLICY=PASSIVE, so idle OpenMP threads do not spin on the 2 cores the pairs
-share), pairs each measurement with its baseline and prints, per case and shape, the
-two medians, their ratio and whether the target is met:
+Runs each suite (``benchmarks/bench_<suite>.py``, default: all of them, one after the
+other) under pytest-benchmark in a child process (with OMP_WAIT_POLICY=PASSIVE, so idle
+OpenMP threads do not spin on the 2 cores the measurements share), groups each measurement
+with its baseline and prints one table per suite: per case and shape, the medians, their
+ratio and whether the target is met.
 
-* reconstruct forward / backward: ratio = eager time / fused time (speed-up), target >= 2.0;
-* layer fwd+bwd: ratio = factorized layer time / dense layer time (cost), target <= 1.10.
+* factorized suite (``bench_factorized.py``):
+  reconstruct forward / backward: ratio = eager time / fused time (speed-up), target >= 2.0;
+  layer fwd+bwd: ratio = factorized layer time / dense layer time (cost), target <= 1.10.
+* branch suite (``bench_branch.py``, B in {2, 5, 10} for the ops, B = 5 for the layers):
+  combine forward / backward: ratio = eager / fused (speed-up) and ours/floor = fused time /
+  the time of a copy moving the op's minimum traffic (lower is better, 1 = copy speed);
+  layer fwd+bwd: ratio = multi-branch layer time / dense layer time (cost).  The issue's
+  targets hold at B = 5 and resnet9-conv256-256k3 only (ops: <= 1.5 x floor and >= 1.0
+  speed-up; layer: <= 1.15); other rows have none ("-").
 
-The table is also saved as JSON (default ``benchmarks/results/factorized_cpu.json``, or
-``factorized_cpu_quick.json`` with --quick, which git ignores) with
-the machine and the implementations that were active (``pfl_kernels.backend_info()`` of
-the measuring process).  A missed target is reported, not an error: the exit status is 0
-unless the benchmarks themselves fail.
+Each table is also saved as JSON (default ``benchmarks/results/<suite>_cpu.json``, or
+``<suite>_cpu_quick.json`` with --quick, which git ignores) with the machine and the
+implementations that were active (``pfl_kernels.backend_info()`` of the measuring
+process).  --json / --benchmark-json name the file of a single suite; with several suites
+the suite's name is added to the file name.  A missed target is reported, not an error:
+the exit status is 0 unless the benchmarks themselves fail.
 """
 from __future__ import annotations
 
@@ -30,45 +40,130 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_FILE = "benchmarks/bench_factorized.py"
-DEFAULT_JSON = ROOT / "benchmarks" / "results" / "factorized_cpu.json"
-# Quick runs (the demo) go elsewhere, untracked, so they never overwrite the recorded full run.
-QUICK_JSON = ROOT / "benchmarks" / "results" / "factorized_cpu_quick.json"
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 @dataclass(frozen=True)
 class Case:
-    """How the two sides of a case are compared."""
+    """How the sides of a case are compared.
+
+    Every case compares 'ours' with 'baseline' (``ratio``); a case whose suite also measures
+    a 'floor' side adds ours / floor (lower is better) with its own target.
+    """
 
     title: str
     speedup: bool  # ratio = baseline / ours (higher is better); else ours / baseline (lower is better)
-    target: float
+    target: Optional[float]
+    floor_target: Optional[float] = None  # ours / floor <= this
+    # The targets hold only for the rows whose extra_info has these values (None: every row).
+    target_at: Optional[dict] = None
 
     @property
     def ratio_definition(self) -> str:
         return "baseline / ours (speed-up)" if self.speedup else "ours / baseline (cost)"
 
-    @property
-    def target_text(self) -> str:
-        return f"{'>=' if self.speedup else '<='} {self.target:.2f}"
-
     def ratio(self, ours_s: float, baseline_s: float) -> float:
         return baseline_s / ours_s if self.speedup else ours_s / baseline_s
 
-    def met(self, ratio: float) -> bool:
-        return ratio >= self.target if self.speedup else ratio <= self.target
+    def applies(self, info: dict) -> bool:
+        return self.target_at is None or all(info.get(k) == v for k, v in self.target_at.items())
+
+    def ratio_target(self, info: dict) -> Optional[dict]:
+        if self.target is None or not self.applies(info):
+            return None
+        return {"op": ">=" if self.speedup else "<=", "value": self.target}
+
+    def floor_ratio_target(self, info: dict) -> Optional[dict]:
+        if self.floor_target is None or not self.applies(info):
+            return None
+        return {"op": "<=", "value": self.floor_target}
 
 
-# Keys are the ``case`` names of bench_factorized.py, in the order of the table.
-CASES = {
-    "reconstruct_forward": Case("reconstruct fwd", speedup=True, target=2.0),
-    "reconstruct_backward": Case("reconstruct bwd", speedup=True, target=2.0),
-    "layer_train_step": Case("layer fwd+bwd", speedup=False, target=1.10),
+def _met(ratio: Optional[float], target: Optional[dict]) -> Optional[bool]:
+    if ratio is None or target is None:
+        return None
+    return ratio >= target["value"] if target["op"] == ">=" else ratio <= target["value"]
+
+
+def _target_text(target: Optional[dict]) -> str:
+    return "-" if target is None else f"{target['op']} {target['value']:.2f}"
+
+
+# The target of the branch suite's issue: at B = 5 and the 256->256 k3 shape.
+_BRANCH_TARGET_AT = {"shape": "resnet9-conv256-256k3", "branches": 5}
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A benchmark file and how to read its results."""
+
+    name: str
+    cases: dict  # the ``case`` names of the benchmark file -> Case, in the order of the table
+    ops: tuple  # substrings of the ops behind 'fused': their CPU backend is checked for the note
+    reference_note: str  # printed when those ops ran the plain-PyTorch reference
+    legend: str
+
+    @property
+    def bench_file(self) -> str:
+        return f"benchmarks/bench_{self.name}.py"
+
+    @property
+    def default_json(self) -> Path:
+        return RESULTS / f"{self.name}_cpu.json"
+
+    @property
+    def quick_json(self) -> Path:
+        # Quick runs (the demo) go elsewhere, untracked, so they never overwrite a recorded full run.
+        return RESULTS / f"{self.name}_cpu_quick.json"
+
+
+_TIMES_LEGEND = ("Times are medians over rounds (and over repeats, when measured more than once); iqr ="
+                 " the largest interquartile range of the pair's measurements, relative to its median.")
+
+SUITES = {
+    "factorized": Suite(
+        name="factorized",
+        cases={
+            "reconstruct_forward": Case("reconstruct fwd", speedup=True, target=2.0),
+            "reconstruct_backward": Case("reconstruct bwd", speedup=True, target=2.0),
+            "layer_train_step": Case("layer fwd+bwd", speedup=False, target=1.10),
+        },
+        ops=("factorized_weight",),
+        reference_note=("NOTE: the factorized ops ran the plain-PyTorch reference on CPU, so the fused "
+                        "side is the eager code behind a custom op: expect reconstruct ratios near 1."),
+        legend=("ours / baseline: fused / eager for the reconstruction ops, factorized / dense for "
+                "the layers (batch 32, 32x32 inputs, rank 1).\nratio: eager/fused (speed-up, higher "
+                "is better) for reconstruct, factorized/dense (cost, lower is better) for layers.\n"
+                + _TIMES_LEGEND),
+    ),
+    "branch": Suite(
+        name="branch",
+        cases={
+            "combine_forward": Case("combine fwd", speedup=True, target=1.0, floor_target=1.5,
+                                    target_at=_BRANCH_TARGET_AT),
+            "combine_backward": Case("combine bwd", speedup=True, target=1.0, floor_target=1.5,
+                                     target_at=_BRANCH_TARGET_AT),
+            "layer_train_step": Case("layer fwd+bwd", speedup=False, target=1.15, target_at=_BRANCH_TARGET_AT),
+        },
+        ops=("branch_combine",),
+        reference_note=("NOTE: the branch ops ran the plain-PyTorch reference on CPU, so the fused "
+                        "side is the eager code behind a custom op: expect combine ratios near 1."),
+        legend=("ours / baseline: fused / eager (torch.einsum, and its autograd for bwd) for the combine "
+                "ops, multibranch / dense for the layers (B = 5, batch 32, 32x32 inputs, no bias).\n"
+                "ratio: eager/fused (speed-up, higher is better) for combine, multibranch/dense (cost, "
+                "lower is better) for layers.\n"
+                "floor: dst.copy_(src), preallocated, moving the op's minimum traffic (fwd (B+1)*N + B, "
+                "bwd (2B+1)*N + 2B float32); ours/floor: fused / floor (lower is better, 1 = copy speed).\n"
+                "At the small LeNet-5 shapes a copy takes a few us: ours/floor there mostly measures the "
+                "op's fixed cost per call, not its traffic.\n"
+                "Targets only at B = 5 and resnet9-conv256-256k3 ('-': none); met: all targets of the row.\n"
+                + _TIMES_LEGEND),
+    ),
 }
 
 
-def run_benchmarks(raw_json: Path, quick: bool, storage: Path) -> int:
-    """Run the benchmark file in a child pytest, writing pytest-benchmark's JSON to ``raw_json``.
+def run_benchmarks(suite: Suite, raw_json: Path, quick: bool, storage: Path) -> int:
+    """Run the suite's benchmark file in a child pytest, writing pytest-benchmark's JSON to ``raw_json``.
 
     ``storage`` is a scratch folder for pytest-benchmark's run storage (nothing is saved
     there, but the plugin creates it, by default as .benchmarks/ in the repository).
@@ -77,7 +172,7 @@ def run_benchmarks(raw_json: Path, quick: bool, storage: Path) -> int:
     env.pop("PFL_BENCH_QUICK", None)
     if quick:
         env["PFL_BENCH_QUICK"] = "1"
-    cmd = [sys.executable, "-m", "pytest", BENCH_FILE, "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", suite.bench_file, "-q", "-p", "no:cacheprovider",
            "--benchmark-enable", "--benchmark-quiet", f"--benchmark-json={raw_json}",
            f"--benchmark-storage=file://{storage}"]
     print(f"$ {'PFL_BENCH_QUICK=1 ' if quick else ''}OMP_WAIT_POLICY=PASSIVE {' '.join(cmd[2:-2])}",
@@ -102,41 +197,68 @@ def _side(measurements: list[dict]) -> dict:
             "iterations": [st["iterations"] for st in stats]}
 
 
-def build_rows(raw: dict) -> list[dict]:
-    """Pair the 'ours' and 'baseline' benchmarks of each (case, shape), in the suite's order.
+def build_rows(raw: dict, cases: dict) -> list[dict]:
+    """Group the sides ('ours', 'baseline' and maybe 'floor') of each (case, shape, B), in the suite's order.
 
     A side measured several times (repeats, spread over the run) counts the median of its
     per-repeat medians, so a burst of load from elsewhere that spoiled one repeat is
-    outvoted; the ratio is that of the two sides' medians.  The per-repeat ratios (each
-    of two measurements taken back to back) are kept to show how stable the ratio is.
+    outvoted; a ratio is that of the two sides' medians.  The per-repeat ratios (each of
+    two measurements taken back to back) are kept to show how stable the ratio is.
     """
-    found: dict[tuple[str, str], dict] = {}
+    found: dict[tuple, dict] = {}
     for bench in raw["benchmarks"]:
         info = bench["extra_info"]
-        if info.get("case") not in CASES:
+        if info.get("case") not in cases:
             continue
-        entry = found.setdefault((info["case"], info["shape"]), {"info": info, "repeats": {}})
+        key = (info["case"], info["shape"], info.get("branches"))
+        entry = found.setdefault(key, {"info": info, "repeats": {}})
         entry["repeats"].setdefault(info.get("repeat", 0), {})[info["side"]] = bench
     rows = []
-    # The table's order: by case as in CASES, then by shape as the suite ran them.
-    for (name, shape), entry in sorted(found.items(), key=lambda kv: list(CASES).index(kv[0][0])):
-        case, info = CASES[name], entry["info"]
+    # The table's order: by case as in ``cases``, then by shape (and B) as the suite ran them.
+    for (name, shape, branches), entry in sorted(found.items(), key=lambda kv: list(cases).index(kv[0][0])):
+        case, info = cases[name], entry["info"]
         repeats = [r for _, r in sorted(entry["repeats"].items())]
-        row = {"case": name, "shape": shape, "weight_shape": info["weight_shape"],
-               "layout": info["layout"]}
-        for side in ("ours", "baseline"):
+        row = {"case": name, "shape": shape, "weight_shape": info["weight_shape"]}
+        for key in ("layout", "branches", "traffic_bytes"):
+            if key in info:
+                row[key] = info[key]
+        for side in ("ours", "baseline", "floor"):
             if any(side in r for r in repeats):
                 row[side] = _side([r[side] for r in repeats if side in r])
-        ratio = (case.ratio(row["ours"]["median_s"], row["baseline"]["median_s"])
-                 if "ours" in row and "baseline" in row else None)
-        per_repeat = [case.ratio(r["ours"]["stats"]["median"], r["baseline"]["stats"]["median"])
-                      for r in repeats if "ours" in r and "baseline" in r]
-        row.update(ratio=ratio, ratios_per_repeat=per_repeat,
-                   ratio_definition=case.ratio_definition,
-                   target={"op": ">=" if case.speedup else "<=", "value": case.target},
-                   met=None if ratio is None else case.met(ratio))
+
+        def ratio(num: str, den: str, fn) -> tuple[Optional[float], list[float]]:
+            total = (fn(row[num]["median_s"], row[den]["median_s"]) if num in row and den in row else None)
+            per_repeat = [fn(r[num]["stats"]["median"], r[den]["stats"]["median"])
+                          for r in repeats if num in r and den in r]
+            return total, per_repeat
+
+        value, per_repeat = ratio("ours", "baseline", case.ratio)
+        target = case.ratio_target(info)
+        row.update(ratio=value, ratios_per_repeat=per_repeat, ratio_definition=case.ratio_definition,
+                   target=target, met=_met(value, target))
+        if "floor" in row or case.floor_target is not None:
+            value, per_repeat = ratio("ours", "floor", lambda ours, floor: ours / floor)
+            target = case.floor_ratio_target(info)
+            row.update(floor_ratio=value, floor_ratios_per_repeat=per_repeat,
+                       floor_ratio_definition="ours / floor (cost against the copy of the same bytes)",
+                       floor_target=target, floor_met=_met(value, target))
         rows.append(row)
     return rows
+
+
+def _targets(row: dict) -> list[Optional[bool]]:
+    """Whether each target stated for the row is met (None: not measured)."""
+    return [row[met] for target, met in (("target", "met"), ("floor_target", "floor_met"))
+            if row.get(target) is not None]
+
+
+def _row_met(row: dict) -> str:
+    targets = _targets(row)
+    if not targets:
+        return "-"
+    if False in targets:
+        return "NO"
+    return "n/a" if None in targets else "yes"
 
 
 def _fmt_time(seconds: Optional[float]) -> str:
@@ -148,27 +270,45 @@ def _fmt_time(seconds: Optional[float]) -> str:
     return f"{seconds / 1e-6:.3g} us"
 
 
+def _fmt_ratio(ratio: Optional[float]) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}"
+
+
 def _spread(row: dict) -> str:
-    """The larger relative IQR of the two sides: how far a ratio can be trusted."""
-    sides = [row[s] for s in ("ours", "baseline") if s in row]
+    """The largest relative IQR of the row's sides: how far its ratios can be trusted."""
+    sides = [row[s] for s in ("ours", "baseline", "floor") if s in row]
     return f"{max(s['max_rel_iqr'] for s in sides):.0%}" if sides else "n/a"
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], cases: dict) -> str:
+    """One line per row; the B and floor columns only where some row has them."""
     repeated = any(len(row["ratios_per_repeat"]) > 1 for row in rows)
-    header = ("case", "shape", "weight", "ours", "median", "baseline", "median", "ratio",
-              "target", "met", "iqr") + (("per repeat",) if repeated else ())
+    with_b = any("branches" in row for row in rows)
+    with_floor = any("floor_ratio" in row for row in rows)
+    header = (("case", "shape", "weight") + (("B",) if with_b else ())
+              + ("ours", "median", "baseline", "median", "ratio", "target")
+              + (("floor", "ours/floor", "target") if with_floor else ()) + ("met", "iqr")
+              + (("per repeat",) if repeated else ())
+              + (("ours/floor per repeat",) if repeated and with_floor else ()))
     lines = []
     for row in rows:
-        case = CASES[row["case"]]
         ours, base = row.get("ours", {}), row.get("baseline", {})
-        lines.append((
-            case.title, row["shape"], "x".join(map(str, row["weight_shape"])),
-            ours.get("impl", "?"), _fmt_time(ours.get("median_s")),
-            base.get("impl", "?"), _fmt_time(base.get("median_s")),
-            "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}", case.target_text,
-            {True: "yes", False: "NO", None: "n/a"}[row["met"]], _spread(row))
-            + ((" ".join(f"{r:.2f}" for r in row["ratios_per_repeat"]),) if repeated else ()))
+        cells = (cases[row["case"]].title, row["shape"], "x".join(map(str, row["weight_shape"])))
+        if with_b:
+            cells += (str(row.get("branches", "")),)
+        cells += (ours.get("impl", "?"), _fmt_time(ours.get("median_s")),
+                  base.get("impl", "?"), _fmt_time(base.get("median_s")),
+                  _fmt_ratio(row["ratio"]), _target_text(row["target"]))
+        if with_floor:
+            cells += (("", "", "") if "floor_ratio" not in row else
+                      (_fmt_time(row.get("floor", {}).get("median_s")), _fmt_ratio(row["floor_ratio"]),
+                       _target_text(row["floor_target"])))
+        cells += (_row_met(row), _spread(row))
+        if repeated:
+            cells += (" ".join(f"{r:.2f}" for r in row["ratios_per_repeat"]),)
+            if with_floor:
+                cells += (" ".join(f"{r:.2f}" for r in row.get("floor_ratios_per_repeat", [])),)
+        lines.append(cells)
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *lines]]
     out.insert(1, "  ".join("-" * w for w in widths))
@@ -204,7 +344,13 @@ def machine_summary(raw: dict) -> dict:
     }
 
 
-def print_report(machine: dict, rows: list[dict]) -> None:
+def count_targets(rows: list[dict]) -> tuple[int, int, int]:
+    """(met, stated, not measured) over every target of every row."""
+    targets = [t for row in rows for t in _targets(row)]
+    return sum(t is True for t in targets), len(targets), sum(t is None for t in targets)
+
+
+def print_report(suite: Suite, machine: dict, rows: list[dict]) -> None:
     print()
     print(f"pfl-kernels CPU benchmarks ({machine['mode']} mode), {machine['date']}")
     print(f"torch {machine['torch_version']}, {machine['torch_num_threads']} threads, "
@@ -213,54 +359,71 @@ def print_report(machine: dict, rows: list[dict]) -> None:
     print("\nImplementations on CPU (pfl_kernels.backend_info() in the measuring process):")
     print(format_backends(machine["backend_info"]))
     if any(d.get("cpu", {}).get("implementation") == "reference"
-           for op, d in machine["backend_info"].items() if "factorized_weight" in op):
-        print("NOTE: the factorized ops ran the plain-PyTorch reference on CPU, so the fused "
-              "side is the eager code behind a custom op: expect reconstruct ratios near 1.")
+           for op, d in machine["backend_info"].items() if any(name in op for name in suite.ops)):
+        print(suite.reference_note)
     print()
-    print(format_table(rows))
-    print("\nours / baseline: fused / eager for the reconstruction ops, factorized / dense for "
-          "the layers (batch 32, 32x32 inputs, rank 1).\nratio: eager/fused (speed-up, higher "
-          "is better) for reconstruct, factorized/dense (cost, lower is better) for layers.\n"
-          "Times are medians over rounds (and over repeats, when measured more than once); iqr ="
-          " the largest interquartile range of the pair's measurements, relative to its median.")
-    measured = [r for r in rows if r["met"] is not None]
-    print(f"\nTargets met: {sum(r['met'] for r in measured)} of {len(rows)}"
-          + (f" ({len(rows) - len(measured)} not measured)" if len(measured) < len(rows) else ""))
+    print(format_table(rows, suite.cases))
+    print("\n" + suite.legend)
+    met, stated, unmeasured = count_targets(rows)
+    print(f"\nTargets met: {met} of {stated}" + (f" ({unmeasured} not measured)" if unmeasured else ""))
+
+
+def report_suite(suite: Suite, quick: bool, json_path: Path, benchmark_json: Optional[Path]) -> int:
+    """Run one suite, print its table and save it as JSON; the child pytest's exit status."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw_path = benchmark_json.resolve() if benchmark_json else Path(tmp) / "raw.json"
+        status = run_benchmarks(suite, raw_path, quick, Path(tmp) / "storage")
+        if not raw_path.exists():
+            print(f"error: the {suite.name} benchmarks did not run (pytest exit status {status})",
+                  file=sys.stderr)
+            return status or 1
+        raw = json.loads(raw_path.read_text())
+
+    machine = machine_summary(raw)
+    rows = build_rows(raw, suite.cases)
+    print_report(suite, machine, rows)
+    met, stated, _ = count_targets(rows)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({
+        "suite": suite.bench_file, "machine": machine, "rows": rows,
+        "targets_met": met, "targets_total": stated, "rows_total": len(rows)}, indent=2) + "\n")
+    print(f"Saved {json_path}")
+    if status != 0:
+        print(f"error: some {suite.name} benchmarks failed (pytest exit status {status})", file=sys.stderr)
+    return status
+
+
+def _for_suite(path: Optional[Path], suite: str, several: bool) -> Optional[Path]:
+    """``path`` as given for a single suite; with several, the suite's name added to the file name."""
+    if path is None or not several:
+        return path
+    return path.with_name(f"{path.stem}_{suite}{path.suffix}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer rounds per measurement (same shapes): under a minute")
+                        help="fewer rounds per measurement (same shapes): under a minute per suite")
+    parser.add_argument("--suite", choices=[*SUITES, "all"], default="all",
+                        help="which suite to run (default: all, one after the other)")
     parser.add_argument("--json", type=Path, default=None,
-                        help=f"where to save the ratio table (default {DEFAULT_JSON.relative_to(ROOT)}, "
-                             f"or {QUICK_JSON.relative_to(ROOT)} with --quick)")
+                        help="where to save the ratio table (default benchmarks/results/<suite>_cpu.json, "
+                             "or <suite>_cpu_quick.json with --quick)")
     parser.add_argument("--benchmark-json", type=Path, default=None,
                         help="also keep pytest-benchmark's raw JSON (every timing) at this path")
     args = parser.parse_args(argv)
-    if args.json is None:
-        args.json = QUICK_JSON if args.quick else DEFAULT_JSON
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    several = len(names) > 1
 
-    with tempfile.TemporaryDirectory() as tmp:
-        raw_path = args.benchmark_json.resolve() if args.benchmark_json else Path(tmp) / "raw.json"
-        status = run_benchmarks(raw_path, args.quick, Path(tmp) / "storage")
-        if not raw_path.exists():
-            print(f"error: the benchmarks did not run (pytest exit status {status})", file=sys.stderr)
-            return status or 1
-        raw = json.loads(raw_path.read_text())
-
-    machine = machine_summary(raw)
-    rows = build_rows(raw)
-    print_report(machine, rows)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "suite": BENCH_FILE, "machine": machine, "rows": rows,
-        "targets_met": sum(bool(r["met"]) for r in rows), "rows_total": len(rows)}, indent=2) + "\n")
-    print(f"Saved {args.json}")
-    if status != 0:
-        print(f"error: some benchmarks failed (pytest exit status {status})", file=sys.stderr)
-        return status
-    return 0
+    status = 0
+    for name in names:
+        suite = SUITES[name]
+        if several:
+            print(f"\n=== {name} suite ({suite.bench_file}) ===", flush=True)
+        json_path = _for_suite(args.json, name, several) or (suite.quick_json if args.quick else suite.default_json)
+        suite_status = report_suite(suite, args.quick, json_path, _for_suite(args.benchmark_json, name, several))
+        status = status or suite_status
+    return status
 
 
 if __name__ == "__main__":
