@@ -40,10 +40,13 @@ def project_simplex_(x: torch.Tensor) -> None:
     With u = x sorted descending and c = cumsum(u): ρ = max{j : u_j − (c_j − 1)/j > 0},
     θ = (c_ρ − 1)/ρ, and the projection is max(x − θ, 0).
     """
-    u, _ = torch.sort(x, dim=-1, descending=True)
+    # The projection commutes with adding a constant to a row (θ absorbs it): working on
+    # x − max(x) keeps u_1 = 0 in the support even when |x| is beyond 1/eps.
+    x_max = x.amax(dim=-1, keepdim=True)
+    u, _ = torch.sort(x - x_max, dim=-1, descending=True)
     c = torch.cumsum(u, dim=-1) - 1
     j = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=x.dtype)
     support = (u - c / j) > 0  # true for j = 1..ρ (a prefix)
     rho = support.sum(-1, keepdim=True)
     theta = torch.gather(c, -1, rho - 1) / rho.to(x.dtype)
-    x.copy_(torch.clamp(x - theta, min=0))
+    x.copy_(torch.clamp(x - x_max - theta, min=0))

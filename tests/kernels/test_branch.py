@@ -171,6 +171,7 @@ ROWS = {
     "single_entry": torch.randn(5, 1, dtype=torch.float64),
     "clients": torch.randn(3, 4, 10, dtype=torch.float64),
     "wide": torch.randn(2, 300, dtype=torch.float64),
+    "beyond_1_over_eps": torch.tensor([[1e8, 3.0, -2.0], [1e9, 1e9 - 0.5, 0.0]], dtype=torch.float64),
 }
 
 
