@@ -24,4 +24,5 @@ def register_all() -> None:
     """Register every Triton kernel for the CUDA dispatch key (once, at import)."""
     if not AVAILABLE:
         return
+    from . import branch  # noqa: F401
     from . import factorized  # noqa: F401  (registers on import)

@@ -1,0 +1,276 @@
+"""GPU benchmark of the Triton multi-branch kernels (needs CUDA, torch >= 2.11, triton >= 3.6).
+
+    python benchmarks/gpu_branch.py [--dtype float32|bfloat16|float16] [--quick] [--shared]
+
+For every weight shape of ``SHAPES`` (pFedMB's LeNet-5 and ResNet-9 layers), branch count B
+in ``BRANCHES`` and client count K in ``CLIENTS`` it
+
+1. checks the fused ops (``torch.ops.pfl.branch_combine`` / ``branch_combine_backward`` on
+   CUDA, i.e. the Triton kernels) against the float64 reference, and stops on a mismatch;
+2. times, with ``triton.testing.do_bench`` (median; L2 flushed before each call):
+   the fused forward and backward (both gradients), the eager code they replace
+   (``torch.einsum`` and its autograd backward) and the floor: a device-to-device copy
+   that moves the same number of bytes;
+3. reports the bytes the op must move (each input read once, each output written once:
+   see ``op_bytes``), the achieved bandwidth, the ratio to the floor (fused time / copy
+   time; target <= 1.2 on the large cases) and the speedup over eager.
+
+Weights are per client ([K, B, *shape]); ``--shared`` passes branches shared by all clients
+as ``weights.expand(K, ...)`` instead (read once: fewer bytes).
+
+Prints a table and writes JSON to ``benchmarks/results/branch_gpu_<device>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.gpu_factorized import _check, sanitize  # noqa: E402
+
+# pFedMB LeNet-5 (convs, linears) and ResNet-9 convs.
+SHAPES = [
+    (6, 3, 5, 5), (16, 6, 5, 5), (120, 400), (84, 120), (10, 84),
+    (128, 64, 5, 5), (128, 128, 3, 3), (256, 128, 3, 3), (256, 256, 3, 3),
+]
+BRANCHES = [2, 5, 10]
+CLIENTS = [1, 20]
+TARGET = 1.2  # fused time / floor (copy) time, on the cases that move at least BIG_BYTES
+BIG_BYTES = 16 << 20  # below this, launch latency dominates both the op and the copy
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def op_bytes(direction: str, clients: int, branches: int, n: int, elem: int, shared: bool = False) -> int:
+    """Bytes an ideal kernel moves: every input it needs read once, every output written once.
+
+    forward:  read weights [K, B, N] (shared: [B, N]) and alpha [K, B]; write W [K, N].
+    backward: read G [K, N], weights and alpha; write grad_weights [K, B, N] (always per
+              client: the autograd engine sums it over K for shared branches) and
+              grad_alpha [K, B].
+    The Triton backward also writes and re-reads small float32 partial sums of grad_alpha
+    ([K, N / BLOCK_N, B]); they are overhead, not counted.
+    """
+    k, b = clients, branches
+    w_read = (1 if shared else k) * b * n
+    if direction == "forward":
+        return (w_read + k * b + k * n) * elem
+    if direction != "backward":
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    return (k * n + w_read + k * b + k * b * n + k * b) * elem
+
+
+@dataclass
+class Row:
+    """One measurement: a shape, B, K and a direction."""
+
+    shape: list
+    branches: int
+    clients: int
+    direction: str
+    bytes: int
+    fused_ms: float
+    eager_ms: float
+    copy_ms: float
+    max_abs_err: float
+
+    @property
+    def fused_gbps(self) -> float:
+        return self.bytes / self.fused_ms / 1e6
+
+    @property
+    def floor_ratio(self) -> float:
+        """Fused time / floor (copy of the same bytes) time: 1.0 is the floor."""
+        return self.fused_ms / self.copy_ms
+
+    @property
+    def speedup(self) -> float:
+        return self.eager_ms / self.fused_ms
+
+    @property
+    def big(self) -> bool:
+        return self.bytes >= BIG_BYTES
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "fused_gbps": self.fused_gbps, "floor_ratio": self.floor_ratio,
+                "speedup_vs_eager": self.speedup, "big": self.big}
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The rows as a fixed-width table for people."""
+    head = (f"{'shape':<14} {'B':>3} {'K':>3} {'dir':<4} {'MB':>8} {'fused us':>9} {'eager us':>9} "
+            f"{'floor us':>9} {'GB/s':>6} {'x floor':>8} {'x eager':>8} {'max err':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        shape = "x".join(str(s) for s in r.shape)
+        flag = "" if not r.big else (" ok" if r.floor_ratio <= TARGET else " MISS")
+        lines.append(
+            f"{shape:<14} {r.branches:>3} {r.clients:>3} {'fwd' if r.direction == 'forward' else 'bwd':<4} "
+            f"{r.bytes / 1e6:>8.2f} {r.fused_ms * 1e3:>9.1f} {r.eager_ms * 1e3:>9.1f} {r.copy_ms * 1e3:>9.1f} "
+            f"{r.fused_gbps:>6.0f} {r.floor_ratio:>8.2f} {r.speedup:>8.2f} {r.max_abs_err:>9.2e}{flag}")
+    return "\n".join(lines)
+
+
+def summarize(rows: Sequence[Row]) -> dict:
+    """Per direction over the big cases: how many are within TARGET of the floor, the worst."""
+    out = {}
+    for direction in ("forward", "backward"):
+        big = [r for r in rows if r.direction == direction and r.big]
+        if not big:
+            out[direction] = {"cases": 0}
+            continue
+        worst = max(big, key=lambda r: r.floor_ratio)
+        out[direction] = {
+            "cases": len(big), "met": sum(r.floor_ratio <= TARGET for r in big),
+            "worst_floor_ratio": worst.floor_ratio,
+            "worst_case": {"shape": worst.shape, "branches": worst.branches, "clients": worst.clients},
+            "geomean_floor_ratio": math.exp(sum(math.log(r.floor_ratio) for r in big) / len(big)),
+            "geomean_speedup_vs_eager": math.exp(sum(math.log(r.speedup) for r in big) / len(big)),
+        }
+    return out
+
+
+def bench_case(shape, branches, clients, dtype, shared=False, device="cuda") -> list[Row]:
+    """Check then time the forward and backward of one (shape, B, K) on ``device``."""
+    import triton.testing
+
+    from pfl_kernels.reference import branch as ref
+
+    dev = device
+    n = math.prod(shape)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    if shared:
+        base = torch.randn(branches, *shape, device=dev, generator=gen).to(dtype)
+        weights = base.expand(clients, *base.shape)
+    else:
+        weights = torch.randn(clients, branches, *shape, device=dev, generator=gen).to(dtype)
+    alpha = torch.softmax(torch.randn(clients, branches, device=dev, generator=gen), -1).to(dtype)
+    g = torch.randn(clients, *shape, device=dev, generator=gen).to(dtype)
+    mask = [True, True]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+
+    def fused_fwd():
+        return torch.ops.pfl.branch_combine(weights, alpha)
+
+    def fused_bwd():
+        return torch.ops.pfl.branch_combine_backward(g, weights, alpha, mask)
+
+    # Eager: torch.einsum and its autograd backward (graph built once, replayed).
+    w_leaf = weights.detach().clone().requires_grad_(True) if not shared else \
+        weights.detach()[0].clone().requires_grad_(True)
+    a_leaf = alpha.detach().clone().requires_grad_(True)
+
+    def eager_graph():
+        w = w_leaf.expand(clients, *w_leaf.shape) if shared else w_leaf
+        return torch.einsum("kb,kbn->kn", a_leaf, w.reshape(clients, branches, n))
+
+    def eager_fwd():
+        with torch.no_grad():
+            return eager_graph()
+
+    eager_out = eager_graph()
+    g_flat = g.reshape(clients, n)
+
+    def eager_bwd():
+        return torch.autograd.grad(eager_out, (w_leaf, a_leaf), g_flat, retain_graph=True)
+
+    # 1. correctness against float64
+    d_w, d_a, d_g = weights.double(), alpha.double(), g.double()
+    err_f = _check(f"forward {shape} B={branches} K={clients}", fused_fwd(), ref.branch_combine(d_w, d_a), tol)
+    err_b = 0.0
+    got = fused_bwd()
+    want = ref.branch_combine_backward(d_g, d_w, d_a, mask)
+    for name, a, b in zip(("grad_weights", "grad_alpha"), got, want):
+        # grad_alpha sums N products: compare relative to its scale
+        scale = max(1.0, b.abs().max().item()) if name == "grad_alpha" else 1.0
+        err_b = max(err_b, _check(f"backward {name} {shape} B={branches} K={clients}", a / scale, b / scale, tol))
+
+    # 2. timings
+    elem = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for direction, fused, eager, err in (("forward", fused_fwd, eager_fwd, err_f),
+                                         ("backward", fused_bwd, eager_bwd, err_b)):
+        nbytes = op_bytes(direction, clients, branches, n, elem, shared)
+        # a copy reads and writes its size: half the bytes each way
+        src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        timing = dict(warmup=25, rep=100, return_mode="median")
+        fused_ms = triton.testing.do_bench(fused, **timing)
+        eager_ms = triton.testing.do_bench(eager, **timing)
+        copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), **timing)
+        out.append(Row(list(shape), branches, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err))
+        del src, dst
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--quick", action="store_true", help="K=20 and B=5 only")
+    parser.add_argument("--shared", action="store_true", help="branches shared by all clients (expanded)")
+    parser.add_argument("--json", type=Path, default=None, help="output path (default: by device name)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_branch.py needs a CUDA device (none found): nothing measured", file=sys.stderr)
+        return 2
+
+    import triton
+
+    import pfl_kernels
+    info = pfl_kernels.backend_info()
+    impl = {op: entry["cuda"]["implementation"] for op, entry in info.items()}
+    if impl.get("pfl::branch_combine") != "triton":
+        print(f"warning: the CUDA ops are not the Triton kernels: {impl}", file=sys.stderr)
+
+    dtype = DTYPES[args.dtype]
+    device_name = torch.cuda.get_device_name()
+    rows = []
+    for clients in ([20] if args.quick else CLIENTS):
+        for branches in ([5] if args.quick else BRANCHES):
+            for shape in SHAPES:
+                rows.extend(bench_case(shape, branches, clients, dtype, args.shared))
+                for r in rows[-2:]:
+                    print(format_table([r]).splitlines()[-1], flush=True)
+    print("\n" + format_table(rows))
+    summary = summarize(rows)
+    for direction, s in summary.items():
+        if s["cases"]:
+            print(f"{direction}: {s['met']}/{s['cases']} cases moving >= {BIG_BYTES >> 20} MiB within "
+                  f"{TARGET}x of the floor (worst {s['worst_floor_ratio']:.2f}x at {s['worst_case']}; "
+                  f"geomean {s['geomean_floor_ratio']:.2f}x of the floor, "
+                  f"{s['geomean_speedup_vs_eager']:.2f}x faster than eager)")
+
+    suffix = "_shared" if args.shared else ""
+    path = args.json or ROOT / "benchmarks" / "results" / f"branch_gpu_{sanitize(device_name)}{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "suite": "benchmarks/gpu_branch.py",
+        "machine": {"device": device_name, "torch_version": torch.__version__,
+                    "triton_version": triton.__version__, "cuda": torch.version.cuda,
+                    "platform": platform.platform(), "backend_info": info},
+        "config": {"dtype": args.dtype, "shared_weights": args.shared, "output_mask": [True, True],
+                   "timing": "triton.testing.do_bench median, L2 flushed",
+                   "bytes": "each input read once, each output written once (op_bytes)",
+                   "floor": "device-to-device copy of the same bytes",
+                   "floor_ratio": "fused time / copy time", "target": TARGET, "big_bytes": BIG_BYTES,
+                   "eager": "torch.einsum forward; its autograd backward (torch.autograd.grad)"},
+        "summary": summary,
+        "rows": [r.to_json() for r in rows],
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
