@@ -35,7 +35,9 @@ def _extensions():
     use_cuda = bool(use_cuda and cuda_sources)
 
     openmp = ["-fopenmp"] if not torch.backends.mps.is_built() else []
-    cxx = ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x03090000", *openmp]
+    # The sources are C++17; BuildExtension adds the -std its torch's headers need (c++20
+    # for recent torch) and -DPy_LIMITED_API for py_limited_api=True, so neither is set here.
+    cxx = ["-O3", *openmp]
     extra = {"cxx": cxx}
     extension = CppExtension
     if use_cuda:
