@@ -154,6 +154,7 @@ def _run(benchmark, case: str, fn: Callable[[], object]):
     branches: int = benchmark.params["branches"]
     benchmark.group = f"{case}/{shape.name}/B{branches}"
     benchmark.extra_info.update(case=case, shape=shape.name, weight_shape=list(shape.weight),
+                                layer="linear" if shape.is_linear else "conv",
                                 branches=branches, side=benchmark.params["side"],
                                 impl=benchmark.params["impl"], repeat=benchmark.params["repeat"])
     if case in ("combine_forward", "combine_backward"):

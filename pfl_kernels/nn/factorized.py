@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .._layout import LAYOUTS, layout_geometry
-from ..ops import factorized_weight
+from .. import ops  # noqa: F401  (defines torch.ops.pfl.*)
 from ..reference.factorized import unplace
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward
 
@@ -61,7 +61,10 @@ class _FactorizedMixin:
     @property
     def weight(self) -> torch.Tensor:
         """The reconstructed weight place(u @ v + μ) in the shape of the dense layer's weight."""
-        return factorized_weight(self.u, self.v, self.mu, shape=self.weight_shape, layout=self.layout)
+        # The op itself, not the validating wrapper: the parameters' shapes were fixed at
+        # construction (and the op still checks them), and this runs on every forward.
+        return torch.ops.pfl.factorized_weight(self.u, self.v, self.mu, shape=self.weight_shape,
+                                               layout=self.layout)
 
     def _load_dense_weight(self, weight: torch.Tensor) -> None:
         """Set u, v to the best rank-r part of ``weight`` (SVD) and μ to the rest."""

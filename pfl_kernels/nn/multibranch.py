@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..ops import branch_combine, project_simplex_
+from ..ops import project_simplex_
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward
 
 SIMPLEX_MODES = ("softmax", "project")
@@ -74,19 +74,21 @@ class _MultiBranchMixin:
     @property
     def weight(self) -> torch.Tensor:
         """Σ_b α_b W_b, in the shape of the dense layer's weight."""
-        return branch_combine(self.branch_weight, self.alpha)
+        return torch.ops.pfl.branch_combine(self.branch_weight, self.alpha)
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
         """Σ_b α_b bias_b, or None without bias."""
         if self.branch_bias is None:
             return None
-        return branch_combine(self.branch_bias, self.alpha)
+        return torch.ops.pfl.branch_combine(self.branch_bias, self.alpha)
 
     def _combined(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        alpha = self.alpha  # one softmax for weight and bias
-        bias = None if self.branch_bias is None else branch_combine(self.branch_bias, alpha)
-        return branch_combine(self.branch_weight, alpha), bias
+        # The ops themselves, not the validating wrappers (shapes are fixed at construction
+        # and the ops still check them); one softmax for weight and bias.
+        alpha = self.alpha
+        bias = None if self.branch_bias is None else torch.ops.pfl.branch_combine(self.branch_bias, alpha)
+        return torch.ops.pfl.branch_combine(self.branch_weight, alpha), bias
 
     @torch.no_grad()
     def project_alpha_(self) -> None:
