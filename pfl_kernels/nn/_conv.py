@@ -1,4 +1,4 @@
-"""What every drop-in Conv2d replacement shares: nn.Conv2d's arguments and its forward."""
+"""What every drop-in Conv2d / Linear replacement shares: the dense layer's arguments and forward."""
 from __future__ import annotations
 
 from typing import Optional
@@ -53,3 +53,8 @@ def conv2d_arguments(module: nn.Conv2d) -> tuple:
     """The positional arguments that rebuild ``module`` (for ``from_dense``)."""
     return (module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
             module.dilation, module.groups, module.bias is not None, module.padding_mode)
+
+
+def linear_arguments(module: nn.Linear) -> tuple:
+    """The positional arguments that rebuild ``module`` (for ``from_dense``)."""
+    return (module.in_features, module.out_features, module.bias is not None)

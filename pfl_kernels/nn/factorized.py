@@ -13,15 +13,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .._layout import LAYOUTS, layout_geometry
 from .. import ops  # noqa: F401  (defines torch.ops.pfl.*)
+from .._layout import LAYOUTS, layout_geometry
+from ..ops._checks import positive_int
 from ..reference.factorized import unplace
-from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward
-
-def _check_rank(rank) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an integer >= 1, got {rank!r}")
-    return rank
+from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
 
 
 class _FactorizedMixin:
@@ -36,7 +32,7 @@ class _FactorizedMixin:
         """Create u, v, mu and bias for a weight of ``shape`` and initialise them."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        self.rank = _check_rank(rank)
+        self.rank = positive_int("rank", rank)
         self.layout = layout
         self.weight_shape = tuple(shape)
         rows, cols, _, _ = layout_geometry(shape, layout)
@@ -66,10 +62,13 @@ class _FactorizedMixin:
         return torch.ops.pfl.factorized_weight(self.u, self.v, self.mu, shape=self.weight_shape,
                                                layout=self.layout)
 
-    def _load_dense_weight(self, weight: torch.Tensor) -> None:
-        """Set u, v to the best rank-r part of ``weight`` (SVD) and μ to the rest."""
+    def _load_dense(self, module: nn.Module) -> None:
+        """From a dense layer: u, v the best rank-r part of its weight (SVD), μ the rest; its
+        bias and its train/eval mode."""
         with torch.no_grad():
-            m = unplace(weight.detach().to(torch.float64), self.weight_shape, self.layout)
+            if module.bias is not None:
+                self.bias.copy_(module.bias)
+            m = unplace(module.weight.detach().to(torch.float64), self.weight_shape, self.layout)
             left, sing, right = torch.linalg.svd(m, full_matrices=False)
             r = min(self.rank, sing.numel())
             root = sing[:r].sqrt()
@@ -81,6 +80,7 @@ class _FactorizedMixin:
             self.v.copy_(v)
             if self.mu is not None:
                 self.mu.copy_(m - u @ v)
+        self.train(module.training)
 
     def sparsity_loss(self) -> torch.Tensor:
         """‖μ‖₁, the sparsity term of Factorized-FL Eq. 6 (differentiable; 0 without μ)."""
@@ -145,11 +145,7 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
         w = module.weight
         layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, rank=rank, layout=layout,
                     sparse=sparse)
-        layer._load_dense_weight(w)
-        if module.bias is not None:
-            with torch.no_grad():
-                layer.bias.copy_(module.bias)
-        layer.train(module.training)
+        layer._load_dense(module)
         return layer
 
     def extra_repr(self) -> str:
@@ -166,11 +162,8 @@ class FactorizedLinear(_FactorizedMixin, nn.Module):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
                  rank=1, sparse=True):
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.in_features = in_features
-        self.out_features = out_features
+        self.in_features = positive_int("in_features", in_features)
+        self.out_features = positive_int("out_features", out_features)
         self._init_parameters((out_features, in_features), "linear", rank, sparse, bias, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -182,13 +175,8 @@ class FactorizedLinear(_FactorizedMixin, nn.Module):
         if not isinstance(module, nn.Linear):
             raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
         w = module.weight
-        layer = cls(module.in_features, module.out_features, module.bias is not None,
-                    device=w.device, dtype=w.dtype, rank=rank, sparse=sparse)
-        layer._load_dense_weight(w)
-        if module.bias is not None:
-            with torch.no_grad():
-                layer.bias.copy_(module.bias)
-        layer.train(module.training)
+        layer = cls(*linear_arguments(module), device=w.device, dtype=w.dtype, rank=rank, sparse=sparse)
+        layer._load_dense(module)
         return layer
 
     def extra_repr(self) -> str:

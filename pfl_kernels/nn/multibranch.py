@@ -16,15 +16,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..ops import project_simplex_
-from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward
+from ..ops._checks import positive_int
+from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
 
 SIMPLEX_MODES = ("softmax", "project")
-
-
-def _check_branches(branches) -> int:
-    if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
-        raise ValueError(f"branches must be an integer >= 1, got {branches!r}")
-    return branches
 
 
 class _MultiBranchMixin:
@@ -37,7 +32,7 @@ class _MultiBranchMixin:
     def _init_parameters(self, shape, branches, simplex, bias, device, dtype) -> None:
         if simplex not in SIMPLEX_MODES:
             raise ValueError(f"simplex must be one of {SIMPLEX_MODES}, got {simplex!r}")
-        self.branches = _check_branches(branches)
+        self.branches = positive_int("branches", branches)
         self.simplex = simplex
         self.weight_shape = tuple(shape)
         kw = {"device": device, "dtype": dtype}
@@ -96,10 +91,13 @@ class _MultiBranchMixin:
         if self.simplex == "project":
             project_simplex_(self.alpha_param)
 
-    def _load_dense(self, weight: torch.Tensor, bias: Optional[torch.Tensor], noise: float) -> None:
-        """Every branch := the dense weight (+ Gaussian noise of std noise·std(weight)); α uniform."""
+    def _load_dense(self, module: nn.Module, noise: float) -> None:
+        """Every branch := the dense layer's weight (+ Gaussian noise of std noise·std(weight)) and
+        bias; α uniform; the dense layer's train/eval mode."""
         if not noise >= 0:
             raise ValueError(f"noise must be >= 0, got {noise}")
+        weight = module.weight.detach()
+        bias = None if module.bias is None else module.bias.detach()
         with torch.no_grad():
             self.branch_weight.copy_(weight.expand_as(self.branch_weight))
             if noise > 0:
@@ -107,6 +105,7 @@ class _MultiBranchMixin:
             if bias is not None:
                 self.branch_bias.copy_(bias.expand_as(self.branch_bias))
         self._reset_alpha()
+        self.train(module.training)
 
     def _branch_repr(self) -> str:
         return f", branches={self.branches}, simplex={self.simplex!r}"
@@ -142,8 +141,7 @@ class MultiBranchConv2d(_MultiBranchMixin, nn.Module):
             raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
         w = module.weight
         layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, branches=branches, simplex=simplex)
-        layer._load_dense(w.detach(), None if module.bias is None else module.bias.detach(), noise)
-        layer.train(module.training)
+        layer._load_dense(module, noise)
         return layer
 
     def extra_repr(self) -> str:
@@ -156,11 +154,8 @@ class MultiBranchLinear(_MultiBranchMixin, nn.Module):
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
                  branches=2, simplex="softmax"):
         super().__init__()
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.in_features = in_features
-        self.out_features = out_features
+        self.in_features = positive_int("in_features", in_features)
+        self.out_features = positive_int("out_features", out_features)
         self._init_parameters((out_features, in_features), branches, simplex, bias, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -173,10 +168,8 @@ class MultiBranchLinear(_MultiBranchMixin, nn.Module):
         if not isinstance(module, nn.Linear):
             raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
         w = module.weight
-        layer = cls(module.in_features, module.out_features, module.bias is not None, device=w.device,
-                    dtype=w.dtype, branches=branches, simplex=simplex)
-        layer._load_dense(w.detach(), None if module.bias is None else module.bias.detach(), noise)
-        layer.train(module.training)
+        layer = cls(*linear_arguments(module), device=w.device, dtype=w.dtype, branches=branches, simplex=simplex)
+        layer._load_dense(module, noise)
         return layer
 
     def extra_repr(self) -> str:

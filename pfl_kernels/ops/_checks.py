@@ -42,3 +42,10 @@ def client_count(named: dict[str, Optional[torch.Tensor]], base_dims: int) -> Op
                 raise ValueError(f"{name} has {t.shape[0]} clients (dim 0) but {k_name} has {k}")
             k, k_name = t.shape[0], name
     return k
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` if it is an integer >= 1 (not a bool), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
