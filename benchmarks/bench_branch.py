@@ -32,8 +32,9 @@ the op moves its bytes as fast as a copy does.
 Every test benchmarks one function; ``benchmark.extra_info`` names the case, the shape, B and
 the side ('ours', 'baseline' or 'floor'), which ``benchmarks/report.py`` uses to group them.
 The sides of a (shape, B) run back to back (ours, baseline, floor), and in full mode each
-group is measured ``REPEATS`` times, spread over the run: the report takes each side's median
-over its repeats (see bench_factorized.py, whose conventions this suite follows).
+group is measured ``REPEATS`` times (``benchmarks/_common.py``), spread over the run: the
+report takes each side's median over its repeats (see bench_factorized.py, whose conventions
+this suite follows).
 
 Inputs are random, never zeros: weights and grad_W standard normal, alpha a random point in
 the interior of the simplex (normalized exponential draws: uniform on the simplex).
@@ -50,76 +51,24 @@ or as a smoke check that runs each benchmarked function once::
 """
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 import torch
-from torch import nn
 
 import pfl_kernels  # noqa: F401  (registers torch.ops.pfl.* and loads the C++ kernels if built)
+from benchmarks import _common as common
+from benchmarks._common import SHAPES, Shape
 from pfl_kernels.nn import MultiBranchConv2d, MultiBranchLinear
 
-QUICK = os.environ.get("PFL_BENCH_QUICK", "") not in ("", "0")
-
-BATCH = 32
-IMAGE_SIZE = 32
 BRANCHES = (2, 5, 10)
 LAYER_BRANCHES = 5
-REPEATS = 1 if QUICK else 3
 
-# As in bench_factorized.py: pytest-benchmark calibrates the iterations per round (each
-# round >= min_time) and runs rounds until max_time, at least min_rounds; its untimed
-# calibration calls warm each function up.  The op cases are many short measurements
-# (9 shapes x 3 B x 3 sides), hence a shorter max_time than the layer steps get: even
-# at 0.2 s the slowest op (~1 ms) gets ~200 rounds.
-pytestmark = pytest.mark.benchmark(
-    min_rounds=3,
-    max_time=0.08 if QUICK else 0.2,
-    min_time=1e-4 if QUICK else 2e-4,
-    warmup=False,
-)
-LAYER_BENCHMARK = pytest.mark.benchmark(
-    min_rounds=3,
-    max_time=0.25 if QUICK else 0.5,
-    min_time=1e-4 if QUICK else 2e-4,
-    warmup=False,
-)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A layer of the benchmarked networks: its weight shape and how it is applied."""
-
-    name: str
-    weight: tuple[int, ...]  # [O, I, kh, kw] for a conv, [out_features, in_features] for a linear
-    stride: int = 1
-    padding: int = 0
-
-    @property
-    def is_linear(self) -> bool:
-        return len(self.weight) == 2
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.weight)
-
-
-SHAPES = [
-    # ResNet-9: the k5 layer has stride 2 and padding 2, the k3 layers padding 1.
-    Shape("resnet9-conv64-128k5", (128, 64, 5, 5), stride=2, padding=2),
-    Shape("resnet9-conv128-128k3", (128, 128, 3, 3), padding=1),
-    Shape("resnet9-conv128-256k3", (256, 128, 3, 3), padding=1),
-    Shape("resnet9-conv256-256k3", (256, 256, 3, 3), padding=1),
-    # LeNet-5 (pFedMB's CNN): unpadded k5 convs, then the fully connected layers.
-    Shape("lenet5-conv3-6k5", (6, 3, 5, 5)),
-    Shape("lenet5-conv6-16k5", (16, 6, 5, 5)),
-    Shape("lenet5-fc400-120", (120, 400)),
-    Shape("lenet5-fc120-84", (84, 120)),
-    Shape("lenet5-fc84-10", (10, 84)),
-]
+# As in bench_factorized.py (see ``common.benchmark_mark``), but the op cases are many short
+# measurements (9 shapes x 3 B x 3 sides), hence a shorter max_time than the layer steps
+# get (``common.LAYER_BENCHMARK``): even at 0.2 s the slowest op (~1 ms) gets ~200 rounds.
+pytestmark = common.benchmark_mark(max_time=0.2, quick_max_time=0.08)
+LAYER_BENCHMARK = common.LAYER_BENCHMARK
 
 # case -> (side, implementation) for every side, in the order they run inside a group.
 CASES = {
@@ -140,26 +89,18 @@ def min_traffic(case: str, n: int, branches: int) -> int:
 
 def _params(case: str):
     branch_counts = (LAYER_BRANCHES,) if case == "layer_train_step" else BRANCHES
-    # Repeats are the outer loop, which spreads a group's repeats over the whole case; the
-    # sides are the inner one, so the sides of a group run back to back.
-    return [pytest.param(shape, branches, side, impl, repeat,
-                         id=f"{shape.name}-B{branches}-r{repeat}-{impl}")
-            for repeat in range(REPEATS) for shape in SHAPES for branches in branch_counts
-            for side, impl in CASES[case]]
+    return common.params(SHAPES, CASES[case], branch_counts)
 
 
 def _run(benchmark, case: str, fn: Callable[[], object]):
     """Benchmark ``fn`` under the group ``case/shape/B``, labelled for the report to group."""
     shape: Shape = benchmark.params["shape"]
     branches: int = benchmark.params["branches"]
-    benchmark.group = f"{case}/{shape.name}/B{branches}"
-    benchmark.extra_info.update(case=case, shape=shape.name, weight_shape=list(shape.weight),
-                                layer="linear" if shape.is_linear else "conv",
-                                branches=branches, side=benchmark.params["side"],
-                                impl=benchmark.params["impl"], repeat=benchmark.params["repeat"])
+    extra = {}
     if case in ("combine_forward", "combine_backward"):
-        benchmark.extra_info["traffic_bytes"] = 4 * min_traffic(case, shape.numel, branches)
-    return benchmark(fn)
+        extra["traffic_bytes"] = 4 * min_traffic(case, shape.numel, branches)
+    return common.run(benchmark, case, fn, {"layer": "linear" if shape.is_linear else "conv",
+                                            "branches": branches}, extra)
 
 
 def _branches(shape: Shape, branches: int, *, requires_grad: bool = False, seed: int = 0):
@@ -230,53 +171,14 @@ def test_combine_backward(benchmark, shape: Shape, branches: int, side: str, imp
         assert [tuple(g.shape) for g in grads] == [(branches, *shape.weight), (branches,)]
 
 
-def _make_layer(shape: Shape, branches: int, impl: str) -> nn.Module:
-    """The layer of ``shape`` with random parameters (alpha's logits too: they start at zero).
-
-    No bias on either side (ResNet-9's convs have none; for the others it costs the same on
-    both sides, so leaving it out only makes the ratio stricter).
-    """
-    torch.manual_seed(0)
-    if shape.is_linear:
-        out_f, in_f = shape.weight
-        if impl == "dense":
-            return nn.Linear(in_f, out_f, bias=False)
-        layer = MultiBranchLinear(in_f, out_f, bias=False, branches=branches)
-    else:
-        out_c, in_c, kh, kw = shape.weight
-        args = (in_c, out_c, (kh, kw), shape.stride, shape.padding)
-        if impl == "dense":
-            return nn.Conv2d(*args, bias=False)
-        layer = MultiBranchConv2d(*args, bias=False, branches=branches)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_()
-    return layer
-
-
 @LAYER_BENCHMARK
 @pytest.mark.parametrize("shape, branches, side, impl, repeat", _params("layer_train_step"))
 def test_layer_train_step(benchmark, shape: Shape, branches: int, side: str, impl: str, repeat: int):
-    """One training step of the layer: forward, then backward from a fixed random grad.
-
-    As in bench_factorized.py: ``torch.autograd.grad`` returns the parameter grads (the
-    branches and alpha's logits; the dense weight) without accumulating them, and the input
-    does not require grad (the layer's own cost, the stricter ratio).
+    """One training step of the layer (``common.train_step``, as in bench_factorized.py):
+    forward, then backward from a fixed random grad.  Random parameters, alpha's logits too
+    (they start at zero); the grads are those of the branches and alpha's logits (the dense
+    weight's on the baseline side).
     """
-    layer = _make_layer(shape, branches, impl)
-    params = list(layer.parameters())
-    gen = torch.Generator().manual_seed(2)
-    if shape.is_linear:
-        x = torch.randn(BATCH, shape.weight[1], generator=gen)
-        out_shape = (BATCH, shape.weight[0])
-    else:
-        x = torch.randn(BATCH, shape.weight[1], IMAGE_SIZE, IMAGE_SIZE, generator=gen)
-        out_size = [(IMAGE_SIZE + 2 * shape.padding - k) // shape.stride + 1 for k in shape.weight[2:]]
-        out_shape = (BATCH, shape.weight[0], *out_size)
-    grad_out = torch.randn(out_shape, generator=gen)
-
-    def fn():
-        return torch.autograd.grad(layer(x), params, grad_out)
-
-    grads = _run(benchmark, "layer_train_step", fn)
+    layer = common.make_layer(shape, impl, MultiBranchLinear, MultiBranchConv2d, branches=branches)
+    grads = _run(benchmark, "layer_train_step", common.train_step(layer, shape))
     assert len(grads) == (1 if impl == "dense" else 2)

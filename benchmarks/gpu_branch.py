@@ -22,12 +22,9 @@ Prints a table and writes JSON to ``benchmarks/results/branch_gpu_<device>.json`
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -37,7 +34,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_factorized import _check, sanitize  # noqa: E402
+from benchmarks import _gpu_common as common  # noqa: E402
 
 # pFedMB LeNet-5 (convs, linears) and ResNet-9 convs.
 SHAPES = [
@@ -48,7 +45,6 @@ BRANCHES = [2, 5, 10]
 CLIENTS = [1, 20]
 TARGET = 1.2  # fused time / floor (copy) time, on the cases that move at least BIG_BYTES
 BIG_BYTES = 16 << 20  # below this, launch latency dominates both the op and the copy
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def op_bytes(direction: str, clients: int, branches: int, n: int, elem: int, shared: bool = False) -> int:
@@ -71,7 +67,7 @@ def op_bytes(direction: str, clients: int, branches: int, n: int, elem: int, sha
 
 
 @dataclass
-class Row:
+class Row(common.Measured):
     """One measurement: a shape, B, K and a direction."""
 
     shape: list
@@ -84,9 +80,8 @@ class Row:
     copy_ms: float
     max_abs_err: float
 
-    @property
-    def fused_gbps(self) -> float:
-        return self.bytes / self.fused_ms / 1e6
+    JSON_EXTRA = (("fused_gbps", "fused_gbps"), ("floor_ratio", "floor_ratio"),
+                  ("speedup_vs_eager", "speedup"), ("big", "big"))
 
     @property
     def floor_ratio(self) -> float:
@@ -94,16 +89,8 @@ class Row:
         return self.fused_ms / self.copy_ms
 
     @property
-    def speedup(self) -> float:
-        return self.eager_ms / self.fused_ms
-
-    @property
     def big(self) -> bool:
         return self.bytes >= BIG_BYTES
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "fused_gbps": self.fused_gbps, "floor_ratio": self.floor_ratio,
-                "speedup_vs_eager": self.speedup, "big": self.big}
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -142,8 +129,6 @@ def summarize(rows: Sequence[Row]) -> dict:
 
 def bench_case(shape, branches, clients, dtype, shared=False, device="cuda") -> list[Row]:
     """Check then time the forward and backward of one (shape, B, K) on ``device``."""
-    import triton.testing
-
     from pfl_kernels.reference import branch as ref
 
     dev = device
@@ -186,14 +171,16 @@ def bench_case(shape, branches, clients, dtype, shared=False, device="cuda") -> 
 
     # 1. correctness against float64
     d_w, d_a, d_g = weights.double(), alpha.double(), g.double()
-    err_f = _check(f"forward {shape} B={branches} K={clients}", fused_fwd(), ref.branch_combine(d_w, d_a), tol)
+    err_f = common.check(f"forward {shape} B={branches} K={clients}", fused_fwd(),
+                         ref.branch_combine(d_w, d_a), tol)
     err_b = 0.0
     got = fused_bwd()
     want = ref.branch_combine_backward(d_g, d_w, d_a, mask)
     for name, a, b in zip(("grad_weights", "grad_alpha"), got, want):
         # grad_alpha sums N products: compare relative to its scale
         scale = max(1.0, b.abs().max().item()) if name == "grad_alpha" else 1.0
-        err_b = max(err_b, _check(f"backward {name} {shape} B={branches} K={clients}", a / scale, b / scale, tol))
+        err_b = max(err_b, common.check(f"backward {name} {shape} B={branches} K={clients}",
+                                        a / scale, b / scale, tol))
 
     # 2. timings
     elem = torch.empty((), dtype=dtype).element_size()
@@ -201,46 +188,26 @@ def bench_case(shape, branches, clients, dtype, shared=False, device="cuda") -> 
     for direction, fused, eager, err in (("forward", fused_fwd, eager_fwd, err_f),
                                          ("backward", fused_bwd, eager_bwd, err_b)):
         nbytes = op_bytes(direction, clients, branches, n, elem, shared)
-        # a copy reads and writes its size: half the bytes each way
-        src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        timing = dict(warmup=25, rep=100, return_mode="median")
-        fused_ms = triton.testing.do_bench(fused, **timing)
-        eager_ms = triton.testing.do_bench(eager, **timing)
-        copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), **timing)
+        fused_ms, eager_ms, copy_ms = common.time_against_copy(fused, eager, nbytes, dev)
         out.append(Row(list(shape), branches, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err))
-        del src, dst
     return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--quick", action="store_true", help="K=20 and B=5 only")
-    parser.add_argument("--shared", action="store_true", help="branches shared by all clients (expanded)")
-    parser.add_argument("--json", type=Path, default=None, help="output path (default: by device name)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_branch.py needs a CUDA device (none found): nothing measured", file=sys.stderr)
+    args = common.parse_args(__doc__, argv, quick_help="K=20 and B=5 only",
+                             flags={"--shared": "branches shared by all clients (expanded)"})
+    if not common.cuda_or_explain("gpu_branch.py needs a CUDA device (none found): nothing measured"):
         return 2
+    info = common.backend_info("pfl::branch_combine")
 
-    import triton
-
-    import pfl_kernels
-    info = pfl_kernels.backend_info()
-    impl = {op: entry["cuda"]["implementation"] for op, entry in info.items()}
-    if impl.get("pfl::branch_combine") != "triton":
-        print(f"warning: the CUDA ops are not the Triton kernels: {impl}", file=sys.stderr)
-
-    dtype = DTYPES[args.dtype]
+    dtype = common.DTYPES[args.dtype]
     device_name = torch.cuda.get_device_name()
     rows = []
     for clients in ([20] if args.quick else CLIENTS):
         for branches in ([5] if args.quick else BRANCHES):
             for shape in SHAPES:
                 rows.extend(bench_case(shape, branches, clients, dtype, args.shared))
-                for r in rows[-2:]:
-                    print(format_table([r]).splitlines()[-1], flush=True)
+                common.print_rows(rows[-2:], format_table)
     print("\n" + format_table(rows))
     summary = summarize(rows)
     for direction, s in summary.items():
@@ -251,24 +218,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{s['geomean_speedup_vs_eager']:.2f}x faster than eager)")
 
     suffix = "_shared" if args.shared else ""
-    path = args.json or ROOT / "benchmarks" / "results" / f"branch_gpu_{sanitize(device_name)}{suffix}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "suite": "benchmarks/gpu_branch.py",
-        "machine": {"device": device_name, "torch_version": torch.__version__,
-                    "triton_version": triton.__version__, "cuda": torch.version.cuda,
-                    "platform": platform.platform(), "backend_info": info},
+    path = args.json or common.RESULTS / f"branch_gpu_{common.sanitize(device_name)}{suffix}.json"
+    common.write_json(path, "benchmarks/gpu_branch.py", device_name, info, {
         "config": {"dtype": args.dtype, "shared_weights": args.shared, "output_mask": [True, True],
-                   "timing": "triton.testing.do_bench median, L2 flushed",
-                   "bytes": "each input read once, each output written once (op_bytes)",
+                   "timing": common.TIMING, "bytes": common.BYTES,
                    "floor": "device-to-device copy of the same bytes",
                    "floor_ratio": "fused time / copy time", "target": TARGET, "big_bytes": BIG_BYTES,
                    "eager": "torch.einsum forward; its autograd backward (torch.autograd.grad)"},
         "summary": summary,
         "rows": [r.to_json() for r in rows],
-    }
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    })
     return 0
 
 

@@ -19,12 +19,8 @@ Prints a table and writes JSON to ``benchmarks/results/factorized_gpu_<device>.j
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import re
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -33,6 +29,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from benchmarks import _gpu_common as common  # noqa: E402
 
 # (shape, layout): ResNet-9 convs, LeNet-5 convs and LeNet-5 linears.
 SHAPES = [
@@ -44,7 +42,6 @@ CLIENTS = [1, 20, 100]
 RANK = 1
 OUTPUT_MASK = (True, True, True, True)  # grads of u, v, mu and mask
 TARGET = 0.70  # share of copy bandwidth at the largest shape
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def geometry(shape: Sequence[int], layout: str) -> tuple[int, int]:
@@ -84,13 +81,8 @@ def op_bytes(direction: str, clients: int, rows: int, cols: int, rank: int, elem
     return k * elems * elem
 
 
-def sanitize(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3' (safe in a file name)."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "unknown"
-
-
 @dataclass
-class Row:
+class Row(common.Measured):
     """One measurement: a shape, a client count and a direction."""
 
     shape: list
@@ -103,22 +95,12 @@ class Row:
     copy_ms: float
     max_abs_err: float
 
-    @property
-    def fused_gbps(self) -> float:
-        return self.bytes / self.fused_ms / 1e6
+    JSON_EXTRA = (("fused_gbps", "fused_gbps"), ("copy_share", "copy_share"), ("speedup_vs_eager", "speedup"))
 
     @property
     def copy_share(self) -> float:
         """Achieved share of copy bandwidth for the same bytes: copy time / fused time."""
         return self.copy_ms / self.fused_ms
-
-    @property
-    def speedup(self) -> float:
-        return self.eager_ms / self.fused_ms
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "fused_gbps": self.fused_gbps, "copy_share": self.copy_share,
-                "speedup_vs_eager": self.speedup}
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -141,19 +123,8 @@ def largest(rows: Sequence[Row]) -> list[Row]:
     return [r for r in rows if r.shape == top.shape and r.clients == top.clients]
 
 
-def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
-    err = (got.double() - want).abs()
-    bound = tol * (1 + want.abs().max().item())
-    if err.max().item() > bound:
-        where = [int(i) for i in torch.unravel_index(err.argmax(), err.shape)]
-        raise AssertionError(f"{name}: max abs err {err.max().item():.3e} at {where} exceeds {bound:.3e}")
-    return err.max().item()
-
-
 def bench_case(shape, layout, clients, dtype, rank=RANK, output_mask=OUTPUT_MASK) -> list[Row]:
     """Check then time the forward and backward of one (shape, layout, K)."""
-    import triton.testing
-
     from pfl_kernels.reference import factorized as ref
 
     dev = "cuda"
@@ -181,12 +152,12 @@ def bench_case(shape, layout, clients, dtype, rank=RANK, output_mask=OUTPUT_MASK
 
     # 1. correctness against float64
     d = [t.double() for t in (g, u, v, mu, mask)]
-    err_f = _check(f"forward {shape} K={clients}", fused_fwd(), ref.factorized_weight(*d[1:], **kw), tol)
+    err_f = common.check(f"forward {shape} K={clients}", fused_fwd(), ref.factorized_weight(*d[1:], **kw), tol)
     want_b = ref.factorized_weight_backward(*d, **kw, output_mask=list(output_mask))
     err_b = 0.0
     for name, a, b in zip(("grad_u", "grad_v", "grad_mu", "grad_mask"), fused_bwd(), want_b):
         if b.numel():
-            err_b = max(err_b, _check(f"backward {name} {shape} K={clients}", a, b, tol))
+            err_b = max(err_b, common.check(f"backward {name} {shape} K={clients}", a, b, tol))
 
     # 2. timings
     elem = torch.empty((), dtype=dtype).element_size()
@@ -194,44 +165,24 @@ def bench_case(shape, layout, clients, dtype, rank=RANK, output_mask=OUTPUT_MASK
     for direction, fused, eager, err in (("forward", fused_fwd, eager_fwd, err_f),
                                          ("backward", fused_bwd, eager_bwd, err_b)):
         nbytes = op_bytes(direction, clients, rows, cols, rank, elem, output_mask)
-        # a copy reads and writes its size: half the bytes each way
-        src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        timing = dict(warmup=25, rep=100, return_mode="median")
-        fused_ms = triton.testing.do_bench(fused, **timing)
-        eager_ms = triton.testing.do_bench(eager, **timing)
-        copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), **timing)
+        fused_ms, eager_ms, copy_ms = common.time_against_copy(fused, eager, nbytes, dev)
         out.append(Row(list(shape), layout, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err))
-        del src, dst
     return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--quick", action="store_true", help="K=100 only")
-    parser.add_argument("--json", type=Path, default=None, help="output path (default: by device name)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_factorized.py needs a CUDA device", file=sys.stderr)
+    args = common.parse_args(__doc__, argv, quick_help="K=100 only")
+    if not common.cuda_or_explain("gpu_factorized.py needs a CUDA device"):
         return 2
+    info = common.backend_info("pfl::factorized_weight")
 
-    import triton
-
-    import pfl_kernels
-    info = pfl_kernels.backend_info()
-    impl = {op: entry["cuda"]["implementation"] for op, entry in info.items()}
-    if impl.get("pfl::factorized_weight") != "triton":
-        print(f"warning: the CUDA ops are not the Triton kernels: {impl}", file=sys.stderr)
-
-    dtype = DTYPES[args.dtype]
+    dtype = common.DTYPES[args.dtype]
     device_name = torch.cuda.get_device_name()
     rows = []
     for clients in ([100] if args.quick else CLIENTS):
         for shape, layout in SHAPES:
             rows.extend(bench_case(shape, layout, clients, dtype))
-            for r in rows[-2:]:
-                print(format_table([r]).splitlines()[-1], flush=True)
+            common.print_rows(rows[-2:], format_table)
     table = format_table(rows)
     print("\n" + table)
     top = largest(rows)
@@ -240,22 +191,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\nlargest case {'x'.join(map(str, top[0].shape))} K={top[0].clients}: {summary} "
           f"(target {100 * TARGET:.0f}%: {'met' if all(verdicts.values()) else 'MISSED'})")
 
-    path = args.json or ROOT / "benchmarks" / "results" / f"factorized_gpu_{sanitize(device_name)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "suite": "benchmarks/gpu_factorized.py",
-        "machine": {"device": device_name, "torch_version": torch.__version__,
-                    "triton_version": triton.__version__, "cuda": torch.version.cuda,
-                    "platform": platform.platform(), "backend_info": info},
+    path = args.json or common.RESULTS / f"factorized_gpu_{common.sanitize(device_name)}.json"
+    common.write_json(path, "benchmarks/gpu_factorized.py", device_name, info, {
         "config": {"dtype": args.dtype, "rank": RANK, "output_mask": list(OUTPUT_MASK),
-                   "bias": "mu+mask", "timing": "triton.testing.do_bench median, L2 flushed",
-                   "bytes": "each input read once, each output written once (op_bytes)",
+                   "bias": "mu+mask", "timing": common.TIMING, "bytes": common.BYTES,
                    "copy_share": "copy time / fused time for the same bytes", "target": TARGET},
         "largest": {r.direction: {"copy_share": r.copy_share, "met": verdicts[r.direction]} for r in top},
         "rows": [r.to_json() for r in rows],
-    }
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    })
     return 0
 
 

@@ -1,39 +1,27 @@
 """The Triton multi-branch kernels (pFedMB) against the float64 reference.
 
-Runs in the Triton interpreter on CPU tensors (``TRITON_INTERPRET=1``, set before triton
-is imported, so in its own process) or on a CUDA device; skipped otherwise:
+In the Triton interpreter or on a CUDA device, skipped otherwise (see ``triton_support.py``):
 
     TRITON_INTERPRET=1 python -m pytest tests/kernels/test_branch_triton.py -q
 """
 from __future__ import annotations
 
-import itertools
-import os
-
 import pytest
 import torch
 
+from tests.kernels.triton_support import (
+    DEVICE, F64, MARKS, RUNNABLE, all_masks, assert_registered_for_cuda, assert_rejects_overlap, gpu_only,
+    interpreter_only, launchers_as_cpu_kernels, mask_id)
 from tests.tolerances import assert_close
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_GPU = torch.cuda.is_available() and not INTERPRET
+pytestmark = MARKS
 
-pytestmark = [
-    pytest.mark.triton_interpret,
-    pytest.mark.skipif(not (INTERPRET or ON_GPU), reason="needs TRITON_INTERPRET=1 or a CUDA device"),
-]
-
-if INTERPRET or ON_GPU:
-    pytest.importorskip("triton")
-    from pfl_kernels.ops._library import has_kernel
+if RUNNABLE:
     from pfl_kernels.reference import branch as ref
     from pfl_kernels.triton import branch as tb
 
-DEVICE = "cuda" if ON_GPU else "cpu"
-F64 = torch.float64
-
 SHAPES = [(5, 7), (3, 2, 3, 3), (13,), (2, 3, 1, 5)]  # a linear, a conv, a bias, odd sizes
-ALL_MASKS = list(itertools.product([False, True], repeat=2))
+ALL_MASKS = all_masks(2)
 
 
 @pytest.fixture(params=["default-blocks", "many-blocks"])
@@ -102,7 +90,7 @@ def test_forward_and_backward(shape, branches, clients, blocks):
     run_both(weights, alpha, grad_like(weights, alpha))
 
 
-@pytest.mark.parametrize("output_mask", ALL_MASKS, ids=lambda m: "".join("1" if x else "0" for x in m))
+@pytest.mark.parametrize("output_mask", ALL_MASKS, ids=mask_id)
 @pytest.mark.parametrize("clients", [None, 2])
 def test_backward_output_mask(output_mask, clients, blocks):
     weights, alpha = make_inputs((4, 3, 3, 3), 3, clients, seed=2)
@@ -272,12 +260,10 @@ def test_project_simplex_long_rows(tile, max_b, monkeypatch):
 
 
 def test_project_simplex_rejects_overlap():
-    x = torch.randn(3, dtype=F64, device=DEVICE).expand(4, 3)
-    with pytest.raises(RuntimeError, match="share memory"):
-        tb.project_simplex_triton_(x)
+    assert_rejects_overlap(tb.project_simplex_triton_)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="interpreter only (on a GPU the CUDA tests cover it)")
+@interpreter_only
 def test_through_dispatcher_and_autograd():
     """The launchers accept the schema's args: run them as the CPU kernels of the ops (in a
     scoped library, undone at exit) under the Python wrappers and autograd."""
@@ -289,10 +275,9 @@ def test_through_dispatcher_and_autograd():
     leaves = [t.clone().requires_grad_(True) for t in (shared, alpha)]
     ref_leaves = [t.clone().requires_grad_(True) for t in (shared, alpha)]
     g = torch.randn(2, *shape, dtype=F64)
-    with torch.library._scoped_library("pfl", "IMPL") as lib:
-        lib.impl("branch_combine", tb.branch_combine_triton, "CPU")
-        lib.impl("branch_combine_backward", tb.branch_combine_backward_triton, "CPU")
-        lib.impl("project_simplex_", tb.project_simplex_triton_, "CPU")
+    with launchers_as_cpu_kernels({"branch_combine": tb.branch_combine_triton,
+                                   "branch_combine_backward": tb.branch_combine_backward_triton,
+                                   "project_simplex_": tb.project_simplex_triton_}):
         w = branch_combine(*leaves)  # shared branches: expanded over K by the wrapper
         w.backward(g)
         x = torch.randn(5, 4, dtype=F64)
@@ -307,14 +292,11 @@ def test_through_dispatcher_and_autograd():
 
 
 def test_registered_for_cuda():
-    for op in ("branch_combine", "branch_combine_backward", "project_simplex_"):
-        assert has_kernel(f"pfl::{op}", "CUDA"), op
+    assert_registered_for_cuda(("branch_combine", "branch_combine_backward", "project_simplex_"))
 
 
 # ---------------------------------------------------------------------------------------
-# Real GPU only: the ops through the dispatcher, opcheck, autograd and half precision.
-
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (not the interpreter)")
+# Real GPU only (``gpu_only``): the ops through the dispatcher, opcheck, autograd and half precision.
 
 
 @gpu_only

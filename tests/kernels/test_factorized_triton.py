@@ -1,41 +1,30 @@
 """The Triton factorized-weight kernels against the float64 reference.
 
-Runs in the Triton interpreter on CPU tensors (``TRITON_INTERPRET=1``, set before triton
-is imported, so in its own process) or on a CUDA device; skipped otherwise:
+In the Triton interpreter or on a CUDA device, skipped otherwise (see ``triton_support.py``):
 
     TRITON_INTERPRET=1 python -m pytest tests/kernels/test_factorized_triton.py -q
 """
 from __future__ import annotations
 
-import itertools
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ON_GPU = torch.cuda.is_available() and not INTERPRET
+from tests.kernels.triton_support import (
+    DEVICE, F64, MARKS, RUNNABLE, all_masks, assert_registered_for_cuda, assert_rejects_overlap, gpu_only,
+    interpreter_only, launchers_as_cpu_kernels, mask_id)
 
-pytestmark = [
-    pytest.mark.triton_interpret,
-    pytest.mark.skipif(not (INTERPRET or ON_GPU), reason="needs TRITON_INTERPRET=1 or a CUDA device"),
-]
+pytestmark = MARKS
 
-if INTERPRET or ON_GPU:
-    pytest.importorskip("triton")
+if RUNNABLE:
     from pfl_kernels._layout import layout_geometry
-    from pfl_kernels.ops._library import has_kernel
     from pfl_kernels.reference import factorized as ref
     from pfl_kernels.triton import factorized as tf
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-F64 = torch.float64
 
 CONV = [(3, 2, 1, 1), (3, 2, 3, 3), (2, 3, 3, 5)]  # kernel sizes 1, 3, 3x5
 CASES = [(layout, s) for layout in ("spatial", "simfed", "view") for s in CONV] + \
         [("linear", (5, 3)), ("linear", (1, 1))]
 BIAS = ["none", "mu", "mu+mask"]
-ALL_MASKS = list(itertools.product([False, True], repeat=4))
+ALL_MASKS = all_masks(4)
 
 
 @pytest.fixture(params=["one-tile", "many-tiles"])
@@ -130,7 +119,7 @@ def _check_forward_and_backward(layout, shape, rank, bias, clients):
     check_backward(got, reference_backward(g, u, v, mu, mask, shape, layout, om), om, mu, mask)
 
 
-@pytest.mark.parametrize("output_mask", ALL_MASKS, ids=lambda m: "".join("1" if x else "0" for x in m))
+@pytest.mark.parametrize("output_mask", ALL_MASKS, ids=mask_id)
 @pytest.mark.parametrize("layout,shape", [("spatial", (3, 2, 3, 3)), ("simfed", (2, 3, 3, 5))])
 def test_backward_output_mask(layout, shape, output_mask, tiles):
     u, v, mu, mask = make_factors(shape, layout, 2, "mu+mask", 2, seed=1)
@@ -226,12 +215,10 @@ def test_soft_threshold(view, dtype):
 
 
 def test_soft_threshold_rejects_overlap():
-    x = torch.randn(3, dtype=F64, device=DEVICE).expand(4, 3)
-    with pytest.raises(RuntimeError, match="share memory"):
-        tf.soft_threshold_triton_(x, 0.1)
+    assert_rejects_overlap(tf.soft_threshold_triton_, 0.1)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="interpreter only (on a GPU the CUDA tests cover it)")
+@interpreter_only
 @pytest.mark.filterwarnings("ignore:Warning only once:UserWarning")
 def test_through_dispatcher_and_autograd():
     """The launchers accept the schema's args/kwargs: run them as the CPU kernels of the ops
@@ -244,10 +231,9 @@ def test_through_dispatcher_and_autograd():
     leaves = [t.clone().requires_grad_(True) for t in (u, v, mu, mask)]
     ref_leaves = [t.clone().requires_grad_(True) for t in (u, v, mu, mask)]
     g = torch.randn(2, *shape, dtype=F64)
-    with torch.library._scoped_library("pfl", "IMPL") as lib:
-        lib.impl("factorized_weight", tf.factorized_weight_triton, "CPU")
-        lib.impl("factorized_weight_backward", tf.factorized_weight_backward_triton, "CPU")
-        lib.impl("soft_threshold_", tf.soft_threshold_triton_, "CPU")
+    with launchers_as_cpu_kernels({"factorized_weight": tf.factorized_weight_triton,
+                                   "factorized_weight_backward": tf.factorized_weight_backward_triton,
+                                   "soft_threshold_": tf.soft_threshold_triton_}):
         w_default = torch.ops.pfl.factorized_weight(u, v.expand(2, -1, -1), shape=shape)  # mu, mask, layout defaulted
         w = factorized_weight(*leaves, shape=shape, layout=layout)
         w.backward(g)
@@ -265,14 +251,11 @@ def test_through_dispatcher_and_autograd():
 
 
 def test_registered_for_cuda():
-    for op in ("factorized_weight", "factorized_weight_backward", "soft_threshold_"):
-        assert has_kernel(f"pfl::{op}", "CUDA"), op
+    assert_registered_for_cuda(("factorized_weight", "factorized_weight_backward", "soft_threshold_"))
 
 
 # ---------------------------------------------------------------------------------------
-# Real GPU only: the ops through the dispatcher, opcheck, autograd and half precision.
-
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (not the interpreter)")
+# Real GPU only (``gpu_only``): the ops through the dispatcher, opcheck, autograd and half precision.
 
 
 @gpu_only
