@@ -219,7 +219,6 @@ def test_soft_threshold_rejects_overlap():
 
 
 @interpreter_only
-@pytest.mark.filterwarnings("ignore:Warning only once:UserWarning")
 def test_through_dispatcher_and_autograd():
     """The launchers accept the schema's args/kwargs: run them as the CPU kernels of the ops
     (in a scoped library, undone at exit) under the Python wrappers and autograd."""

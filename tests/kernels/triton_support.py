@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import warnings
 from typing import Callable, Iterator, Mapping
 
 import pytest
@@ -58,8 +59,11 @@ def launchers_as_cpu_kernels(launchers: Mapping[str, Callable]) -> Iterator[None
     """Run each launcher as the CPU kernel of ``pfl::<op>`` (in a scoped library, undone at
     exit), so that the ops' Python wrappers and autograd call it in the interpreter."""
     with torch.library._scoped_library("pfl", "IMPL") as lib:
-        for op, launcher in launchers.items():
-            lib.impl(op, launcher, "CPU")
+        with warnings.catch_warnings():
+            # Overriding the C++ CPU kernel is the point here, not a mistake to warn about.
+            warnings.filterwarnings("ignore", "Warning only once", UserWarning)
+            for op, launcher in launchers.items():
+                lib.impl(op, launcher, "CPU")
         yield
 
 
