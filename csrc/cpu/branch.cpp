@@ -5,17 +5,21 @@
 // K) cost no copy.  Both passes are memory bound and touch each operand once:
 //
 //   forward   W[k, n] = Σ_b α[k, b] w[k, b, n]: a task owns a chunk of n for one client; each
-//             block of 16 outputs is summed over the B branches in registers (unit stride in
-//             n, so the loops vectorize) and stored once.
+//             block of outputs (16 floats; 64 with AVX2 where B >= 6) is summed over the B
+//             branches in registers (unit stride in n, so the loops vectorize) and stored once.
 //   backward  one pass over grad_W: per chunk of n, for each branch in turn,
 //             grad_weights[k, b, chunk] = α[k, b] g[chunk] and the partial dot product
 //             ⟨g[chunk], w[k, b, chunk]⟩ come from one loop over the same loads (the chunk of
-//             grad_W stays in L2 between branches).  The partial sums (per chunk and branch,
-//             in opmath precision) are added after the parallel loop in chunk order: chunks
-//             have a fixed size, so grad_alpha does not depend on the thread count.
+//             grad_W stays in L2 between branches; grad_weights is written with streaming
+//             stores when the pass is too large for the cache).  The partial sums (per chunk
+//             and branch, in opmath precision) are added after the parallel loop in chunk
+//             order: chunks have a fixed size, so grad_alpha does not depend on the thread
+//             count.
 //
-// Tasks run chunk-major (the clients of one chunk are neighbours), so shared branches come
-// from memory once for all clients and from the cache after that.
+// Tasks run client-major: each client's output is written front to back.  Chunk-major order,
+// which reads shared branches once for all clients, was slower in most K = 10 cases measured
+// (by up to 45%): the branches stay in L3 between clients, and ten interleaved output streams
+// cost more than that saves.
 #include <ATen/core/Tensor.h>
 #include <ATen/AccumulateType.h>
 #include <ATen/Dispatch.h>
@@ -97,14 +101,13 @@ std::vector<int64_t> check_args(const at::Tensor& weights, const at::Tensor& alp
 
 // ---------------------------------------------------------------- geometry
 
-// Elements of n per task.  Forward: the B chunks of a task (32 KiB each in float) stay in L2
-// while the clients that share them are served (tasks are chunk-major).  Backward: the chunk of
-// grad_W (128 KiB in float) stays in L2 while each branch streams past it, in runs long enough
-// for the prefetchers (runs of 16 KiB measured 1.3-1.6x slower at the 256->256 k3 shape).
+// Elements of n per task (the unit of parallel work).  Backward: the chunk of grad_W (128 KiB
+// in float) stays in L2 while each branch streams past it, in runs long enough for the
+// prefetchers (runs of 16 KiB measured 1.3-1.6x slower at the 256->256 k3 shape).
 constexpr int64_t kForwardChunk = 8192;
 constexpr int64_t kBackwardChunk = 32768;
 // A pass that moves fewer elements (read + written) than this runs on the calling thread; a
-// larger one is split so that each thread gets at least about this many.  That keeps every
+// larger one is shared among the threads in parts of at least about half as many.  That keeps every
 // LeNet-sized layer (a few microseconds in all) free of a parallel region.  On the shared
 // 2-core machine this was tuned on (OMP_WAIT_POLICY=PASSIVE, other work running) a parallel
 // region cost 10-50 us: threading paid off from about 2.3M elements moved (backward, 128->64
@@ -124,10 +127,20 @@ struct Geometry {
   int64_t tasks() const { return K * n_chunks; }
 };
 
-Geometry geometry(const at::Tensor& weights, const at::Tensor& alpha, int64_t chunk) {
+// Chunks of at most max_chunk elements, of equal size, as many as a multiple of 4 once there are
+// 4 or more: equal shares for 2 or 4 threads (at 128->128 k3, B = 10, the backward's 5 chunks
+// of 32768 split 3:2 took 1.4x as long as 8 of 18432).  The chunking depends on N alone, never
+// on the thread count, so that the sums over chunks give the same bits for any thread count.
+Geometry geometry(const at::Tensor& weights, const at::Tensor& alpha, int64_t max_chunk) {
   const int64_t K = alpha.dim() == 2 ? alpha.size(0) : 1, B = alpha.size(-1);
   const int64_t N = c10::multiply_integers(weights.sizes().slice(alpha.dim()));
-  return {K, B, N, chunk, (N + chunk - 1) / chunk};
+  int64_t chunk = max_chunk, n_chunks = (N + chunk - 1) / chunk;
+  if (n_chunks >= 4) {
+    n_chunks = (n_chunks + 3) / 4 * 4;
+    chunk = ((N + n_chunks - 1) / n_chunks + 63) / 64 * 64;
+    n_chunks = (N + chunk - 1) / chunk;
+  }
+  return {K, B, N, chunk, n_chunks};
 }
 
 // at::parallel_for's grain (in tasks) for tasks that each move `elems_per_task` elements.
@@ -276,7 +289,7 @@ void forward_kernel(scalar_t* out, const Operand3& w, const at::Tensor& alpha, c
       c10::SmallVector<acc_t, 16> a(B);
       int64_t a_of = -1;  // the client whose α is in `a`
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t c = task / K, k = task - c * K;
+        const int64_t k = task / g.n_chunks, c = task - k * g.n_chunks;
         const int64_t n0 = c * g.chunk, nc = std::min(g.chunk, N - n0);
         if (k != a_of) {
           for (int64_t b = 0; b < B; ++b) a[b] = static_cast<acc_t>(ap[k * ask + b * asb]);
@@ -401,7 +414,7 @@ void backward_kernel(const Operand2& gw, const Operand3& w, const at::Tensor& al
     at::parallel_for(0, g.tasks(), task_grain(moved), [&](int64_t begin, int64_t end) {
       std::unique_ptr<acc_t[]> buf(grad_in_place ? nullptr : new acc_t[chunk]);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t c = task / K, k = task - c * K;
+        const int64_t k = task / g.n_chunks, c = task - k * g.n_chunks;
         const int64_t n0 = c * g.chunk, nc = std::min(g.chunk, N - n0);
         const scalar_t* gk = gp + k * gw.sk + n0 * gw.sn;
         const acc_t* gr;
