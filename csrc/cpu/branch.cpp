@@ -278,7 +278,7 @@ void forward_kernel(scalar_t* out, const Operand3& w, const at::Tensor& alpha, c
   const scalar_t* wp = w.t.const_data_ptr<scalar_t>();
   const scalar_t* ap = alpha.const_data_ptr<scalar_t>();
   const int64_t ask = alpha.dim() == 2 ? alpha.stride(0) : 0, asb = alpha.stride(-1);
-  const int64_t K = g.K, B = g.B, N = g.N;
+  const int64_t B = g.B, N = g.N;
   const int64_t grain = task_grain((B + 1) * std::min(N, g.chunk));
 #ifdef PFL_BRANCH_AVX2
   const bool avx2 = B >= kAvx2MinBranches && cpu_has_avx2();
