@@ -22,6 +22,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "loop_helpers.h"
+
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -146,34 +148,15 @@ int64_t task_grain(const Tiling& t) {
   return std::max<int64_t>(1, kMinElemsPerThread / (t.rows * t.cols));
 }
 
-// Runs f(std::true_type) when every column stride in `strides` is 1 (so the compiler sees unit
-// strides and vectorizes), else f(std::false_type).
-template <typename F>
-void with_unit_stride(std::initializer_list<int64_t> strides, int64_t cols, const F& f) {
-  const bool unit = cols <= 1 || std::all_of(strides.begin(), strides.end(), [](int64_t s) { return s == 1; });
-  if (unit) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
+// Whether every column stride in `strides` is 1 (or there is at most one column).
+inline bool unit_columns(std::initializer_list<int64_t> strides, int64_t cols) {
+  return cols <= 1 || std::all_of(strides.begin(), strides.end(), [](int64_t s) { return s == 1; });
 }
 
 // ---------------------------------------------------------------- moving tiles
 
-// Conversion of results to the output type.  float -> bfloat16 rounds to nearest even like
-// c10's, but without its NaN branch, so that loops of it vectorize.
-template <typename D, typename S>
-inline D cast_to(S x) {
-  return static_cast<D>(x);
-}
-
-template <>
-inline c10::BFloat16 cast_to<c10::BFloat16, float>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return c10::BFloat16(static_cast<uint16_t>(x != x ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
-}
+using cpu::cast_to;
+using cpu::with_unit_stride;
 
 // The kernels are compiled twice from factorized_kernels.h:
 // once for the baseline ISA (namespace base) and once for AVX2 (namespace avx2, chosen at

@@ -131,7 +131,7 @@ void forward_kernel(const at::Tensor& w, const at::Tensor& u_t, const at::Tensor
   const Tiling t = make_tiling<acc_t>(g);
   const int64_t n_tasks = K * t.n_col_tiles * t.n_row_tiles;
 
-  with_unit_stride({v.sy, has_mu ? mu.sy : 1, has_mask ? mask.sy : 1}, C, [&](auto unit) {
+  with_unit_stride(unit_columns({v.sy, has_mu ? mu.sy : 1, has_mask ? mask.sy : 1}, C), [&](auto unit) {
     constexpr bool kUnit = decltype(unit)::value;
     const int64_t vs = kUnit ? 1 : v.sy, mus = kUnit ? 1 : mu.sy, masks = kUnit ? 1 : mask.sy;
     at::parallel_for(0, n_tasks, task_grain(t), [&](int64_t begin, int64_t end) {
@@ -255,7 +255,8 @@ void backward_kernel(const at::Tensor& gw_t, const at::Tensor& u_t, const at::Te
   scalar_t* gmu = need_gmu ? gmu_t.data_ptr<scalar_t>() : nullptr;
   scalar_t* gmask = need_gmask ? gmask_t.data_ptr<scalar_t>() : nullptr;
 
-  with_unit_stride({v.sy, need_gmask ? mu.sy : 1, has_mask && need_gmu ? mask.sy : 1}, C, [&](auto unit) {
+  with_unit_stride(unit_columns({v.sy, need_gmask ? mu.sy : 1, has_mask && need_gmu ? mask.sy : 1}, C),
+                   [&](auto unit) {
     constexpr bool kUnit = decltype(unit)::value;
     const int64_t vs = kUnit ? 1 : v.sy, mus = kUnit ? 1 : mu.sy, masks = kUnit ? 1 : mask.sy;
     auto term = [&](const acc_t* gr, const scalar_t* vj, acc_t uj, acc_t* acc, int64_t n) {
