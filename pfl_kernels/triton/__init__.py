@@ -24,5 +24,5 @@ def register_all() -> None:
     """Register every Triton kernel for the CUDA dispatch key (once, at import)."""
     if not AVAILABLE:
         return
-    from . import branch  # noqa: F401
-    from . import factorized  # noqa: F401  (registers on import)
+    # Each module registers its kernels on import.
+    from . import aggregate, branch, branch_aggregate, class_means, factorized, similarity  # noqa: F401

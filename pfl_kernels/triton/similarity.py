@@ -1,0 +1,1 @@
+"""Placeholder: filled in by the server-side kernels work (issue 4)."""
