@@ -1,0 +1,31 @@
+"""pFedMB's LeNet-5 CNN: conv 3→6 k5, maxpool 2, conv 6→16 k5, maxpool 2, fc 400→120,
+fc 120→84, fc 84→10, ReLU between (shared/papers/README.md).
+
+The input channels and the flatten size (400 at 32x32) follow ``input_shape``; the body ends
+after fc 84 + ReLU and the head is fc 84→classes.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+from .base import BodyHeadModel, check_num_classes, image_shape
+
+
+class LeNet5(BodyHeadModel):
+    """LeNet-5 with an 84-d embedding; needs inputs of at least 12x12."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int):
+        channels, height, width = image_shape("lenet5", input_shape, 12)
+        # Each stage: valid 5x5 conv (-4), then 2x2 max pool (floor halving).
+        flat_h = ((height - 4) // 2 - 4) // 2
+        flat_w = ((width - 4) // 2 - 4) // 2
+        body = nn.Sequential(
+            nn.Conv2d(channels, 6, 5), nn.ReLU(inplace=False), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(inplace=False), nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * flat_h * flat_w, 120), nn.ReLU(inplace=False),
+            nn.Linear(120, 84), nn.ReLU(inplace=False),
+        )
+        super().__init__(body, 84, check_num_classes(num_classes))

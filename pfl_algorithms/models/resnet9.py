@@ -1,0 +1,51 @@
+"""ResNet-9 of the Factorized-FL released code (layer list in shared/papers/README.md).
+
+conv 3→64 k3 p1; conv 64→128 k5 s2 p2; residual(two 128→128 k3); conv 128→256 k3 p1;
+maxpool 2; residual(two 256→256 k3); conv 256→256 k3 p0; adaptive max pool 1; flatten;
+linear 256→classes.  Every conv is conv (no bias) + BatchNorm + ReLU.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .base import BodyHeadModel, check_num_classes, image_shape
+
+
+def conv_bn_relu(cin: int, cout: int, kernel: int = 3, stride: int = 1, padding: int = 1) -> nn.Sequential:
+    """Conv2d without bias (BatchNorm's shift makes it redundant) + BatchNorm2d + ReLU."""
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel, stride=stride, padding=padding, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU(inplace=False))
+
+
+class Residual(nn.Module):
+    """x + two conv-BN-ReLU blocks (k3 p1, same width) applied to x."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.res = nn.Sequential(conv_bn_relu(channels, channels), conv_bn_relu(channels, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + res(x); out of place so autograd and functional_call see a pure function."""
+        return x + self.res(x)
+
+
+class ResNet9(BodyHeadModel):
+    """ResNet-9 with a 256-d embedding; needs inputs of at least 11x11 (the p0 conv needs 3x3)."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int):
+        channels, _, _ = image_shape("resnet9", input_shape, 11)
+        body = nn.Sequential(
+            conv_bn_relu(channels, 64),
+            conv_bn_relu(64, 128, kernel=5, stride=2, padding=2),
+            Residual(128),
+            conv_bn_relu(128, 256),
+            nn.MaxPool2d(2),
+            Residual(256),
+            conv_bn_relu(256, 256, padding=0),
+            nn.AdaptiveMaxPool2d(1),
+            nn.Flatten(),
+        )
+        super().__init__(body, 256, check_num_classes(num_classes))

@@ -1,0 +1,128 @@
+"""Models: shapes, the body/head split, conversion by pfl_kernels.nn, functional use."""
+import pytest
+import torch
+from torch import nn
+
+from pfl_algorithms.models import MODELS, body_parameter_names, build_model, head_parameter_names
+from pfl_kernels.nn import factorize, factorized_layers, multibranch, multibranch_layers
+
+EMBEDDING = {"resnet9": 256, "lenet5": 84, "fedgen-cnn": 32, "digits-cnn": 64, "mlp": 128}
+
+
+def _build(name, num_classes=10, **options):
+    return build_model(name, input_shape=MODELS[name].example_input_shape, num_classes=num_classes, **options)
+
+
+def _input(name, n=2):
+    return torch.randn(n, *MODELS[name].example_input_shape)
+
+
+def test_registry_names():
+    assert set(MODELS) == {"resnet9", "lenet5", "fedgen-cnn", "digits-cnn", "mlp"}
+    assert all(spec.description and "\n" not in spec.description for spec in MODELS.values())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_shapes_and_split(name):
+    model = _build(name, num_classes=7)
+    x = _input(name, 3)
+    assert model.embedding_dim == EMBEDDING[name]
+    assert isinstance(model.head, nn.Linear) and model.head.out_features == 7
+    assert model.embed(x).shape == (3, EMBEDDING[name])
+    out = model(x)
+    assert out.shape == (3, 7)
+    torch.testing.assert_close(out, model.head(model.body(x)))
+    heads, bodies = head_parameter_names(model), body_parameter_names(model)
+    assert heads == ["head.weight", "head.bias"]
+    assert all(n.startswith("body.") for n in bodies)
+    assert set(heads) | set(bodies) == {n for n, _ in model.named_parameters()}
+
+
+def test_resnet9_parameter_count_by_hand():
+    convs = 3 * 64 * 9 + 64 * 128 * 25 + 2 * 128 * 128 * 9 + 128 * 256 * 9 + 2 * 256 * 256 * 9 + 256 * 256 * 9
+    batchnorms = 2 * (64 + 128 + 2 * 128 + 256 + 2 * 256 + 256)
+    model = _build("resnet9", num_classes=10)
+    assert sum(p.numel() for p in model.body.parameters()) == convs + batchnorms == 2_568_768
+    assert sum(p.numel() for p in model.head.parameters()) == 256 * 10 + 10
+    assert not any(m.bias is not None for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
+def test_input_shapes_follow_the_data():
+    assert build_model("resnet9", input_shape=(1, 28, 28), num_classes=10)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    lenet = build_model("lenet5", input_shape=(1, 28, 28), num_classes=10)
+    assert lenet.body[7].in_features == 16 * 4 * 4
+    assert _build("lenet5").body[7].in_features == 400
+    assert _build("fedgen-cnn").body[7].in_features == 784
+    assert build_model("digits-cnn", input_shape=(3, 8, 8), num_classes=2)(torch.randn(1, 3, 8, 8)).shape == (1, 2)
+    mlp = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=(32, 16))
+    assert mlp(torch.randn(4, 1, 8, 8)).shape == (4, 10) and mlp.embedding_dim == 16
+
+
+def test_fed_cma_toy_and_logistic_regression():
+    toy = build_model("mlp", input_shape=(2,), num_classes=4, hidden=(2, 2), activation=None)
+    assert [m for m in toy.modules() if isinstance(m, nn.Linear)].__len__() == 3
+    assert not any(isinstance(m, nn.ReLU) for m in toy.modules())
+    logreg = build_model("mlp", input_shape=(5,), num_classes=3, hidden=())
+    assert logreg.embedding_dim == 5 and body_parameter_names(logreg) == []
+
+
+def test_fedgen_embedding_activation():
+    x = _input("fedgen-cnn", 8)
+    emb = _build("fedgen-cnn", embedding_activation="sigmoid").embed(x)
+    assert emb.min() >= 0 and emb.max() <= 1
+    assert (_build("fedgen-cnn", embedding_activation=None).embed(x) < 0).any()
+    with pytest.raises(ValueError, match="embedding_activation"):
+        _build("fedgen-cnn", embedding_activation="gelu")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_factorize_converts_and_runs(name):
+    model = _build(name).eval()
+    x = _input(name)
+    before = model(x)
+    factorize(model, exclude=["head"])
+    assert factorized_layers(model)
+    assert isinstance(model.head, nn.Linear)
+    # sparse=True makes the converted model compute the same function.
+    torch.testing.assert_close(model(x), before, rtol=1e-4, atol=1e-4)
+    assert head_parameter_names(model) == ["head.weight", "head.bias"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_multibranch_converts_and_runs(name):
+    model = _build(name).eval()
+    x = _input(name)
+    before = model(x)
+    multibranch(model, branches=3)
+    layers = multibranch_layers(model)
+    assert layers and model.head in layers
+    torch.testing.assert_close(model(x), before, rtol=1e-4, atol=1e-4)
+    assert all(n.startswith("head.") for n in head_parameter_names(model)) and head_parameter_names(model)
+
+
+@pytest.mark.parametrize("name", ["lenet5", "digits-cnn", "mlp", "fedgen-cnn"])
+def test_functional_call_and_vmap_over_stacked_parameters(name):
+    model = _build(name).eval()
+    x = _input(name, 4)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    torch.testing.assert_close(torch.func.functional_call(model, (params, buffers), (x,)), model(x))
+    stacked = {k: torch.stack([v, v + 0.01]) for k, v in params.items()}
+    out = torch.func.vmap(lambda p: torch.func.functional_call(model, (p, buffers), (x,)))(stacked)
+    assert out.shape == (2, 4, 10)
+    torch.testing.assert_close(out[0], model(x))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="valid models"):
+        build_model("vgg", input_shape=(3, 32, 32), num_classes=10)
+    with pytest.raises(ValueError, match="valid options"):
+        build_model("mlp", input_shape=(2,), num_classes=2, width=3)
+    with pytest.raises(ValueError, match="at least 11x11"):
+        build_model("resnet9", input_shape=(1, 8, 8), num_classes=10)
+    with pytest.raises(ValueError, match=r"\(C, H, W\)"):
+        build_model("lenet5", input_shape=(784,), num_classes=10)
+    with pytest.raises(ValueError, match="num_classes"):
+        build_model("mlp", input_shape=(2,), num_classes=0)
+    with pytest.raises(TypeError, match="body"):
+        head_parameter_names(nn.Linear(2, 2))
