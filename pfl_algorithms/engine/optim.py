@@ -1,0 +1,134 @@
+"""Optimizers that step flat parameter vectors, with their state kept in client banks.
+
+The update rules are torch.optim's (SGD with momentum, dampening, weight decay and Nesterov;
+Adam with bias correction, optionally AdamW's decoupled decay), written over one flat vector:
+a step is a few fused tensor ops whatever the number of tensors in the model, and the state
+(momentum, moments, step count) of every client is a row of a bank, so it survives between
+rounds without a per-client ``torch.optim`` object.  ``ranges`` restrict a step to parameter
+groups (a phase that trains only the head, only α, ...); the rest is left untouched.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+Ranges = Optional[Sequence[tuple[int, int]]]
+
+
+def _pieces(ranges: Ranges, *tensors: torch.Tensor):
+    """The tensors restricted to each range (or whole, when ranges is None)."""
+    if ranges is None:
+        yield tensors
+        return
+    for start, stop in ranges:
+        yield tuple(t[start:stop] for t in tensors)
+
+
+@dataclass(frozen=True)
+class SGD:
+    """torch.optim.SGD's rule.  State: ``momentum_buffer`` [P] (when momentum != 0)."""
+
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        if not self.lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not self.momentum >= 0.0:
+            raise ValueError(f"momentum must be >= 0, got {self.momentum}")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.nesterov and (self.momentum <= 0.0 or self.dampening != 0.0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+
+    def state_names(self) -> tuple[str, ...]:
+        """The flat state vectors (each [P]) this optimizer keeps per client."""
+        return ("momentum_buffer",) if self.momentum != 0.0 else ()
+
+    def scalar_state_names(self) -> tuple[str, ...]:
+        return ("steps",)
+
+    @torch.no_grad()
+    def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
+             *, ranges: Ranges = None, lr_scale: float = 1.0) -> None:
+        """One step of ``params`` [P] given ``grads`` [P] (``grads`` may be overwritten)."""
+        lr = self.lr * lr_scale
+        first = int(state["steps"]) == 0  # torch.optim starts the buffer at the first gradient
+        buffers = (state["momentum_buffer"],) if self.momentum != 0.0 else ()
+        for p, g, *buf in _pieces(ranges, params, grads, *buffers):
+            if self.weight_decay != 0.0:
+                g.add_(p, alpha=self.weight_decay)
+            if self.momentum != 0.0:
+                b = buf[0]
+                if first:
+                    b.copy_(g)
+                else:
+                    b.mul_(self.momentum).add_(g, alpha=1.0 - self.dampening)
+                if self.nesterov:
+                    g.add_(b, alpha=self.momentum)
+                else:
+                    g = b
+            p.add_(g, alpha=-lr)
+        state["steps"] += 1
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's rule (``decoupled=True``: AdamW).  State: ``exp_avg``, ``exp_avg_sq``."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False
+
+    def __post_init__(self):
+        if not self.lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not (0.0 <= self.betas[0] < 1.0 and 0.0 <= self.betas[1] < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if not self.eps >= 0.0 or not self.weight_decay >= 0.0:
+            raise ValueError(f"eps and weight_decay must be >= 0, got {self.eps}, {self.weight_decay}")
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def scalar_state_names(self) -> tuple[str, ...]:
+        return ("steps",)
+
+    @torch.no_grad()
+    def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
+             *, ranges: Ranges = None, lr_scale: float = 1.0) -> None:
+        """One step of ``params`` [P] given ``grads`` [P] (``grads`` may be overwritten)."""
+        lr = self.lr * lr_scale
+        beta1, beta2 = self.betas
+        step = int(state["steps"]) + 1
+        bias1 = 1.0 - beta1 ** step
+        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+        for p, g, m, v in _pieces(ranges, params, grads, state["exp_avg"], state["exp_avg_sq"]):
+            if self.weight_decay != 0.0:
+                if self.decoupled:
+                    p.mul_(1.0 - lr * self.weight_decay)
+                else:
+                    g.add_(p, alpha=self.weight_decay)
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+            p.addcdiv_(m, denom, value=-lr / bias1)
+        state["steps"] += 1
+
+
+OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": lambda **kw: Adam(decoupled=True, **kw)}
+
+
+def make_optimizer(name: str, **settings):
+    """An optimizer by name (``sgd``, ``adam``, ``adamw``) with torch.optim's argument names."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[name](**settings)

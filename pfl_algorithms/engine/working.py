@@ -1,0 +1,97 @@
+"""One template module whose parameters, gradients and buffers are views of flat vectors.
+
+Clients are trained one after another on the same module: loading a client copies its bank
+rows into the flat working vectors (one copy per bank, no per-tensor Python work), training
+runs the module as usual (autograd accumulates every ``.grad`` in place into the flat
+gradient vector), the optimizer steps the flat vectors with a handful of fused ops, and
+storing copies the rows back.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .layout import FlatLayout
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+class WorkingModel:
+    """``module`` rebound so that its state lives in flat vectors.
+
+    Attributes:
+        params: [P] flat parameters (``module``'s parameters are views of it).
+        grads: [P] flat gradients (every parameter's ``.grad`` is a view of it).
+        buffers / int_buffers: flat floating / integer buffers (BatchNorm statistics).
+    """
+
+    def __init__(self, module: nn.Module, *, order: Optional[Callable[[str], int]] = None):
+        self.module = module
+        self.layout = FlatLayout.parameters_of(module, order=order)
+        self.buffer_layout = FlatLayout.buffers_of(module, floating=True)
+        self.int_buffer_layout = FlatLayout.buffers_of(module, floating=False)
+        device = next(module.parameters()).device
+        self.params = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=device)
+        self.grads = torch.zeros_like(self.params)
+        self.buffers = torch.empty(self.buffer_layout.numel, dtype=self.buffer_layout.dtype, device=device)
+        self.int_buffers = torch.empty(self.int_buffer_layout.numel, dtype=self.int_buffer_layout.dtype,
+                                       device=device)
+        self._bind()
+
+    def _bind(self) -> None:
+        current = dict(self.module.named_parameters())
+        param_views = self.layout.views(self.params)
+        grad_views = self.layout.views(self.grads)
+        with torch.no_grad():
+            for name, view in param_views.items():
+                view.copy_(current[name])
+                owner, leaf = _owner(self.module, name)
+                param = nn.Parameter(view, requires_grad=current[name].requires_grad)
+                param.grad = grad_views[name]
+                owner._parameters[leaf] = param
+            for layout, flat in ((self.buffer_layout, self.buffers), (self.int_buffer_layout, self.int_buffers)):
+                current_buffers = dict(self.module.named_buffers())
+                for name, view in layout.views(flat).items():
+                    view.copy_(current_buffers[name])
+                    owner, leaf = _owner(self.module, name)
+                    owner._buffers[leaf] = view
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient (the ``.grad`` views stay bound)."""
+        self.grads.zero_()
+
+    def rebind_grads(self) -> None:
+        """Re-attach the ``.grad`` views (after code that set ``.grad = None``)."""
+        for name, view in self.layout.views(self.grads).items():
+            owner, leaf = _owner(self.module, name)
+            owner._parameters[leaf].grad = view
+
+    @torch.no_grad()
+    def load(self, params: torch.Tensor, buffers: Optional[torch.Tensor] = None,
+             int_buffers: Optional[torch.Tensor] = None) -> None:
+        """Copy a client's rows into the working vectors."""
+        self.params.copy_(params)
+        if buffers is not None:
+            self.buffers.copy_(buffers)
+        if int_buffers is not None:
+            self.int_buffers.copy_(int_buffers)
+
+    @torch.no_grad()
+    def store(self, params: torch.Tensor, buffers: Optional[torch.Tensor] = None,
+              int_buffers: Optional[torch.Tensor] = None) -> None:
+        """Copy the working vectors into a client's rows."""
+        params.copy_(self.params)
+        if buffers is not None:
+            buffers.copy_(self.buffers)
+        if int_buffers is not None:
+            int_buffers.copy_(self.int_buffers)
+
+    def bound(self) -> bool:
+        """Whether the module still uses the flat vectors (nothing replaced its tensors)."""
+        base = self.params.untyped_storage().data_ptr()
+        return all(p.untyped_storage().data_ptr() == base for p in self.module.parameters())
