@@ -1,0 +1,69 @@
+"""FedAvg (McMahan et al., 2017): clients start each round from the global model; the server
+averages their shared parameters weighted by training-set size, w ← Σ_i (n_i / n) w_i.
+
+BatchNorm statistics travel and are averaged with the parameters (as averaging whole
+state_dicts does); what stays local (the head in permuted scenarios) is never sent.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.aggregate import average_rows
+from ..engine.federation import Federation
+from .base import Algorithm
+
+
+class FedAvg(Algorithm):
+    """Federated averaging of the shared parameters."""
+
+    name = "fedavg"
+    description = "clients train from the global model; the server averages them weighted by data size"
+
+    def setup(self, fed: Federation) -> None:
+        self.global_params = fed.params.row(0)[fed.shared].clone()
+        self.global_buffers = fed.buffers.row(0).clone()
+
+    def shared_values(self, fed: Federation) -> int:
+        """Values sent per client and direction: the shared parameters and the BatchNorm statistics."""
+        return self.global_params.numel() + self.global_buffers.numel()
+
+    def begin_round(self, fed: Federation, clients: torch.Tensor, round_: int) -> None:
+        fed.params.data[clients, fed.shared] = self.global_params
+        fed.buffers.data[clients] = self.global_buffers
+        for client in clients.tolist():
+            fed.comm.send("down", client, "shared", self.shared_values(fed))
+
+    def end_round(self, fed: Federation, clients: torch.Tensor, finite: torch.Tensor, round_: int) -> None:
+        senders = clients[finite]
+        if senders.numel() == 0:
+            return
+        for client in senders.tolist():
+            fed.comm.send("up", client, "shared", self.shared_values(fed))
+        sizes = fed.train_sizes()[senders]
+        weights = sizes / sizes.sum()
+        self.global_params = average_rows(fed.params.data[senders][:, fed.shared], weights)
+        self.global_buffers = average_rows(fed.buffers.data[senders], weights)
+
+    def global_model_of(self, fed: Federation, client: int) -> torch.Tensor:
+        """The client's view of the global model: the global shared parameters, its own local ones."""
+        params = fed.params.row(client).clone()
+        params[fed.shared] = self.global_params
+        return params
+
+    def evaluate_client(self, fed: Federation, client: int, split: str = "test"):
+        """The global model (with the client's local parameters and its BatchNorm statistics
+        set to the global ones) on the client's split."""
+        fed.load_client(client)
+        saved = fed.buffers.row(client).clone()
+        fed.buffers.row(client).copy_(self.global_buffers)
+        try:
+            return fed.evaluate_client(client, split, params=self.global_model_of(fed, client))
+        finally:
+            fed.buffers.row(client).copy_(saved)
+
+    def state_dict(self) -> dict:
+        return {"global_params": self.global_params, "global_buffers": self.global_buffers}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_params = state["global_params"].clone()
+        self.global_buffers = state["global_buffers"].clone()
