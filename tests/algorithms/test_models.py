@@ -9,12 +9,17 @@ from pfl_kernels.nn import factorize, factorized_layers, multibranch, multibranc
 EMBEDDING = {"resnet9": 256, "lenet5": 84, "fedgen-cnn": 32, "digits-cnn": 64, "mlp": 128}
 
 
-def _build(name, num_classes=10, **options):
-    return build_model(name, input_shape=MODELS[name].example_input_shape, num_classes=num_classes, **options)
+# ResNet-9 at 16x16 (its smallest comfortable size) keeps the conversion tests fast.
+SMALL = {"resnet9": (3, 16, 16)}
 
 
-def _input(name, n=2):
-    return torch.randn(n, *MODELS[name].example_input_shape)
+def _build(name, num_classes=10, small=False, **options):
+    shape = SMALL.get(name, MODELS[name].example_input_shape) if small else MODELS[name].example_input_shape
+    return build_model(name, input_shape=shape, num_classes=num_classes, **options)
+
+
+def _input(name, n=2, small=False):
+    return torch.randn(n, *(SMALL.get(name, MODELS[name].example_input_shape) if small else MODELS[name].example_input_shape))
 
 
 def test_registry_names():
@@ -77,8 +82,8 @@ def test_fedgen_embedding_activation():
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_factorize_converts_and_runs(name):
-    model = _build(name).eval()
-    x = _input(name)
+    model = _build(name, small=True).eval()
+    x = _input(name, small=True)
     before = model(x)
     factorize(model, exclude=["head"])
     assert factorized_layers(model)
@@ -90,8 +95,8 @@ def test_factorize_converts_and_runs(name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_multibranch_converts_and_runs(name):
-    model = _build(name).eval()
-    x = _input(name)
+    model = _build(name, small=True).eval()
+    x = _input(name, small=True)
     before = model(x)
     multibranch(model, branches=3)
     layers = multibranch_layers(model)

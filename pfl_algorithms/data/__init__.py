@@ -1,0 +1,10 @@
+"""Data of the simulations: datasets as device tensors and scenarios that deal them out to
+clients as per-client index tensors (with a manifest saved in each run directory)."""
+from .datasets import DATASETS, ArrayDataset, DatasetSpec, load_dataset
+from .partition import ClientSplit, Partition
+from .scenarios import SCENARIOS, ScenarioSpec, make_partition, split_sizes
+
+__all__ = [
+    "ArrayDataset", "DatasetSpec", "DATASETS", "load_dataset",
+    "ClientSplit", "Partition", "ScenarioSpec", "SCENARIOS", "make_partition", "split_sizes",
+]

@@ -1,0 +1,197 @@
+"""Datasets held as tensors, and the registry of dataset names.
+
+Every loader returns ONE pooled ``ArrayDataset``: the Factorized-FL released code pools the
+train and test sets and lets the scenario split each client's share into train/val/test.
+The datasets that need no download are built here; the others are registered names whose
+loader says that their reader does not exist yet.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ArrayDataset:
+    """A whole dataset as tensors (on any device).
+
+    Attributes:
+        name: the registry name it was loaded under.
+        inputs: [N, C, H, W] images or [N, F] feature vectors, float32, normalized.
+        labels: [N] int64 class ids in [0, num_classes).
+        num_classes: the number of classes.
+        domains: optional [N] int64 domain ids (multi-domain datasets).
+    """
+
+    name: str
+    inputs: Tensor
+    labels: Tensor
+    num_classes: int
+    domains: Optional[Tensor] = None
+
+    def __post_init__(self):
+        if self.inputs.dim() < 2:
+            raise ValueError(f"inputs must be [N, ...] with at least 2 dims, got shape {tuple(self.inputs.shape)}")
+        n = self.inputs.shape[0]
+        if self.labels.shape != (n,):
+            raise ValueError(f"labels must have shape ({n},), got {tuple(self.labels.shape)}")
+        if self.domains is not None and self.domains.shape != (n,):
+            raise ValueError(f"domains must have shape ({n},), got {tuple(self.domains.shape)}")
+
+    def __len__(self) -> int:
+        """The number of samples N."""
+        return int(self.inputs.shape[0])
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one input: (C, H, W) or (F,) — what ``build_model`` takes."""
+        return tuple(self.inputs.shape[1:])
+
+    def to(self, device) -> "ArrayDataset":
+        """A copy whose tensors live on ``device`` (the same object's fields if already there)."""
+        move = lambda t: None if t is None else t.to(device)
+        return replace(self, inputs=move(self.inputs), labels=move(self.labels), domains=move(self.domains))
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registered dataset.
+
+    Attributes:
+        name: registry key.  description: one line for ``pfl list``.
+        loader: ``loader(root, seed, **options) -> ArrayDataset``.
+        defaults: the options the loader accepts and their defaults.
+        available: False for names whose reader is not implemented yet.
+    """
+
+    name: str
+    description: str
+    loader: Callable[..., ArrayDataset]
+    defaults: dict = field(default_factory=dict)
+    available: bool = True
+
+
+def _normalize(x: Tensor) -> Tensor:
+    """Zero mean, unit variance over the whole pooled set (one scalar each, as the images are grey)."""
+    return (x - x.mean()) / x.std().clamp_min(1e-12)
+
+
+def load_digits_dataset(root=None, seed: int = 0) -> ArrayDataset:
+    """scikit-learn's 8x8 digits (1,797 real images, 10 classes; shipped inside the package).
+
+    Pixel values 0..16 are scaled to [0, 1], then normalized to zero mean and unit variance
+    over the pooled set.  ``root`` and ``seed`` are unused: the data are fixed.
+    """
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:  # a clear message beats a bare ModuleNotFoundError
+        raise ImportError("dataset 'digits' needs scikit-learn: pip install scikit-learn") from error
+    bunch = load_digits()
+    images = torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.as_tensor(bunch.target, dtype=torch.int64)
+    return ArrayDataset("digits", _normalize(images), labels, 10)
+
+
+def load_gaussian_mixture(root=None, seed: int = 0, *, num_classes: int = 4, dim: int = 2, samples: int = 1000,
+                          radius: float = 2.0, std: float = 0.75) -> ArrayDataset:
+    """Fed-CMA's synthetic toy: a mixture of ``num_classes`` Gaussians in R^dim (paper: 4 in R^2).
+
+    Class k is N(m_k, std²·I) with m_k on a circle of ``radius`` in the first two coordinates
+    (angle 2πk/num_classes, other coordinates 0), so the classes overlap a little and the
+    picture in R^2 looks like the paper's Fig. 4.  ``samples`` points in all, split as evenly
+    as possible over the classes, in a seeded random order; inputs are [samples, dim].
+    The paper's non-i.i.d. spread over clients is the scenario's job (e.g. 'dirichlet').
+    """
+    if int(num_classes) < 2 or int(dim) < 2 or int(samples) < num_classes:
+        raise ValueError(f"gaussian-mixture needs num_classes >= 2, dim >= 2 and samples >= num_classes; "
+                         f"got num_classes={num_classes}, dim={dim}, samples={samples}")
+    if std <= 0 or radius < 0:
+        raise ValueError(f"gaussian-mixture needs std > 0 and radius >= 0; got std={std}, radius={radius}")
+    gen = torch.Generator().manual_seed(int(seed))
+    angles = 2 * math.pi * torch.arange(num_classes, dtype=torch.float64) / num_classes
+    means = torch.zeros(num_classes, dim, dtype=torch.float64)
+    means[:, 0], means[:, 1] = radius * torch.cos(angles), radius * torch.sin(angles)
+    labels = torch.arange(samples) % num_classes
+    labels = labels[torch.randperm(samples, generator=gen)]
+    noise = torch.randn(samples, dim, generator=gen, dtype=torch.float64)
+    inputs = (means[labels] + std * noise).float()
+    return ArrayDataset("gaussian-mixture", inputs, labels.to(torch.int64), int(num_classes))
+
+
+def load_synthetic_cifar(root=None, seed: int = 0, *, samples: int = 1024, num_classes: int = 10) -> ArrayDataset:
+    """Random CIFAR-shaped data for speed tests: [samples, 3, 32, 32] standard normal inputs
+    (already "normalized") with uniform random labels, deterministic for ``seed``.
+    Nothing in it can be learned beyond memorization."""
+    if int(samples) < 1 or int(num_classes) < 1:
+        raise ValueError(f"synthetic-cifar needs samples >= 1 and num_classes >= 1; got {samples}, {num_classes}")
+    gen = torch.Generator().manual_seed(int(seed))
+    inputs = torch.randn(samples, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, num_classes, (samples,), generator=gen)
+    return ArrayDataset("synthetic-cifar", inputs, labels, int(num_classes))
+
+
+def _not_implemented(name: str) -> Callable[..., ArrayDataset]:
+    def loader(root=None, seed: int = 0, **options) -> ArrayDataset:
+        raise ValueError(f"dataset {name!r} needs files under a data root; its reader is not implemented yet")
+    loader.__doc__ = f"Placeholder for {name!r}: always raises ValueError (reader not implemented)."
+    return loader
+
+
+def _spec(name: str, description: str, loader) -> DatasetSpec:
+    # The loader's keyword-only arguments are its options; read them so the two cannot drift.
+    params = inspect.signature(loader).parameters.values()
+    defaults = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return DatasetSpec(name, description, loader, defaults)
+
+
+_FILE_BACKED = {
+    "mnist": "MNIST handwritten digits (28x28 grey, 10 classes)",
+    "emnist": "EMNIST handwritten characters (28x28 grey)",
+    "femnist": "FEMNIST, EMNIST split by writer (LEAF)",
+    "cifar10": "CIFAR-10 (32x32 colour, 10 classes)",
+    "cifar100": "CIFAR-100 (32x32 colour, 100 classes, 20 superclasses)",
+    "svhn": "SVHN street-view house numbers (32x32 colour, 10 classes)",
+    "pacs": "PACS, 4 domains x 7 classes",
+    "vlcs": "VLCS, 4 domains x 5 classes",
+    "office-caltech": "Office-Caltech-10, 4 domains x 10 classes",
+}
+
+DATASETS: dict[str, DatasetSpec] = {
+    "digits": _spec("digits", "scikit-learn's 8x8 digits, 1,797 real images, 10 classes (no download)",
+                    load_digits_dataset),
+    "gaussian-mixture": _spec("gaussian-mixture", "Fed-CMA's toy: a mixture of Gaussians in R^dim (synthetic)",
+                              load_gaussian_mixture),
+    "synthetic-cifar": _spec("synthetic-cifar", "random 3x32x32 tensors with random labels, for speed tests",
+                             load_synthetic_cifar),
+    **{name: DatasetSpec(name, f"{text} (needs files; reader not implemented yet)", _not_implemented(name),
+                         available=False)
+       for name, text in _FILE_BACKED.items()},
+}
+
+
+def load_dataset(name: str, *, root=None, seed: int = 0, **options) -> ArrayDataset:
+    """Load the registered dataset ``name`` as one pooled ``ArrayDataset`` on the CPU.
+
+    Args:
+        name: a key of ``DATASETS``.
+        root: the data directory (only file-backed datasets read it).
+        seed: seeds synthetic data; the same seed gives the same tensors.
+        options: dataset options (see ``DATASETS[name].defaults``).
+
+    Raises:
+        ValueError: an unknown name or option (the message lists the valid ones), or a
+            registered dataset whose reader is not implemented yet.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid datasets: {sorted(DATASETS)}")
+    spec = DATASETS[name]
+    if spec.available:
+        unknown = sorted(set(options) - set(spec.defaults))
+        if unknown:
+            raise ValueError(f"dataset {name!r} got unknown options {unknown}; valid options: {sorted(spec.defaults)}")
+    return spec.loader(root, seed, **options)

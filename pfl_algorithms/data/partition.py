@@ -1,0 +1,192 @@
+"""What a scenario produces: per-client train/val/test index tensors and label maps, with a
+JSON manifest that records them exactly (saved in each run directory)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .datasets import ArrayDataset
+
+MANIFEST_FORMAT = 1
+PARTS = ("train", "val", "test")
+
+
+@dataclass(eq=False)
+class ClientSplit:
+    """One client's share of the pooled dataset.
+
+    Attributes:
+        train, val, test: int64 index tensors into the pooled dataset, disjoint.
+        label_map: None, or a [num_classes] int64 permutation: a sample whose label is ``y``
+            is seen by this client as ``label_map[y]`` (train, val and test alike).
+    """
+
+    train: Tensor
+    val: Tensor
+    test: Tensor
+    label_map: Optional[Tensor] = None
+
+    def part(self, name: str) -> Tensor:
+        """The index tensor of split ``name`` ('train', 'val' or 'test')."""
+        if name not in PARTS:
+            raise ValueError(f"split name must be one of {PARTS}, got {name!r}")
+        return getattr(self, name)
+
+    def all_indices(self) -> Tensor:
+        """train, val and test indices together."""
+        return torch.cat([self.train, self.val, self.test])
+
+    def to(self, device) -> "ClientSplit":
+        """A copy with every tensor on ``device``."""
+        move = lambda t: None if t is None else t.to(device)
+        return ClientSplit(move(self.train), move(self.val), move(self.test), move(self.label_map))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ClientSplit):
+            return NotImplemented
+        same = lambda a, b: (a is None and b is None) or (a is not None and b is not None and torch.equal(a.cpu(), b.cpu()))
+        return all(same(getattr(self, n), getattr(other, n)) for n in (*PARTS, "label_map"))
+
+
+@dataclass(eq=False)
+class Partition:
+    """A scenario applied to a pooled dataset: one ``ClientSplit`` per client.
+
+    Attributes:
+        scenario: the scenario's registry name.  clients: one split per client.
+        num_classes: classes of the dataset (the length of every label map).
+        options: every scenario option, defaults filled in.
+        seed: the seed it was drawn with.  dataset: the dataset's name.
+        num_samples: the pooled dataset's size (checked by ``validate``).
+    """
+
+    scenario: str
+    clients: list[ClientSplit]
+    num_classes: int
+    options: dict
+    seed: Optional[int] = None
+    dataset: Optional[str] = None
+    num_samples: Optional[int] = None
+
+    @property
+    def num_clients(self) -> int:
+        """The number of clients."""
+        return len(self.clients)
+
+    def client_labels(self, dataset: ArrayDataset, client: int, part: str = "train") -> Tensor:
+        """The labels client ``client`` sees on its ``part`` split (its label map applied)."""
+        split = self.clients[client]
+        idx = split.part(part)
+        labels = dataset.labels[idx.to(dataset.labels.device)]
+        if split.label_map is not None:
+            labels = split.label_map.to(labels.device)[labels]
+        return labels
+
+    def label_counts(self, dataset: ArrayDataset, part: Optional[str] = "train", *, mapped: bool = False) -> Tensor:
+        """[num_clients, num_classes] int64 counts of each class in each client's ``part`` split
+        (all three splits when ``part`` is None), by the dataset's labels or, with
+        ``mapped=True``, by the labels the client sees."""
+        rows = []
+        for i, split in enumerate(self.clients):
+            if mapped:
+                labels = (torch.cat([self.client_labels(dataset, i, p) for p in PARTS]) if part is None
+                          else self.client_labels(dataset, i, part))
+            else:
+                idx = split.all_indices() if part is None else split.part(part)
+                labels = dataset.labels[idx.to(dataset.labels.device)]
+            rows.append(torch.bincount(labels.cpu(), minlength=self.num_classes))
+        return torch.stack(rows)
+
+    def to(self, device) -> "Partition":
+        """A copy whose index tensors and label maps live on ``device``."""
+        return Partition(self.scenario, [c.to(device) for c in self.clients], self.num_classes, dict(self.options),
+                         self.seed, self.dataset, self.num_samples)
+
+    def validate(self, dataset: ArrayDataset) -> None:
+        """Check that this partition fits ``dataset`` (same size and classes, indices in range).
+
+        Raises:
+            ValueError: saying what does not match (e.g. a manifest from another dataset).
+        """
+        if self.num_samples is not None and self.num_samples != len(dataset):
+            raise ValueError(f"partition was made for {self.num_samples} samples, dataset has {len(dataset)}")
+        if self.num_classes != dataset.num_classes:
+            raise ValueError(f"partition was made for {self.num_classes} classes, dataset has {dataset.num_classes}")
+        for i, split in enumerate(self.clients):
+            idx = split.all_indices()
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= len(dataset)):
+                raise ValueError(f"client {i} has indices outside [0, {len(dataset)})")
+
+    def manifest(self) -> dict:
+        """A JSON-serializable record of the partition: every client's index lists and label
+        map, the scenario, its options, the seed, the dataset's name and size."""
+        def to_list(t):
+            return None if t is None else [int(v) for v in t.cpu().tolist()]
+
+        return {
+            "format": MANIFEST_FORMAT,
+            "scenario": self.scenario,
+            "dataset": self.dataset,
+            "num_samples": self.num_samples,
+            "num_classes": int(self.num_classes),
+            "seed": self.seed,
+            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in self.options.items()},
+            "clients": [{"train": to_list(c.train), "val": to_list(c.val), "test": to_list(c.test),
+                         "label_map": to_list(c.label_map)} for c in self.clients],
+        }
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "Partition":
+        """The partition a ``manifest()`` describes, exactly (tensors on the CPU).
+
+        Raises:
+            ValueError: a manifest of an unknown format or with missing fields.
+        """
+        if manifest.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"unknown partition manifest format {manifest.get('format')!r}; expected {MANIFEST_FORMAT}")
+        try:
+            def to_tensor(values):
+                return None if values is None else torch.tensor(values, dtype=torch.int64).reshape(-1)
+
+            clients = [ClientSplit(to_tensor(c["train"]), to_tensor(c["val"]), to_tensor(c["test"]),
+                                   to_tensor(c["label_map"])) for c in manifest["clients"]]
+            # JSON has no tuples: list-valued options (split) were tuples when made.
+            options = {k: tuple(v) if isinstance(v, list) else v for k, v in manifest["options"].items()}
+            return cls(manifest["scenario"], clients, int(manifest["num_classes"]), options,
+                       manifest.get("seed"), manifest.get("dataset"), manifest.get("num_samples"))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"malformed partition manifest: {error!r}") from error
+
+    def save(self, path) -> None:
+        """Write ``manifest()`` as JSON to ``path`` atomically (a temp file in the same
+        directory, then ``os.replace``), so a killed run never leaves half a manifest."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".partition-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.manifest(), f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path) -> "Partition":
+        """The partition saved at ``path`` by ``save``."""
+        with open(path) as f:
+            return cls.from_manifest(json.load(f))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Partition):
+            return NotImplemented
+        return self.manifest() == other.manifest()
