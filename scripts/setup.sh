@@ -31,7 +31,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 missing=()
 for spec in "triton:triton" "pytest:pytest" "pytest_benchmark:pytest-benchmark" "numpy:numpy" \
-            "ninja:ninja" "setuptools:setuptools" "expecttest:expecttest"; do
+            "ninja:ninja" "setuptools:setuptools" "expecttest:expecttest" "sklearn:scikit-learn" \
+            "matplotlib:matplotlib"; do
   "$PY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

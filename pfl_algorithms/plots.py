@@ -1,0 +1,55 @@
+"""The plots of a run: mean accuracy vs round and vs communicated bits, per-client accuracy.
+
+matplotlib is optional (``pip install matplotlib``): without it no plot is written and the
+summary says so.
+"""
+from __future__ import annotations
+
+from .engine.rundir import RunDirectory
+
+
+def write_plots(rundir: RunDirectory, history: list[dict]) -> dict:
+    """Write the run's PNGs under ``rundir.plots``; returns {name: path} or {'skipped': why}."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return {"skipped": f"matplotlib is not installed ({exc})"}
+    evals = [m for m in history if "eval" in m]
+    if not evals:
+        return {"skipped": "no evaluated round"}
+    rundir.plots.mkdir(parents=True, exist_ok=True)
+    rounds = [m["round"] + 1 for m in evals]
+    accuracy = [100 * m["eval"]["mean_accuracy"] for m in evals]
+    gigabits = [m["comm_gb"]["up"] + m["comm_gb"]["down"] for m in evals]
+    paths = {}
+
+    def save(fig, name):
+        path = rundir.plots / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths[name] = str(path)
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(rounds, accuracy, marker="o", markersize=3)
+    ax.set(xlabel="round", ylabel="mean personalized accuracy (%)", title="accuracy vs round")
+    ax.grid(alpha=0.3)
+    save(fig, "accuracy_vs_round")
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(gigabits, accuracy, marker="o", markersize=3)
+    ax.set(xlabel="communicated (Gb, up + down)", ylabel="mean personalized accuracy (%)",
+           title="accuracy vs communication")
+    ax.grid(alpha=0.3)
+    save(fig, "accuracy_vs_bits")
+
+    final = evals[-1]["eval"]["accuracy"]
+    clients = sorted(final, key=int)
+    fig, ax = plt.subplots(figsize=(max(5, 0.3 * len(clients)), 3.5))
+    ax.bar([str(c) for c in clients], [100 * final[c] for c in clients])
+    ax.set(xlabel="client", ylabel="accuracy (%)", title=f"per-client accuracy, round {rounds[-1]}")
+    save(fig, "client_accuracy")
+    return paths

@@ -1,0 +1,158 @@
+"""Run an algorithm from a :class:`RunConfig`: build the federation, loop over rounds, write
+the run directory, resume from a checkpoint."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .algorithms import make_algorithm
+from .config import RunConfig, check
+from .data import load_dataset, make_partition
+from .engine.federation import ClientData, EngineSettings, Federation, run_round
+from .engine.local import LocalSchedule
+from .engine.rundir import RunDirectory, atomic_write_json
+from .models import build_model
+
+
+def default_run_name(config: RunConfig) -> str:
+    return f"{config.algorithm}-{config.scenario}-{config.dataset}-seed{config.seed}"
+
+
+def _optimizer_settings(config: RunConfig) -> dict:
+    if config.optimizer == "sgd":
+        return {"lr": config.lr, "momentum": config.momentum, "weight_decay": config.weight_decay}
+    return {"lr": config.lr, "weight_decay": config.weight_decay}
+
+
+def build(config: RunConfig):
+    """(federation, algorithm, partition) for ``config`` (checked first)."""
+    check(config)
+    dataset = load_dataset(config.dataset, root=config.data_root, seed=config.seed, **config.dataset_options)
+    options = dict(config.scenario_options)
+    if config.samples_per_client is not None:
+        options["samples_per_client"] = config.samples_per_client
+    partition = make_partition(config.scenario, dataset, config.clients, seed=config.seed, **options)
+    torch.manual_seed(config.seed)  # the model's initialization; the same for every client
+    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
+                        **config.model_options)
+    algorithm = make_algorithm(config.algorithm, **config.algorithm_settings)
+    schedule = LocalSchedule(batch_size=config.batch_size, epochs=config.local_epochs, steps=config.local_steps)
+    settings = EngineSettings(rounds=config.rounds, sample=config.sample, schedule=schedule,
+                              optimizer=config.optimizer, optimizer_settings=_optimizer_settings(config),
+                              eval_every=config.eval_every, seed=config.seed, optimizer_state=config.optimizer_state)
+    clients = [ClientData(c.train, c.val, c.test, c.label_map) for c in partition.clients]
+    local_names = algorithm.local_parameter_names(model, keep_head_local=config.head_local())
+    fed = Federation(model, dataset.inputs, dataset.labels, clients, settings, local_names=local_names,
+                     device=config.device)
+    algorithm.setup(fed)
+    return fed, algorithm, partition
+
+
+class Progress:
+    """One status line per run on stderr: round, mean accuracy, elapsed and remaining time."""
+
+    def __init__(self, total: int, label: str, stream=sys.stderr):
+        self.total, self.label, self.stream = total, label, stream
+        self.start = time.perf_counter()
+        self.tty = getattr(stream, "isatty", lambda: False)()
+
+    def update(self, done: int, first: int, accuracy: Optional[float]) -> None:
+        elapsed = time.perf_counter() - self.start
+        per_round = elapsed / max(done - first, 1)
+        remaining = per_round * (self.total - done)
+        acc = "-" if accuracy is None else f"{100 * accuracy:.1f}%"
+        width = 20
+        filled = int(width * done / max(self.total, 1))
+        line = (f"{self.label} [{'#' * filled}{'.' * (width - filled)}] round {done}/{self.total} "
+                f"acc {acc} {elapsed:.1f}s elapsed ~{remaining:.1f}s left")
+        self.stream.write(("\r" + line) if self.tty else line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = True,
+        stop_after: Optional[int] = None, on_round: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run ``config`` into the run directory ``out``; returns the summary.
+
+    ``resume``: continue from ``out/checkpoint.pt`` (the config saved there is used; a
+    different one is an error).  ``stop_after``: stop after that many rounds of this call
+    (tests use it to simulate a kill).
+    """
+    rundir = RunDirectory(out)
+    if resume:
+        saved = json.loads(rundir.config.read_text()) if rundir.config.exists() else None
+        if saved is None:
+            raise ValueError(f"--resume: {rundir.config} does not exist")
+        if saved != json.loads(json.dumps(config.as_dict())):
+            changed = sorted(k for k in saved if saved[k] != json.loads(json.dumps(config.as_dict())).get(k))
+            raise ValueError(f"--resume: the settings differ from the saved run in {changed}; "
+                             f"resume with the same settings (or none: the saved config is used)")
+    elif rundir.metrics.exists() or rundir.checkpoint.exists():
+        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    fed, algorithm, partition = build(config)
+    rundir.create()
+    first = 0
+    history: list[dict] = []
+    if resume:
+        state = rundir.load_checkpoint()
+        fed.load_state_dict(state["federation"])
+        algorithm.load_state_dict(state["algorithm"])
+        first = fed.round
+        history = rundir.truncate_metrics(first)
+    else:
+        atomic_write_json(rundir.config, config.as_dict())
+        partition.save(rundir.partition)
+    bar = Progress(config.rounds, config.algorithm) if progress else None
+    wall_start = time.perf_counter()
+    for round_ in range(first, config.rounds):
+        if stop_after is not None and round_ - first >= stop_after:
+            break
+        record = run_round(fed, algorithm, round_).as_dict()
+        record["comm_gb"] = fed.comm.gigabits()
+        rundir.append_metrics(record)
+        history.append(record)
+        if on_round is not None:
+            on_round(record)
+        if (round_ + 1) % config.checkpoint_every == 0 or round_ + 1 == config.rounds:
+            rundir.save_checkpoint({"federation": fed.state_dict(), "algorithm": algorithm.state_dict(),
+                                    "config": config.as_dict()})
+        if bar is not None:
+            bar.update(round_ + 1, first, record.get("eval", {}).get("mean_accuracy"))
+    if bar is not None:
+        bar.close()
+    summary = summarize(config, history, fed, time.perf_counter() - wall_start)
+    if fed.round == config.rounds:
+        atomic_write_json(rundir.summary, summary)
+        from .plots import write_plots
+
+        summary["plots"] = write_plots(rundir, history)
+        atomic_write_json(rundir.summary, summary)
+    return summary
+
+
+def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: float) -> dict:
+    """Final and best mean personalized accuracy, per-client final accuracy, communication."""
+    evals = [(m["round"], m["eval"]) for m in history if "eval" in m]
+    final = evals[-1][1] if evals else None
+    best = max((e["mean_accuracy"] for _, e in evals), default=None)
+    return {
+        "algorithm": config.algorithm, "scenario": config.scenario, "dataset": config.dataset,
+        "model": config.model, "seed": config.seed, "clients": config.clients, "rounds": fed.round,
+        "final_mean_accuracy": final["mean_accuracy"] if final else None,
+        "best_mean_accuracy": best,
+        "final_client_accuracy": final["accuracy"] if final else None,
+        "comm_gb": fed.comm.gigabits(),
+        "wall_s_this_run": wall_s,
+        "train_wall_s_total": sum(m["wall_s"] for m in history),
+        "config": dataclasses.asdict(config),
+    }
