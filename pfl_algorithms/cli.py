@@ -119,7 +119,8 @@ def _cmd_demo(args) -> int:
     for seed in range(args.seeds):
         for algorithm in DEMO_ALGORITHMS:
             config = check(RunConfig(algorithm=algorithm, dataset="digits", scenario="permuted-iid",
-                                     model="digits-cnn", clients=20, rounds=args.rounds, seed=seed))
+                                     model="digits-cnn", clients=20, rounds=args.rounds, seed=seed,
+                                     local_epochs=2, batch_size=16, lr=0.05))
             run_dir = out / f"{algorithm}-seed{seed}"
             if (run_dir / "summary.json").exists():
                 print(f"{run_dir}: finished earlier, kept")
