@@ -1,2 +1,347 @@
-"""Placeholder: filled in by the server-side kernels work (issue 4)."""
-__all__: list = []
+"""Similarity of clients and the weights built from it (server side of Factorized-FL, SimFed,
+FedAMP, FedFomo, FedDAF).
+
+Ops in the ``pfl`` namespace:
+
+* ``pairwise_cosine(x, y, eps) -> [K, M]``: cosine of every row of x [K, D] with every row
+  of y [M, D] (y None: with x itself), normalization fused into the product.
+* ``pairwise_sqdist(x, y) -> [K, M]``: squared Euclidean distances, never negative.
+* ``similarity_weights(sim, tau, scale, min_keep, self_index) -> [K, M]``: the matching
+  rule of Factorized-FL Eq. 4–5 / SimFed Eq. 3 (threshold, keep at least ``min_keep``,
+  softmax over the kept entries).
+
+Dtypes.  x and y may be float32, float64, bfloat16 or float16 (both the same).  The
+products are accumulated in float32 (float64 for float64 inputs) and, since the results
+are statistics, returned in that accumulation dtype: float32 for bfloat16/float16/float32
+inputs, float64 for float64.  ``similarity_weights`` reads sim in the accumulation dtype
+and returns weights in it as well.
+
+Gradients.  pairwise_cosine and pairwise_sqdist are differentiable in x and y; the
+backward is two matrix products (BLAS / cuBLAS) plus O(K·M) elementwise work, written
+with torch ops (nothing in it to fuse that BLAS does not already do).  The clamps of the
+definitions are not differentiated: the gradient is that of the unclamped expression
+(they only differ where rounding pushed a value past the bound, and there the true
+gradient is ~0 anyway: a cosine of ±1 or a distance of 0 is a stationary point).
+similarity_weights is differentiable in sim through the softmax over the kept entries.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from ..reference import similarity as ref
+from ._checks import check_same, check_tensor
+from ._library import define_op
+
+__all__ = ["pairwise_cosine", "pairwise_sqdist", "similarity_weights"]
+
+
+# ---------------------------------------------------------------- op-level checks
+
+def _check_pair(x, y):
+    """Checks of pairwise_cosine / pairwise_sqdist that also hold under tracing.  -> [K, M]."""
+    torch._check(x.dim() == 2, lambda: f"x must be [K, D], got {list(x.shape)}")
+    if y is None:
+        return [x.shape[0], x.shape[0]]
+    torch._check(y.dim() == 2 and y.shape[1] == x.shape[1],
+                 lambda: f"y must be [M, D] with D = {x.shape[1]} (x's), got {list(y.shape)}")
+    torch._check(y.dtype == x.dtype, lambda: f"y must have x's dtype {x.dtype}, got {y.dtype}")
+    torch._check(y.device == x.device, lambda: f"y must be on x's device {x.device}, got {y.device}")
+    return [x.shape[0], y.shape[0]]
+
+
+def _check_weights_args(sim, self_index):
+    torch._check(sim.dim() == 2, lambda: f"sim must be [K, M], got {list(sim.shape)}")
+    if self_index is None:
+        torch._check(sim.shape[0] == sim.shape[1],
+                     lambda: f"sim is {list(sim.shape)}, not square: pass self_index (each row's own "
+                             f"column, -1 for none)")
+    else:
+        torch._check(self_index.dim() == 1 and self_index.shape[0] == sim.shape[0],
+                     lambda: f"self_index must be [K] with K = {sim.shape[0]}, got {list(self_index.shape)}")
+        torch._check(self_index.dtype in (torch.int64, torch.int32),
+                     lambda: f"self_index must be an int64 or int32 tensor, got {self_index.dtype}")
+        torch._check(self_index.device == sim.device,
+                     lambda: f"self_index must be on sim's device {sim.device}, got {self_index.device}")
+
+
+def _reference_cosine(x, y, eps):
+    _check_pair(x, y)
+    return ref.pairwise_cosine(x, y, eps)
+
+
+def _reference_sqdist(x, y):
+    _check_pair(x, y)
+    return ref.pairwise_sqdist(x, y)
+
+
+def _reference_weights(sim, tau, scale, min_keep, self_index):
+    _check_weights_args(sim, self_index)
+    return ref.similarity_weights(sim, tau, scale, min_keep, self_index)
+
+
+PAIRWISE_COSINE = define_op("pairwise_cosine(Tensor x, Tensor? y, float eps) -> Tensor", _reference_cosine)
+PAIRWISE_SQDIST = define_op("pairwise_sqdist(Tensor x, Tensor? y) -> Tensor", _reference_sqdist)
+SIMILARITY_WEIGHTS = define_op(
+    "similarity_weights(Tensor sim, float tau, float scale, int min_keep, Tensor? self_index) -> Tensor",
+    _reference_weights)
+
+
+@torch.library.register_fake(PAIRWISE_COSINE)
+def _pairwise_cosine_fake(x, y, eps):
+    return x.new_empty(_check_pair(x, y), dtype=ref.acc_dtype(x.dtype))
+
+
+@torch.library.register_fake(PAIRWISE_SQDIST)
+def _pairwise_sqdist_fake(x, y):
+    return x.new_empty(_check_pair(x, y), dtype=ref.acc_dtype(x.dtype))
+
+
+@torch.library.register_fake(SIMILARITY_WEIGHTS)
+def _similarity_weights_fake(sim, tau, scale, min_keep, self_index):
+    _check_weights_args(sim, self_index)
+    return sim.new_empty(sim.shape, dtype=ref.acc_dtype(sim.dtype))
+
+
+# ---------------------------------------------------------------- autograd
+
+def _inv_norms(t: torch.Tensor, eps: float):
+    """(1 / max(‖t_i‖, eps), ‖t_i‖ > eps) in the accumulation dtype."""
+    norm = torch.linalg.vector_norm(t, dim=1)
+    return 1 / norm.clamp_min(eps), norm > eps
+
+
+def _cosine_setup(ctx, inputs, output):
+    x, y, eps = inputs
+    ctx.eps = eps
+    ctx.has_y = y is not None
+    ctx.save_for_backward(x, y, output)
+
+
+def _cosine_backward(ctx, grad):
+    """d c_ij / d x_i = y_j / (a_i b_j) − c_ij x_i / a_i² (the second term only where ‖x_i‖ > eps,
+    where a_i = ‖x_i‖ depends on x_i), a_i = max(‖x_i‖, eps), b_j = max(‖y_j‖, eps)."""
+    x, y, c = ctx.saved_tensors
+    acc = c.dtype
+    g = grad.to(acc)
+    xa = x.to(acc)
+    inv_x, live_x = _inv_norms(xa, ctx.eps)
+    gc = g * c
+    if not ctx.has_y:
+        a = g * inv_x[:, None] * inv_x[None, :]
+        coef = (gc.sum(1) + gc.sum(0)) * inv_x * inv_x * live_x
+        grad_x = (a + a.t()) @ xa - xa * coef[:, None]
+        return grad_x.to(x.dtype), None, None
+    ya = y.to(acc)
+    inv_y, live_y = _inv_norms(ya, ctx.eps)
+    a = g * inv_x[:, None] * inv_y[None, :]
+    grad_x = grad_y = None
+    if ctx.needs_input_grad[0]:
+        grad_x = (a @ ya - xa * (gc.sum(1) * inv_x * inv_x * live_x)[:, None]).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_y = (a.t() @ xa - ya * (gc.sum(0) * inv_y * inv_y * live_y)[:, None]).to(y.dtype)
+    return grad_x, grad_y, None
+
+
+def _sqdist_setup(ctx, inputs, output):
+    x, y = inputs
+    ctx.has_y = y is not None
+    ctx.acc = output.dtype
+    ctx.save_for_backward(x, y)
+
+
+def _sqdist_backward(ctx, grad):
+    """d ‖x_i − y_j‖² / d x_i = 2 (x_i − y_j): grad_x = 2 (rowsum(G) x − G y)."""
+    x, y = ctx.saved_tensors
+    g = grad.to(ctx.acc)
+    xa = x.to(ctx.acc)
+    if not ctx.has_y:
+        grad_x = 2 * ((g.sum(1) + g.sum(0))[:, None] * xa - (g + g.t()) @ xa)
+        return grad_x.to(x.dtype), None
+    ya = y.to(ctx.acc)
+    grad_x = grad_y = None
+    if ctx.needs_input_grad[0]:
+        grad_x = (2 * (g.sum(1)[:, None] * xa - g @ ya)).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_y = (2 * (g.sum(0)[:, None] * ya - g.t() @ xa)).to(y.dtype)
+    return grad_x, grad_y
+
+
+def _weights_setup(ctx, inputs, output):
+    sim, tau, scale, min_keep, self_index = inputs
+    ctx.scale = scale
+    ctx.sim_dtype = sim.dtype
+    ctx.save_for_backward(output, self_index)
+
+
+def _weights_backward(ctx, grad):
+    weights, self_index = ctx.saved_tensors
+    grad_sim = ref.similarity_weights_backward(grad, weights, self_index, ctx.scale)
+    return grad_sim.to(ctx.sim_dtype), None, None, None, None
+
+
+torch.library.register_autograd(PAIRWISE_COSINE, _cosine_backward, setup_context=_cosine_setup)
+torch.library.register_autograd(PAIRWISE_SQDIST, _sqdist_backward, setup_context=_sqdist_setup)
+torch.library.register_autograd(SIMILARITY_WEIGHTS, _weights_backward, setup_context=_weights_setup)
+
+
+# ---------------------------------------------------------------- wrappers
+
+def _check_pair_args(x, y) -> None:
+    check_tensor("x", x, dims=(2,))
+    if y is None:
+        return
+    check_tensor("y", y, dims=(2,))
+    check_same("x", x, "y", y)
+    if y.shape[1] != x.shape[1]:
+        raise ValueError(f"y must be [M, D] with D = {x.shape[1]} (x is {list(x.shape)}), got {list(y.shape)}")
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def pairwise_cosine(x: torch.Tensor, y: Optional[torch.Tensor] = None, *, eps: float = 1e-8) -> torch.Tensor:
+    """Cosine similarity of every row of ``x`` with every row of ``y``, normalization fused.
+
+    c[i, j] = x_i·y_j / (max(‖x_i‖, eps)·max(‖y_j‖, eps)), clamped to [-1, 1].  Factorized-FL
+    matches clients by the cosine of their v vectors (Eq. 4), SimFed by the cosine of their
+    encoders' outputs (Eq. 3); FedDAF's angle between two mean gradients is M = 1.
+
+    A zero vector (‖x_i‖ <= eps, in the limit ‖x_i‖ = 0) has similarity 0 with everything,
+    itself included: the numerator is 0 and the denominator at least eps·eps.  Vectors with
+    0 < ‖x_i‖ < eps are scaled by 1/eps instead of 1/‖x_i‖ (|c| < 1 there).
+
+    No normalized copy of x is made: the product x·yᵀ is computed once (BLAS on CPU, a
+    tiled Triton kernel on CUDA) and scaled in its epilogue.  With ``y`` None the squared
+    norms are the diagonal of the Gram matrix x·xᵀ (no extra pass), and the result is
+    symmetric.
+
+    Args:
+        x: [K, D] float32/float64/bfloat16/float16.
+        y: [M, D] of x's dtype and device, or None for ``x`` itself (M = K).
+        eps: floor of the norms, > 0.
+
+    Returns:
+        [K, M] in float32 (float64 for float64 inputs).  Differentiable in x and y.
+
+    Raises:
+        TypeError: non-tensor or non-floating inputs, differing dtypes, non-real eps.
+        ValueError: inputs that are not 2-D, differing D, differing devices, eps <= 0 or
+        not finite.
+    """
+    _check_pair_args(x, y)
+    eps = _real("eps", eps)
+    if eps <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    return torch.ops.pfl.pairwise_cosine(x, y, eps)
+
+
+def pairwise_sqdist(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Squared Euclidean distance of every row of ``x`` to every row of ``y``.
+
+    d[i, j] = max(‖x_i‖² + ‖y_j‖² − 2·x_i·y_j, 0) (FedAMP's exp(−‖w_i − w_j‖²/σ), FedFomo's
+    ‖θ_j − θ_i‖), computed from one matrix product; with ``y`` None the norms come from
+    the Gram matrix's diagonal, the diagonal is exactly 0 and the result is symmetric.
+
+    Precision.  This expanded form cancels for near-duplicate rows: its absolute error is
+    about u·(‖x_i‖² + ‖y_j‖²) times a small factor (u = 2^-24 in float32, with float32
+    accumulation also for bfloat16 inputs), the factor growing about like √D (measured:
+    5e-6·(‖x_i‖² + ‖y_j‖²) in float32 at D = 10⁵), not relative to d itself; so two distinct rows
+    closer than about sqrt(u)·‖x_i‖ can come out as 0, and small distances carry a large
+    relative error.  The clamp keeps them from going negative.  Where near-duplicates must
+    be told apart, pass float64 inputs (u = 2^-53) or subtract explicitly.
+
+    Args:
+        x: [K, D] float32/float64/bfloat16/float16.
+        y: [M, D] of x's dtype and device, or None for ``x`` itself.
+
+    Returns:
+        [K, M] in float32 (float64 for float64 inputs), >= 0.  Differentiable in x and y
+        (the gradient of ‖x_i − y_j‖², 2·(x_i − y_j)).
+
+    Raises:
+        TypeError / ValueError: as ``pairwise_cosine``.
+    """
+    _check_pair_args(x, y)
+    return torch.ops.pfl.pairwise_sqdist(x, y)
+
+
+def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep: int = 0,
+                       self_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Aggregation weights from similarities: Factorized-FL Eq. 4–5, SimFed Eq. 3.
+
+    For each row i of ``sim`` [K, M] (client i against M candidates), with v = sim[i] and
+    its own entry v[self] taken as 1.0 (a client's similarity with itself, as in the
+    papers, whatever sim holds there):
+
+    * kept: every j with v_j >= tau; the own entry, always; and, if that is fewer than
+      ``min_keep``, the most similar others until ``min_keep`` are kept, the own entry
+      counting as one (the released code's ``minimum_aggr``);
+    * w[i, j] = exp(scale·v_j) / Σ_{kept l} exp(scale·v_l) on the kept entries, 0 elsewhere.
+
+    Rows sum to 1.  ``min_keep`` larger than the row keeps the whole row.  A row without an
+    own column (``self_index`` -1) keeps its entries >= tau and at least its ``min_keep``
+    most similar; if that is nothing (nothing reaches tau and min_keep is 0) the row is
+    all zeros (it sums to 0: nothing to aggregate).
+
+    Ties.  Deterministic: among equal similarities the lower column index is kept first.
+
+    Args:
+        sim: [K, M] similarities (e.g. from ``pairwise_cosine``), finite, any float dtype.
+        tau: threshold in [-1, 1] (Factorized-FL: 0.95 domain-heterogeneous, 0 permuted).
+        scale: the softmax's inverse temperature (Factorized-FL's ε, SimFed's α), finite.
+        min_keep: keep at least this many entries per row (>= 0).
+        self_index: None when row i's own column is column i (sim must be square); else an
+            int64/int32 tensor [K] of column indices in [0, M), -1 for "no own column".
+
+    Returns:
+        [K, M] weights in float32 (float64 for float64 sim).  Differentiable in sim through
+        the softmax on the kept entries (the kept set is piecewise constant; the own entry
+        is the constant 1.0 and gets no gradient).
+
+    Raises:
+        TypeError: sim not a floating tensor, self_index not an integer tensor, tau/scale
+        not real numbers, min_keep not an int.  ValueError: sim not 2-D, NaN/Inf in sim, tau
+        outside [-1, 1], scale not finite, min_keep < 0, sim not square with self_index
+        None, self_index of the wrong shape, device, or with values outside [-1, M).
+    """
+    check_tensor("sim", sim, dims=(2,))
+    tau = _real("tau", tau)
+    if not -1.0 <= tau <= 1.0:
+        raise ValueError(f"tau must be in [-1, 1], got {tau}")
+    scale = _real("scale", scale)
+    if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Integral):
+        raise TypeError(f"min_keep must be an int, got {type(min_keep).__name__}")
+    if min_keep < 0:
+        raise ValueError(f"min_keep must be >= 0, got {min_keep}")
+    k, m = sim.shape
+    if self_index is None:
+        if k != m:
+            raise ValueError(f"sim is [{k}, {m}], not square: pass self_index (row i's own column, "
+                             f"-1 for none)")
+    else:
+        if not isinstance(self_index, torch.Tensor):
+            raise TypeError(f"self_index must be a torch.Tensor or None, got {type(self_index).__name__}")
+        if self_index.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"self_index must be an int64 or int32 tensor, got {self_index.dtype}")
+        if self_index.dim() != 1 or self_index.shape[0] != k:
+            raise ValueError(f"self_index must be [K] with K = {k} (sim's rows), got {list(self_index.shape)}")
+        if self_index.device != sim.device:
+            raise ValueError(f"self_index must be on sim's device {sim.device}, got {self_index.device}")
+    # The checks of values need the data: under torch.compile they are left to the kernels
+    # (the C++ kernel raises on both; the reference does not check).
+    if not torch.compiler.is_compiling():
+        if self_index is not None and k and bool(((self_index < -1) | (self_index >= m)).any()):
+            raise ValueError(f"self_index values must be in [-1, {m}) (a column of sim, or -1 for none)")
+        if sim.numel() and not bool(torch.isfinite(sim).all()):
+            raise ValueError("sim must be finite (it holds NaN or Inf)")
+    return torch.ops.pfl.similarity_weights(sim, tau, scale, int(min_keep), self_index)

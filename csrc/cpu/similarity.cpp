@@ -1,0 +1,496 @@
+// CPU kernels of the similarity ops (schemas in pfl_kernels/ops/similarity.py).
+//
+// pairwise_cosine / pairwise_sqdist are one matrix product s = x·yᵀ (BLAS: at::mm / addmm, i.e.
+// MKL or OpenBLAS sgemm/dgemm) plus an O(K·M) epilogue that turns s and the squared norms into
+// the result in place.  The norms never cost a pass of their own over memory:
+//
+//   y None           the squared norms are the diagonal of the Gram matrix s = x·xᵀ; the
+//                    epilogue reads the upper triangle and writes both halves (the result is
+//                    exactly symmetric whatever order BLAS summed in).
+//   split-D path     (few output entries, K·M <= kSplitMaxOut, or bfloat16/float16 inputs):
+//                    D is cut into chunks small enough for L2 ((K + M) rows of a chunk fit in
+//                    kChunkBytes), processed by kGroups fixed groups of consecutive chunks.
+//                    Per chunk the norms are summed while the block is in cache (bfloat16:
+//                    during its conversion to a float32 buffer, so no float32 copy of x is
+//                    ever made) and the block's product is added to the group's partial
+//                    [K, M] with BLAS (single-threaded inside the parallel region).  The
+//                    partials are then added in group order: the groups depend on D, K and M
+//                    only, so the result does not depend on the thread count.  Small K·M is
+//                    where the product is bound by reading x and y, so one read matters; it
+//                    also gives BLAS the parallelism over D that a 20 x 20 output lacks.
+//   large K·M        the product is bound by arithmetic (2·K·M·D flops for (K + M)·D reads):
+//                    float32/float64 call at::mm once (multi-threaded BLAS) and, with y given,
+//                    sum the norms in a separate pass (its K·D + M·D reads are a fraction of a
+//                    percent of the product's time); bfloat16/float16 convert blocks of D to
+//                    float32 (threads over rows, norms summed on the way) and accumulate them
+//                    with addmm_, one block at a time.
+//
+// similarity_weights: one task per row (threads over rows).  A row is read once to find the
+// entries >= tau; only when they (with the own entry) are fewer than min_keep does it select
+// the most similar of the rest with std::nth_element on (value desc, column asc) pairs, O(M) on
+// average; then one softmax over the kept entries.
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace pfl {
+namespace {
+
+// ---------------------------------------------------------------- checks
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < s.size(); ++i) out << (i ? ", " : "") << s[i];
+  out << "]";
+  return out.str();
+}
+
+std::string dtype_str(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+// The checks of _check_pair in ops/similarity.py (the same wording).
+void check_pair(const at::Tensor& x, const std::optional<at::Tensor>& y) {
+  TORCH_CHECK(x.dim() == 2, "x must be [K, D], got ", shape_str(x.sizes()));
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be a floating tensor, got ", dtype_str(x.scalar_type()));
+  if (!y) return;
+  TORCH_CHECK(y->dim() == 2 && y->size(1) == x.size(1), "y must be [M, D] with D = ", x.size(1), " (x's), got ",
+              shape_str(y->sizes()));
+  TORCH_CHECK(y->scalar_type() == x.scalar_type(), "y must have x's dtype ", dtype_str(x.scalar_type()), ", got ",
+              dtype_str(y->scalar_type()));
+  TORCH_CHECK(y->device() == x.device(), "y must be on x's device ", x.device(), ", got ", y->device());
+}
+
+at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// ---------------------------------------------------------------- geometry
+
+// Output entries up to which the split-D path is used: up to here the product reads more bytes
+// per flop than the machine moves (float32 at 64 x 64 outputs: 32 flops per byte of x and y,
+// about the ratio of a core's FMA throughput to its share of memory bandwidth).
+constexpr int64_t kSplitMaxOut = 64 * 64;
+// Bytes of one chunk of x and y ((K + M) rows of it, in the accumulation type): within L2.
+constexpr int64_t kChunkBytes = 512 << 10;
+constexpr int64_t kMinChunk = 256;
+// Fixed groups of chunks (and partial products): enough for any thread count here and few
+// enough that the partials ([kGroups, K, M] at K·M <= kSplitMaxOut) stay small.
+constexpr int64_t kGroups = 64;
+// Large path, bfloat16: elements of the float32 buffers (K + M) x chunk converted per addmm_.
+constexpr int64_t kConvertElems = 4 << 20;
+
+int64_t chunk_size(int64_t rows, int64_t D, int64_t elem, int64_t budget, int64_t min_chunk) {
+  int64_t c = budget / std::max<int64_t>(1, rows * elem);
+  c = std::max(min_chunk, c / 64 * 64);
+  return std::min(c, std::max<int64_t>(D, 1));
+}
+
+// ---------------------------------------------------------------- row helpers
+
+constexpr int kLanes = 16;
+
+// Σ_d p[d]² in acc_t (16 lanes, a fixed tree: vectorizes without -ffast-math, deterministic).
+template <typename scalar_t, typename acc_t>
+acc_t sum_squares(const scalar_t* __restrict p, int64_t n) {
+  acc_t lane[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const acc_t v = static_cast<acc_t>(p[d + l]);
+      lane[l] += v * v;
+    }
+  }
+  acc_t rest = 0;
+  for (; d < n; ++d) {
+    const acc_t v = static_cast<acc_t>(p[d]);
+    rest += v * v;
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  }
+  return lane[0] + rest;
+}
+
+// dst[d] = float(p[d]) and returns Σ dst[d]² (one pass over the block).
+template <typename scalar_t, typename acc_t>
+acc_t convert_and_sum_squares(const scalar_t* __restrict p, acc_t* __restrict dst, int64_t n) {
+  acc_t lane[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const acc_t v = static_cast<acc_t>(p[d + l]);
+      dst[d + l] = v;
+      lane[l] += v * v;
+    }
+  }
+  acc_t rest = 0;
+  for (; d < n; ++d) {
+    const acc_t v = static_cast<acc_t>(p[d]);
+    dst[d] = v;
+    rest += v * v;
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  }
+  return lane[0] + rest;
+}
+
+// x with unit stride along D (BLAS takes any row stride; the row loops here want unit stride).
+at::Tensor unit_inner(const at::Tensor& t) { return t.stride(1) == 1 || t.size(1) <= 1 ? t : t.contiguous(); }
+
+// ---------------------------------------------------------------- the product
+
+struct Product {
+  at::Tensor s;   // [K, M] x·yᵀ in the accumulation type (the output, finished in place)
+  at::Tensor sx;  // [K] squared norms of x's rows
+  at::Tensor sy;  // [M] squared norms of y's rows (sx when y is None)
+};
+
+// Split-D path: see the file comment.
+template <typename scalar_t>
+Product product_split(const at::Tensor& x, const std::optional<at::Tensor>& y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kConvert = !std::is_same_v<acc_t, scalar_t>;
+  const at::ScalarType acc = acc_type_of(x.scalar_type());
+  const int64_t K = x.size(0), M = y ? y->size(0) : K, D = x.size(1);
+  const bool has_y = y.has_value();
+  const int64_t rows = K + (has_y ? M : 0);
+  const int64_t chunk = chunk_size(rows, D, sizeof(acc_t), kChunkBytes, kMinChunk);
+  const int64_t n_chunks = (D + chunk - 1) / chunk;
+  const int64_t groups = std::min(kGroups, n_chunks);
+  auto opts = x.options().dtype(acc);
+  at::Tensor part = at::zeros({groups, K, M}, opts);
+  at::Tensor part_norm = at::zeros({groups, rows}, opts);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const scalar_t* yp = has_y ? y->const_data_ptr<scalar_t>() : nullptr;
+  const int64_t sxr = x.stride(0), syr = has_y ? y->stride(0) : 0;
+  acc_t* pn = part_norm.data_ptr<acc_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    at::Tensor buf = kConvert ? at::empty({rows, chunk}, opts) : at::Tensor();
+    for (int64_t g = g0; g < g1; ++g) {
+      // Group g owns chunks [c0, c1): an equal share, fixed by D, K and M alone.
+      const int64_t c0 = g * n_chunks / groups, c1 = (g + 1) * n_chunks / groups;
+      at::Tensor acc_g = part.select(0, g);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t d0 = c * chunk, dc = std::min(chunk, D - d0);
+        at::Tensor xb, yb;
+        if (kConvert) {
+          acc_t* bp = buf.data_ptr<acc_t>();
+          for (int64_t r = 0; r < rows; ++r) {
+            const scalar_t* src = r < K ? xp + r * sxr + d0 : yp + (r - K) * syr + d0;
+            pn[g * rows + r] += convert_and_sum_squares<scalar_t, acc_t>(src, bp + r * chunk, dc);
+          }
+          xb = buf.narrow(0, 0, K).narrow(1, 0, dc);
+          yb = has_y ? buf.narrow(0, K, M).narrow(1, 0, dc) : xb;
+        } else {
+          xb = x.narrow(1, d0, dc);
+          yb = has_y ? y->narrow(1, d0, dc) : xb;
+          if (has_y) {  // y None: the norms are the Gram diagonal
+            for (int64_t r = 0; r < rows; ++r) {
+              const scalar_t* src = r < K ? xp + r * sxr + d0 : yp + (r - K) * syr + d0;
+              pn[g * rows + r] += sum_squares<scalar_t, acc_t>(src, dc);
+            }
+          }
+        }
+        acc_g.addmm_(xb, yb.t());  // BLAS, single-threaded here (inside the parallel region)
+      }
+    }
+  });
+  // The partials in group order (a fixed-order sum: deterministic).
+  at::Tensor s = part.select(0, 0).clone();
+  for (int64_t g = 1; g < groups; ++g) s.add_(part.select(0, g));
+  at::Tensor norms = part_norm.select(0, 0).clone();
+  for (int64_t g = 1; g < groups; ++g) norms.add_(part_norm.select(0, g));
+  if (!has_y) {  // the Gram diagonal, as on every path (so that c[i, i] = s / (√s)² ≈ 1)
+    at::Tensor d = s.diagonal().clone();
+    return {s, d, d};
+  }
+  return {s, norms.narrow(0, 0, K), norms.narrow(0, K, M)};
+}
+
+// Squared norms of t's rows, threads over rows.
+template <typename scalar_t>
+at::Tensor row_sqnorms(const at::Tensor& t, at::ScalarType acc) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t R = t.size(0), D = t.size(1), sr = t.stride(0);
+  at::Tensor out = at::empty({R}, t.options().dtype(acc));
+  const scalar_t* p = t.const_data_ptr<scalar_t>();
+  acc_t* o = out.data_ptr<acc_t>();
+  at::parallel_for(0, R, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = sum_squares<scalar_t, acc_t>(p + r * sr, D);
+  });
+  return out;
+}
+
+// Large K·M: see the file comment.
+template <typename scalar_t>
+Product product_large(const at::Tensor& x, const std::optional<at::Tensor>& y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kConvert = !std::is_same_v<acc_t, scalar_t>;
+  const at::ScalarType acc = acc_type_of(x.scalar_type());
+  const bool has_y = y.has_value();
+  if (!kConvert) {
+    at::Tensor s = at::mm(x, (has_y ? *y : x).t());
+    if (!has_y) {
+      at::Tensor d = s.diagonal().clone();
+      return {s, d, d};
+    }
+    return {s, row_sqnorms<scalar_t>(x, acc), row_sqnorms<scalar_t>(*y, acc)};
+  }
+  const int64_t K = x.size(0), M = has_y ? y->size(0) : K, D = x.size(1);
+  const int64_t rows = K + (has_y ? M : 0);
+  const int64_t chunk = chunk_size(rows, D, 1, kConvertElems, kMinChunk);
+  auto opts = x.options().dtype(acc);
+  at::Tensor buf = at::empty({rows, chunk}, opts);
+  at::Tensor s = at::zeros({K, M}, opts);
+  at::Tensor norms = at::zeros({rows}, opts);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const scalar_t* yp = has_y ? y->const_data_ptr<scalar_t>() : nullptr;
+  const int64_t sxr = x.stride(0), syr = has_y ? y->stride(0) : 0;
+  acc_t* bp = buf.data_ptr<acc_t>();
+  acc_t* np = norms.data_ptr<acc_t>();
+  for (int64_t d0 = 0; d0 < D; d0 += chunk) {
+    const int64_t dc = std::min(chunk, D - d0);
+    // Each row's norm is summed block after block by whichever thread converts it: the same
+    // order for any thread count.
+    at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / dc), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* src = r < K ? xp + r * sxr + d0 : yp + (r - K) * syr + d0;
+        np[r] += convert_and_sum_squares<scalar_t, acc_t>(src, bp + r * chunk, dc);
+      }
+    });
+    at::Tensor xb = buf.narrow(0, 0, K).narrow(1, 0, dc);
+    at::Tensor yb = has_y ? buf.narrow(0, K, M).narrow(1, 0, dc) : xb;
+    s.addmm_(xb, yb.t());
+  }
+  if (!has_y) {
+    at::Tensor d = s.diagonal().clone();
+    return {s, d, d};
+  }
+  return {s, norms.narrow(0, 0, K), norms.narrow(0, K, M)};
+}
+
+template <typename scalar_t>
+Product product(const at::Tensor& x_in, const std::optional<at::Tensor>& y_in) {
+  const at::Tensor x = unit_inner(x_in);
+  std::optional<at::Tensor> y;
+  if (y_in) y = unit_inner(*y_in);
+  const int64_t K = x.size(0), M = y ? y->size(0) : K;
+  if (K * M <= kSplitMaxOut && x.size(1) > 0) return product_split<scalar_t>(x, y);
+  return product_large<scalar_t>(x, y);
+}
+
+// ---------------------------------------------------------------- epilogues
+
+// out[i, j] = f(s[i, j], i, j) in place.  y None: f of the upper triangle, mirrored (exactly
+// symmetric); the norms were read out of the diagonal before this runs.
+template <typename acc_t, typename F>
+void epilogue(at::Tensor& s, bool symmetric, const F& f) {
+  const int64_t K = s.size(0), M = s.size(1);
+  acc_t* p = s.data_ptr<acc_t>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(M, 1));
+  at::parallel_for(0, K, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      acc_t* row = p + i * M;
+      if (!symmetric) {
+        for (int64_t j = 0; j < M; ++j) row[j] = f(row[j], i, j);
+        continue;
+      }
+      // Row i owns s[i, j >= i] (read) and out[j > i, i] (written); nobody reads the lower
+      // triangle, so the writes race with nothing.
+      for (int64_t j = i; j < M; ++j) {
+        const acc_t v = f(row[j], i, j);
+        row[j] = v;
+        p[j * M + i] = v;
+      }
+    }
+  });
+}
+
+at::Tensor pairwise_cosine_cpu(const at::Tensor& x, const std::optional<at::Tensor>& y, double eps) {
+  check_pair(x, y);
+  const at::ScalarType acc = acc_type_of(x.scalar_type());
+  const int64_t K = x.size(0), M = y ? y->size(0) : K;
+  if (K == 0 || M == 0) return at::empty({K, M}, x.options().dtype(acc));
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pairwise_cosine_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    Product pr = product<scalar_t>(x, y);
+    const acc_t e = static_cast<acc_t>(eps);
+    auto inv = [&](const at::Tensor& sq) {
+      at::Tensor r = at::empty_like(sq);
+      const acc_t* q = sq.const_data_ptr<acc_t>();
+      acc_t* o = r.data_ptr<acc_t>();
+      for (int64_t i = 0; i < sq.numel(); ++i) o[i] = acc_t(1) / std::max(std::sqrt(q[i]), e);
+      return r;
+    };
+    at::Tensor ix = inv(pr.sx);
+    at::Tensor iy = y ? inv(pr.sy) : ix;
+    const acc_t* a = ix.const_data_ptr<acc_t>();
+    const acc_t* b = iy.const_data_ptr<acc_t>();
+    epilogue<acc_t>(pr.s, !y, [&](acc_t v, int64_t i, int64_t j) {
+      return std::min(acc_t(1), std::max(acc_t(-1), v * a[i] * b[j]));
+    });
+    out = pr.s;
+  });
+  return out;
+}
+
+at::Tensor pairwise_sqdist_cpu(const at::Tensor& x, const std::optional<at::Tensor>& y) {
+  check_pair(x, y);
+  const at::ScalarType acc = acc_type_of(x.scalar_type());
+  const int64_t K = x.size(0), M = y ? y->size(0) : K;
+  if (K == 0 || M == 0) return at::empty({K, M}, x.options().dtype(acc));
+  at::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pairwise_sqdist_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    Product pr = product<scalar_t>(x, y);
+    const at::Tensor sx = pr.sx.contiguous(), sy = pr.sy.contiguous();
+    const acc_t* a = sx.const_data_ptr<acc_t>();
+    const acc_t* b = sy.const_data_ptr<acc_t>();
+    const bool sym = !y;
+    epilogue<acc_t>(pr.s, sym, [&](acc_t v, int64_t i, int64_t j) {
+      if (sym && i == j) return acc_t(0);
+      return std::max(acc_t(0), a[i] + b[j] - acc_t(2) * v);
+    });
+    out = pr.s;
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- similarity_weights
+
+template <typename scalar_t>
+void weights_kernel(const at::Tensor& sim, const int64_t* own, double tau, double scale, int64_t min_keep,
+                    at::Tensor& out, std::atomic<bool>& not_finite) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t K = sim.size(0), M = sim.size(1), sr = sim.stride(0), sc = sim.stride(1);
+  const scalar_t* sp = sim.const_data_ptr<scalar_t>();
+  acc_t* op = out.data_ptr<acc_t>();
+  // The reference compares and scales in the accumulation type (tau and scale rounded to it).
+  const acc_t t = static_cast<acc_t>(tau), a = static_cast<acc_t>(scale);
+  const int64_t keep_at_least = std::min(min_keep, M);
+  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1));
+  at::parallel_for(0, K, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<acc_t> v(M);
+    std::vector<uint8_t> kept(M);
+    std::vector<std::pair<acc_t, int64_t>> rest;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t self = own ? own[i] : i;
+      int64_t n_kept = 0;
+      bool finite = true;
+      for (int64_t j = 0; j < M; ++j) {
+        const acc_t x = static_cast<acc_t>(sp[i * sr + j * sc]);
+        finite &= std::isfinite(x);
+        const bool is_self = j == self;
+        v[j] = is_self ? acc_t(1) : x;
+        kept[j] = is_self || v[j] >= t;
+        n_kept += kept[j];
+      }
+      if (!finite) not_finite.store(true, std::memory_order_relaxed);
+      if (n_kept < keep_at_least) {
+        // The most similar of the others: value descending, then column ascending (a strict
+        // total order, so the set chosen is unique and does not depend on the algorithm).
+        rest.clear();
+        for (int64_t j = 0; j < M; ++j) {
+          if (!kept[j]) rest.emplace_back(v[j], j);
+        }
+        const int64_t need = keep_at_least - n_kept;
+        auto before = [](const std::pair<acc_t, int64_t>& p, const std::pair<acc_t, int64_t>& q) {
+          return p.first > q.first || (p.first == q.first && p.second < q.second);
+        };
+        if (need < static_cast<int64_t>(rest.size())) {
+          std::nth_element(rest.begin(), rest.begin() + need, rest.end(), before);
+        }
+        for (int64_t r = 0; r < need; ++r) kept[rest[r].second] = 1;
+      }
+      acc_t* row = op + i * M;
+      acc_t mx = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t j = 0; j < M; ++j) {
+        if (kept[j]) mx = std::max(mx, a * v[j]);
+      }
+      acc_t sum = 0;
+      for (int64_t j = 0; j < M; ++j) {
+        const acc_t e = kept[j] ? std::exp(a * v[j] - mx) : acc_t(0);
+        row[j] = e;
+        sum += e;
+      }
+      if (sum > 0) {
+        const acc_t inv = acc_t(1) / sum;
+        for (int64_t j = 0; j < M; ++j) row[j] *= inv;
+      }
+    }
+  });
+}
+
+at::Tensor similarity_weights_cpu(const at::Tensor& sim, double tau, double scale, int64_t min_keep,
+                                  const std::optional<at::Tensor>& self_index) {
+  TORCH_CHECK(sim.dim() == 2, "sim must be [K, M], got ", shape_str(sim.sizes()));
+  TORCH_CHECK(at::isFloatingType(sim.scalar_type()), "sim must be a floating tensor, got ",
+              dtype_str(sim.scalar_type()));
+  const int64_t K = sim.size(0), M = sim.size(1);
+  TORCH_CHECK(tau >= -1.0 && tau <= 1.0, "tau must be in [-1, 1], got ", tau);
+  TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK(min_keep >= 0, "min_keep must be >= 0, got ", min_keep);
+  at::Tensor own;
+  if (!self_index) {
+    TORCH_CHECK(K == M, "sim is ", shape_str(sim.sizes()),
+                ", not square: pass self_index (each row's own column, -1 for none)");
+  } else {
+    TORCH_CHECK(self_index->dim() == 1 && self_index->size(0) == K, "self_index must be [K] with K = ", K,
+                ", got ", shape_str(self_index->sizes()));
+    TORCH_CHECK(self_index->scalar_type() == at::kLong || self_index->scalar_type() == at::kInt,
+                "self_index must be an int64 or int32 tensor, got ", dtype_str(self_index->scalar_type()));
+    TORCH_CHECK(self_index->device() == sim.device(), "self_index must be on sim's device ", sim.device(), ", got ",
+                self_index->device());
+    own = self_index->to(at::kLong).contiguous();
+    const int64_t* o = own.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < K; ++i) {
+      TORCH_CHECK(o[i] >= -1 && o[i] < M, "self_index values must be in [-1, ", M,
+                  ") (a column of sim, or -1 for none), got ", o[i], " in row ", i);
+    }
+  }
+  at::Tensor out = at::empty({K, M}, sim.options().dtype(acc_type_of(sim.scalar_type())));
+  if (out.numel() == 0) return out;
+  std::atomic<bool> not_finite{false};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sim.scalar_type(), "similarity_weights_cpu", [&] {
+    weights_kernel<scalar_t>(sim, own.defined() ? own.const_data_ptr<int64_t>() : nullptr, tau, scale, min_keep,
+                             out, not_finite);
+  });
+  TORCH_CHECK(!not_finite.load(), "sim must be finite (it holds NaN or Inf)");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pfl, CPU, m) {
+  m.impl("pairwise_cosine", &pairwise_cosine_cpu);
+  m.impl("pairwise_sqdist", &pairwise_sqdist_cpu);
+  m.impl("similarity_weights", &similarity_weights_cpu);
+}
+
+}  // namespace pfl
