@@ -1,2 +1,166 @@
-"""Placeholder: filled in by the server-side kernels work (issue 4)."""
-__all__: list = []
+"""Server aggregation of multi-branch models (pFedMB Eq. 5).
+
+Op in the ``pfl`` namespace:
+
+* ``branch_aggregate(branch_params, alpha, counts) -> W``: branch_params [K, B, *shape]
+  (client i's copy of branch b), alpha [K, B], counts [K] -> W [B, *shape] with
+  W_b = Σ_i n_i α_ib W_ib / Σ_i n_i α_ib.
+
+dtypes.  branch_params float16/bfloat16/float32/float64; the result is a set of
+PARAMETERS, returned in branch_params' dtype.  alpha may be any floating dtype (e.g. float32
+with bfloat16 params) and counts any integer or floating dtype: both are read in float64 to
+form the normalized coefficients c_ib = n_i α_ib / Σ_j n_j α_jb, which are then used in the
+accumulation dtype (float32, float64 for float64 params).
+
+Semantics.
+* A branch nobody weights (Σ_j n_j α_jb = 0: all its α are 0, or all counts are) gets the
+  plain average over the K clients instead of 0/0, and its gradient w.r.t. α is 0.
+* A client with c_ib = 0 (n_i = 0 or α_ib = 0) is not read for branch b: a NaN/Inf row of
+  such a client does not reach W_b.  A non-finite row of a client that does weight b
+  makes W_b non-finite (as the formula says), and only W_b.  On a branch nobody weights,
+  every client is read.
+* Differentiable w.r.t. branch_params and alpha (not counts); the backward is plain
+  PyTorch (``reference.branch_aggregate.branch_aggregate_backward``): one pass over
+  branch_params for the dot products ⟨g_b, W_ib⟩ and one write of the gradient.
+
+The wrapper checks the data (counts >= 0 and finite, alpha >= 0 and finite), which costs a
+device sync on a GPU; the C++ CPU kernel checks it too (it reads alpha and counts anyway).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..reference import branch_aggregate as ref
+from ._checks import FLOAT_DTYPES
+from ._library import define_op
+
+__all__ = ["branch_aggregate"]
+
+
+def _check_op_args(branch_params, alpha, counts):
+    """Checks of the op contract that also hold under tracing (fake tensors); returns W's shape."""
+    torch._check(alpha.dim() == 2, lambda: f"alpha must be [K, B], got {list(alpha.shape)}")
+    torch._check(alpha.shape[0] >= 1, lambda: f"alpha must have K >= 1 clients, got {list(alpha.shape)}")
+    torch._check(alpha.shape[1] >= 1, lambda: f"alpha must have B >= 1 branches, got {list(alpha.shape)}")
+    torch._check(branch_params.dim() >= 2 and list(branch_params.shape[:2]) == list(alpha.shape),
+                 lambda: f"branch_params must have shape [{alpha.shape[0]}, {alpha.shape[1]}, *shape] to match "
+                         f"alpha, got {list(branch_params.shape)}")
+    torch._check(counts.dim() == 1 and counts.shape[0] == alpha.shape[0],
+                 lambda: f"counts must have shape [{alpha.shape[0]}] (one count per client), "
+                         f"got {list(counts.shape)}")
+    torch._check(branch_params.dtype in FLOAT_DTYPES,
+                 lambda: f"branch_params must be a floating tensor, got {branch_params.dtype}")
+    torch._check(alpha.dtype in FLOAT_DTYPES, lambda: f"alpha must be a floating tensor, got {alpha.dtype}")
+    torch._check(counts.dtype != torch.bool and not counts.dtype.is_complex,
+                 lambda: f"counts must be an integer or floating tensor, got {counts.dtype}")
+    for name, t in (("alpha", alpha), ("counts", counts)):
+        torch._check(t.device == branch_params.device,
+                     lambda: f"{name} must be on branch_params' device {branch_params.device}, got {t.device}")
+    return list(branch_params.shape[1:])
+
+
+def _reference_forward(branch_params, alpha, counts):
+    _check_op_args(branch_params, alpha, counts)
+    return ref.branch_aggregate(branch_params, alpha, counts)
+
+
+BRANCH_AGGREGATE = define_op("branch_aggregate(Tensor branch_params, Tensor alpha, Tensor counts) -> Tensor",
+                             _reference_forward)
+
+
+@torch.library.register_fake(BRANCH_AGGREGATE)
+def _branch_aggregate_fake(branch_params, alpha, counts):
+    return branch_params.new_empty(_check_op_args(branch_params, alpha, counts))
+
+
+def _setup_context(ctx, inputs, output):
+    branch_params, alpha, counts = inputs
+    # The dot products of grad_alpha read branch_params; grad_branch_params needs only α and n.
+    ctx.save_for_backward(branch_params if ctx.needs_input_grad[1] else None, alpha, counts)
+    ctx.params_shape = branch_params.shape
+    ctx.params_dtype = branch_params.dtype
+
+
+def _backward(ctx, grad_out):
+    branch_params, alpha, counts = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1]]
+    if branch_params is None:  # only grad_branch_params: it reads neither the params nor their values
+        branch_params = grad_out.new_empty((), dtype=ctx.params_dtype).expand(ctx.params_shape)
+    grad_params, grad_alpha = ref.branch_aggregate_backward(grad_out, branch_params, alpha, counts, mask)
+    return grad_params, grad_alpha, None
+
+
+torch.library.register_autograd(BRANCH_AGGREGATE, _backward, setup_context=_setup_context)
+
+
+def _is_int_dtype(dtype: torch.dtype) -> bool:
+    return dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def branch_aggregate(branch_params: torch.Tensor, alpha: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Aggregate every branch over the clients, weighted by sample count and branch weight.
+
+    pFedMB Eq. 5: ``W_b = Σ_i n_i α_ib W_ib / Σ_i n_i α_ib`` for each branch b, in one pass
+    over ``branch_params``.
+
+    Args:
+        branch_params: [K, B, *shape] (or [K, B, P]): client i's copy of branch b, any float
+            dtype (float32/bfloat16/float16/float64).
+        alpha: [K, B] branch weights, any floating dtype (read in float64), >= 0 and finite.
+        counts: [K] sample counts n_i, integer or floating, >= 0 (and finite).
+
+    Returns:
+        W [B, *shape] in branch_params' dtype, accumulated in float32 (float64 for float64).
+        A branch nobody weights (Σ_i n_i α_ib = 0) is the plain average over the K clients.
+        Clients with n_i α_ib = 0 are not read for branch b, so their NaN/Inf rows do not
+        reach W_b.  Differentiable w.r.t. branch_params and alpha; counts get no gradient.
+
+    Raises:
+        TypeError: a non-tensor argument, non-floating branch_params or alpha, counts neither
+        integer nor floating.  ValueError: shapes that do not fit (K = 0, B = 0, alpha not
+        [K, B], counts not [K]), devices that differ, negative or non-finite counts, negative
+        or NaN/Inf alpha.
+    """
+    for name, t in (("branch_params", branch_params), ("alpha", alpha), ("counts", counts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if branch_params.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"branch_params must be a floating tensor (float16/bfloat16/float32/float64), "
+                        f"got {branch_params.dtype}")
+    if alpha.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"alpha must be a floating tensor, got {alpha.dtype}")
+    if not (_is_int_dtype(counts.dtype) or counts.dtype in FLOAT_DTYPES):
+        raise TypeError(f"counts must be an integer or floating tensor, got {counts.dtype}")
+    if alpha.dim() != 2:
+        raise ValueError(f"alpha must be [K, B] (one row of branch weights per client), got shape {list(alpha.shape)}")
+    k, b = alpha.shape
+    if k < 1:
+        raise ValueError(f"alpha must have K >= 1 clients, got shape {list(alpha.shape)}")
+    if b < 1:
+        raise ValueError(f"alpha must have B >= 1 branches, got shape {list(alpha.shape)}")
+    if branch_params.dim() < 2 or tuple(branch_params.shape[:2]) != (k, b):
+        raise ValueError(f"branch_params must have shape [K={k}, B={b}, *shape] to match alpha, "
+                         f"got {list(branch_params.shape)}")
+    if counts.dim() != 1 or counts.shape[0] != k:
+        raise ValueError(f"counts must have shape [K={k}] (one sample count per client), got {list(counts.shape)}")
+    for name, t in (("alpha", alpha), ("counts", counts)):
+        if t.device != branch_params.device:
+            raise ValueError(f"{name} must be on the device of branch_params ({branch_params.device}), got {t.device}")
+    if counts.dtype.is_floating_point and not bool(torch.isfinite(counts).all()):
+        raise ValueError("counts must be finite (it holds NaN or Inf)")
+    if bool((counts < 0).any()):
+        i = int(torch.nonzero(counts < 0)[0, 0])
+        raise ValueError(f"counts must be >= 0, got counts[{i}] = {counts[i].item()}")
+    if not bool(torch.isfinite(alpha).all()):
+        i, j = (int(v) for v in torch.nonzero(~torch.isfinite(alpha))[0])
+        raise ValueError(f"alpha must be finite, got alpha[{i}, {j}] = {alpha[i, j].item()}")
+    if bool((alpha < 0).any()):
+        i, j = (int(v) for v in torch.nonzero(alpha < 0)[0])
+        raise ValueError(f"alpha must be >= 0, got alpha[{i}, {j}] = {alpha[i, j].item()}")
+    return torch.ops.pfl.branch_aggregate(branch_params, alpha, counts)
+
+
+# ops/__init__.py star-imports this module, which rebinds the package attribute
+# ``branch_aggregate`` from this module to this function, and then reads
+# ``branch_aggregate.__all__``: the function carries the module's list so that both read alike.
+branch_aggregate.__all__ = __all__

@@ -1,2 +1,132 @@
-"""Placeholder: filled in by the server-side kernels work (issue 4)."""
-__all__: list = []
+"""Per-class mean embeddings (Fed-CMA's class-conditional means).
+
+Op in the ``pfl`` namespace:
+
+* ``class_means(features, labels, num_classes) -> (means, counts)``: features [N, D] with
+  labels [N] -> means [C, D], counts [C]; or, one set per client, features [K, N, D] with
+  labels [K, N] -> means [K, C, D], counts [K, C].
+
+dtypes.  features float16/bfloat16/float32/float64; labels int64 or int32.  The means are
+STATISTICS: returned in the accumulation dtype (float32 for float16/bfloat16/float32
+features, float64 for float64).  counts are int64.
+
+Semantics.  mean_c = (1/n_c) Σ_{n : label_n = c} features[n] (Fed-CMA Sec. 4, e_i^k); a
+class without a sample gets mean 0 and count 0.  Labels outside [0, num_classes) raise.
+The CPU kernel sums each class's samples in sample order: the result does not depend on
+the thread count (no atomics).  Differentiable w.r.t. features:
+grad_features[n] = grad_means[label_n] / n_{label_n} (a gather, plain PyTorch).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..reference import class_means as ref
+from ._checks import FLOAT_DTYPES, positive_int
+from ._library import define_op
+
+__all__ = ["class_means"]
+
+LABEL_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_op_args(features, labels, num_classes):
+    """Checks of the op contract that also hold under tracing; returns (means shape, counts shape)."""
+    torch._check(features.dim() in (2, 3), lambda: f"features must be [N, D] or [K, N, D], got {list(features.shape)}")
+    torch._check(labels.dim() == features.dim() - 1 and list(labels.shape) == list(features.shape[:-1]),
+                 lambda: f"labels must have shape {list(features.shape[:-1])} to match features "
+                         f"{list(features.shape)}, got {list(labels.shape)}")
+    torch._check(features.dtype in FLOAT_DTYPES, lambda: f"features must be a floating tensor, got {features.dtype}")
+    torch._check(labels.dtype in LABEL_DTYPES, lambda: f"labels must be int64 or int32, got {labels.dtype}")
+    torch._check(labels.device == features.device,
+                 lambda: f"labels must be on features' device {features.device}, got {labels.device}")
+    torch._check(num_classes >= 1, lambda: f"num_classes must be >= 1, got {num_classes}")
+    lead = list(features.shape[:-2])
+    return lead + [num_classes, features.shape[-1]], lead + [num_classes]
+
+
+def _reference_forward(features, labels, num_classes):
+    _check_op_args(features, labels, num_classes)
+    return ref.class_means(features, labels, num_classes)
+
+
+CLASS_MEANS = define_op("class_means(Tensor features, Tensor labels, int num_classes) -> (Tensor, Tensor)",
+                        _reference_forward)
+
+
+@torch.library.register_fake(CLASS_MEANS)
+def _class_means_fake(features, labels, num_classes):
+    means_shape, counts_shape = _check_op_args(features, labels, num_classes)
+    return (features.new_empty(means_shape, dtype=ref.acc_dtype(features.dtype)),
+            features.new_empty(counts_shape, dtype=torch.int64))
+
+
+def _setup_context(ctx, inputs, output):
+    features, labels, _ = inputs
+    _, counts = output
+    ctx.save_for_backward(labels, counts)
+    ctx.features_dtype = features.dtype
+
+
+def _backward(ctx, grad_means, grad_counts):
+    labels, counts = ctx.saved_tensors
+    grad_features = None
+    if ctx.needs_input_grad[0]:
+        grad_features = ref.class_means_backward(grad_means, labels, counts, ctx.features_dtype)
+    return grad_features, None, None
+
+
+torch.library.register_autograd(CLASS_MEANS, _backward, setup_context=_setup_context)
+
+
+def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
+    """Mean feature vector and sample count of every class.
+
+    Fed-CMA (Sec. 4): the class-conditional mean embedding e^c = (1/n_c) Σ_{label_n = c} z_n
+    that each client shares with the server; with a leading client dim, all clients' means
+    in one call.
+
+    Args:
+        features: [N, D] or [K, N, D], float16/bfloat16/float32/float64.
+        labels: [N] or [K, N] (features' leading dims), int64 or int32, in [0, num_classes).
+        num_classes: C >= 1.
+
+    Returns:
+        (means, counts): means [C, D] (or [K, C, D]) in float32 (float64 for float64
+        features), counts [C] (or [K, C]) int64.  A class without a sample has mean 0 and
+        count 0.  means is differentiable w.r.t. features.
+
+    Raises:
+        TypeError: non-tensor arguments, non-floating features, labels neither int64 nor
+        int32.  ValueError: shapes that do not fit, num_classes < 1, devices that differ,
+        or a label outside [0, num_classes) (naming the label and its index).
+    """
+    for name, t in (("features", features), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if features.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"features must be a floating tensor (float16/bfloat16/float32/float64), got {features.dtype}")
+    if labels.dtype not in LABEL_DTYPES:
+        raise TypeError(f"labels must be an int64 or int32 tensor, got {labels.dtype}")
+    num_classes = positive_int("num_classes", num_classes)
+    if features.dim() not in (2, 3):
+        raise ValueError(f"features must be [N, D] or [K, N, D], got shape {list(features.shape)}")
+    if tuple(labels.shape) != tuple(features.shape[:-1]):
+        want = "[N]" if features.dim() == 2 else "[K, N]"
+        raise ValueError(f"labels must have shape {want} = {list(features.shape[:-1])} to match features "
+                         f"{list(features.shape)}, got {list(labels.shape)}")
+    if labels.device != features.device:
+        raise ValueError(f"labels must be on the device of features ({features.device}), got {labels.device}")
+    if labels.numel():
+        bad = (labels < 0) | (labels >= num_classes)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+            where = idx[0] if len(idx) == 1 else list(idx)
+            raise ValueError(f"labels must be in [0, num_classes={num_classes}), got labels[{where}] = "
+                             f"{int(labels[idx])}")
+    return torch.ops.pfl.class_means(features, labels, num_classes)
+
+
+# ops/__init__.py star-imports this module, which rebinds the package attribute
+# ``class_means`` from this module to this function, and then reads ``class_means.__all__``:
+# the function carries the module's list so that both read alike.
+class_means.__all__ = __all__

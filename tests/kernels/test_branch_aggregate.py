@@ -1,0 +1,272 @@
+"""pfl::branch_aggregate (pFedMB Eq. 5) on CPU (the C++ kernel when built) against the float64 reference."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import pfl_kernels
+from pfl_kernels.ops import branch_aggregate
+from pfl_kernels.reference import branch_aggregate as ref
+from tests.tolerances import assert_close
+
+F64 = torch.float64
+DTYPES = [torch.float32, F64, torch.bfloat16]
+
+
+def make_inputs(k, b, shape, dtype=torch.float32, seed=0, alpha_dtype=None, counts_dtype=torch.int64):
+    """Random branches (never zeros), α in (0.05, 1.05) and counts in [1, 100]."""
+    g = torch.Generator().manual_seed(seed)
+    params = torch.randn(k, b, *shape, generator=g, dtype=F64).to(dtype)
+    alpha = (torch.rand(k, b, generator=g, dtype=F64) + 0.05).to(alpha_dtype or (F64 if dtype == F64 else torch.float32))
+    counts = torch.randint(1, 101, (k,), generator=g).to(counts_dtype)
+    return params, alpha, counts
+
+
+def expected(params, alpha, counts):
+    """Eq. 5 straight from its definition, in float64 (independent of the reference's form)."""
+    k, b = alpha.shape
+    w = params.to(F64).reshape(k, b, -1)
+    n = counts.to(F64)[:, None] * alpha.to(F64)
+    out = torch.empty(b, w.shape[-1], dtype=F64)
+    for j in range(b):
+        total = n[:, j].sum()
+        if total > 0:
+            keep = n[:, j] != 0
+            out[j] = (n[keep, j, None] * w[keep, j]).sum(0) / total
+        else:
+            out[j] = w[:, j].mean(0)
+    return out.reshape(params.shape[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k,b,shape", [(1, 1, (7,)), (1, 5, (65,)), (3, 2, (5, 3, 3)), (20, 5, (1001,)),
+                                       (37, 3, (4099,)), (300, 5, (129,)), (9, 10, (8193,)), (13, 4, (2, 3, 1, 5))],
+                         ids=str)
+def test_matches_reference(k, b, shape, dtype):
+    params, alpha, counts = make_inputs(k, b, shape, dtype)
+    out = branch_aggregate(params, alpha, counts)
+    assert out.dtype == dtype and out.shape == (b, *shape) and out.is_contiguous()
+    want = expected(params, alpha, counts)
+    assert_close(out, want, dtype, "W")
+    assert_close(ref.branch_aggregate(params.to(F64), alpha.to(F64), counts), want, F64, "reference")
+
+
+@pytest.mark.parametrize("counts_dtype", [torch.int64, torch.int32, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("alpha_dtype", [torch.float32, F64, torch.bfloat16], ids=str)
+def test_mixed_dtypes_bf16_params(alpha_dtype, counts_dtype):
+    """bfloat16 params with float32/float64/bfloat16 α and integer/floating counts: fp32 accumulation."""
+    params, alpha, counts = make_inputs(40, 5, (333,), torch.bfloat16, seed=1, alpha_dtype=alpha_dtype,
+                                        counts_dtype=counts_dtype)
+    out = branch_aggregate(params, alpha, counts)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expected(params, alpha, counts), torch.bfloat16, "W")
+
+
+def test_bf16_accumulates_in_float32():
+    """Many clients with equal weights: a bf16 accumulator would lose the small terms."""
+    k = 256
+    params = torch.full((k, 1, 64), 1.0, dtype=torch.bfloat16)
+    params[1:] = 2.0 ** -9  # each below bf16's half-ulp of 1
+    out = branch_aggregate(params, torch.ones(k, 1), torch.ones(k, dtype=torch.int64))
+    want = (1.0 + (k - 1) * 2.0 ** -9) / k
+    assert_close(out, torch.full((1, 64), want, dtype=F64), torch.bfloat16)
+
+
+def test_duplicated_and_zero_rows():
+    params, alpha, counts = make_inputs(6, 3, (101,), seed=2)
+    params[2] = params[1]  # duplicated client
+    params[4] = 0.0  # a client whose branches are zero
+    assert_close(branch_aggregate(params, alpha, counts), expected(params, alpha, counts), torch.float32)
+    # identical clients: the aggregate is that client's branches, whatever the weights
+    same = params[1:2].expand(6, 3, 101).contiguous()
+    assert_close(branch_aggregate(same, alpha, counts), params[1].to(F64), torch.float32, "identical clients")
+
+
+def test_branch_nobody_weights_is_the_plain_average():
+    params, alpha, counts = make_inputs(5, 3, (77,), F64, seed=3)
+    alpha[:, 1] = 0.0  # branch 1: every α is 0
+    out = branch_aggregate(params, alpha, counts)
+    assert_close(out[1], params[:, 1].mean(0), F64, "unweighted branch")
+    assert_close(out, expected(params, alpha, counts), F64)
+    # all counts 0: every branch is the plain average
+    out0 = branch_aggregate(params, alpha, torch.zeros(5, dtype=torch.int64))
+    assert_close(out0, params.mean(0), F64, "all counts 0")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
+def test_non_finite_rows_reach_only_the_branches_they_weight(bad):
+    params, alpha, counts = make_inputs(8, 4, (50,), seed=4)
+    params[2, 0] = bad  # client 2's branch 0: weighted (α > 0, n > 0)
+    params[3] = bad  # client 3: every branch, but n_3 = 0
+    counts[3] = 0
+    params[5, 1] = bad  # client 5's branch 1, α_51 = 0
+    alpha[5, 1] = 0.0
+    out = branch_aggregate(params, alpha, counts)
+    assert not torch.isfinite(out[0]).any(), "a weighted NaN/Inf row makes its branch non-finite"
+    assert torch.isfinite(out[1:]).all(), "rows with zero weight must not be read"
+    clean = params.clone()
+    clean[2, 0] = 0.0
+    assert_close(out[1:], expected(clean, alpha, counts)[1:], torch.float32, "the other branches")
+
+
+def test_zero_weight_clients_are_skipped_exactly():
+    params, alpha, counts = make_inputs(7, 2, (300,), F64, seed=5)
+    counts[[0, 4]] = 0
+    alpha[6, 0] = 0.0
+    out = branch_aggregate(params, alpha, counts)
+    keep = [1, 2, 3, 5, 6]
+    out_kept = branch_aggregate(params[keep].contiguous(), alpha[keep].contiguous(), counts[keep].contiguous())
+    assert_close(out, out_kept, F64)
+
+
+def test_non_contiguous_inputs():
+    params, alpha, counts = make_inputs(6, 4, (9, 11), F64, seed=6)
+    strided = torch.randn(6, 8, 9, 22, dtype=F64)[:, ::2, :, ::2]
+    strided.copy_(params)
+    permuted = params.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)
+    alpha_t = alpha.t().contiguous().t()
+    counts_s = torch.stack([counts, counts], 1)[:, 0]
+    want = expected(params, alpha, counts)
+    for name, p in (("strided", strided), ("permuted", permuted)):
+        assert not p.is_contiguous()
+        assert_close(branch_aggregate(p, alpha_t, counts_s), want, F64, name)
+
+
+def test_deterministic_across_thread_counts():
+    params, alpha, counts = make_inputs(50, 5, (40000,), seed=7)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = branch_aggregate(params, alpha, counts)
+        torch.set_num_threads(max(2, old))
+        many = branch_aggregate(params, alpha, counts)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("k,b,shape", [(1, 1, (3,)), (4, 3, (5,)), (6, 2, (2, 3))], ids=str)
+def test_gradcheck(k, b, shape):
+    params, alpha, counts = make_inputs(k, b, shape, F64, seed=8)
+    counts[0] = 0 if k > 1 else counts[0]  # a client without samples: no gradient to its α
+    inputs = [params.requires_grad_(), alpha.requires_grad_()]
+    assert torch.autograd.gradcheck(lambda p, a: branch_aggregate(p, a, counts), inputs)
+
+
+def test_gradients_of_special_cases():
+    """n_i = 0: grad α_i = 0; a branch nobody weights: grad α = 0, grad W = g / K; NaN rows of
+    zero-weight clients do not poison the gradient of the other clients' α."""
+    params, alpha, counts = make_inputs(5, 3, (20,), F64, seed=9)
+    counts[1] = 0
+    alpha[:, 2] = 0.0
+    params[1] = float("nan")
+    p, a = params.clone().requires_grad_(), alpha.clone().requires_grad_()
+    out = branch_aggregate(p, a, counts)
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert torch.equal(a.grad[1], torch.zeros(3, dtype=F64))
+    assert torch.equal(a.grad[:, 2], torch.zeros(5, dtype=F64))
+    assert torch.isfinite(a.grad).all() and torch.isfinite(p.grad).all()
+    assert_close(p.grad[:, 2], (g[2] / 5).expand(5, 20), F64, "unweighted branch: g / K")
+    assert torch.equal(p.grad[1, :2], torch.zeros(2, 20, dtype=F64))
+
+
+def test_bf16_gradients():
+    params, alpha, counts = make_inputs(10, 3, (257,), torch.bfloat16, seed=10)
+    p, a = params.clone().requires_grad_(), alpha.clone().requires_grad_()
+    out = branch_aggregate(p, a, counts)
+    g = torch.randn(out.shape, dtype=torch.bfloat16)
+    out.backward(g)
+    p64, a64 = params.to(F64).requires_grad_(), alpha.to(F64).requires_grad_()
+    ref.branch_aggregate(p64, a64, counts).backward(g.to(F64))
+    assert p.grad.dtype == torch.bfloat16 and a.grad.dtype == torch.float32
+    assert_close(p.grad, p64.grad, torch.bfloat16, "grad params")
+    scale = a64.grad.abs().max().item()
+    assert_close(a.grad / scale, a64.grad / scale, torch.bfloat16, "grad alpha")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+def test_opcheck(dtype):
+    params, alpha, counts = make_inputs(4, 3, (5, 3), dtype, seed=11)
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate, (params.requires_grad_(), alpha.requires_grad_(), counts))
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate, (params.detach(), alpha.detach().requires_grad_(), counts))
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate, (params.detach(), alpha.detach(), counts.to(dtype)))
+
+
+def test_compile_matches_eager():
+    params, alpha, counts = make_inputs(6, 3, (40,), seed=12)
+    args = [params.requires_grad_(), alpha.requires_grad_()]
+
+    def fn(p, a):
+        return (torch.ops.pfl.branch_aggregate(p, a, counts) ** 2).sum()
+
+    eager = fn(*args)
+    eager_grads = torch.autograd.grad(eager, args)
+    compiled = torch.compile(fn, fullgraph=True)(*args)
+    for g, e in zip(torch.autograd.grad(compiled, args), eager_grads):
+        assert_close(g, e.double(), torch.float32, "grad")
+    assert_close(compiled, eager.double(), torch.float32, "loss")
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+def test_errors_shapes():
+    p, a, n = make_inputs(3, 2, (4,))
+    with pytest.raises(ValueError, match=r"branch_params must have shape \[K=3, B=2"):
+        branch_aggregate(p[:, :1], a, n)
+    with pytest.raises(ValueError, match=r"counts must have shape \[K=3\]"):
+        branch_aggregate(p, a, n[:2])
+    with pytest.raises(ValueError, match="alpha must be \\[K, B\\]"):
+        branch_aggregate(p, a[0], n)
+    with pytest.raises(ValueError, match="K >= 1"):
+        branch_aggregate(p[:0], a[:0], n[:0])
+    with pytest.raises(ValueError, match="B >= 1"):
+        branch_aggregate(p[:, :0], a[:, :0], n)
+
+
+def test_errors_values():
+    p, a, n = make_inputs(3, 2, (4,))
+    with pytest.raises(ValueError, match=r"counts must be >= 0, got counts\[1\] = -2"):
+        branch_aggregate(p, a, torch.tensor([1, -2, 3]))
+    with pytest.raises(ValueError, match="counts must be finite"):
+        branch_aggregate(p, a, torch.tensor([1.0, float("nan"), 3.0]))
+    bad = a.clone()
+    bad[2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"alpha must be finite, got alpha\[2, 1\] = nan"):
+        branch_aggregate(p, bad, n)
+    bad[2, 1] = -0.5
+    with pytest.raises(ValueError, match=r"alpha must be >= 0, got alpha\[2, 1\] = -0.5"):
+        branch_aggregate(p, bad, n)
+
+
+def test_errors_types_and_devices():
+    p, a, n = make_inputs(3, 2, (4,))
+    with pytest.raises(TypeError, match="branch_params must be a floating"):
+        branch_aggregate(p.to(torch.int64), a, n)
+    with pytest.raises(TypeError, match="alpha must be a floating"):
+        branch_aggregate(p, a.to(torch.int64), n)
+    with pytest.raises(TypeError, match="counts must be an integer or floating"):
+        branch_aggregate(p, a, n.to(torch.bool))
+    with pytest.raises(TypeError, match="counts must be a torch.Tensor"):
+        branch_aggregate(p, a, [1, 2, 3])
+    with pytest.raises(ValueError, match="alpha must be on the device of branch_params"):
+        branch_aggregate(p, a.to("meta"), n)
+
+
+def test_op_level_checks_without_the_wrapper():
+    p, a, n = make_inputs(3, 2, (4,))
+    with pytest.raises((RuntimeError, ValueError), match="counts must have shape"):
+        torch.ops.pfl.branch_aggregate(p, a, n[:2])
+    with pytest.raises((RuntimeError, ValueError), match="counts must be >= 0"):
+        if pfl_kernels.backend_info()["pfl::branch_aggregate"]["cpu"]["implementation"] != "cpp":
+            pytest.skip("the data checks of the op itself are the C++ kernel's")
+        torch.ops.pfl.branch_aggregate(p, a, torch.tensor([1, -2, 3]))
+
+
+def test_cpu_runs_the_cpp_kernel():
+    if any(os.environ.get(v, "0") not in ("", "0") for v in ("PFL_KERNELS_SKIP_EXTENSION",
+                                                              "PFL_KERNELS_DISABLE_EXTENSION")):
+        pytest.skip("the C++ extension is switched off by the environment")
+    assert pfl_kernels.backend_info()["pfl::branch_aggregate"]["cpu"] == {"implementation": "cpp", "reason": ""}

@@ -1,0 +1,220 @@
+"""pfl::class_means (Fed-CMA's class-conditional means) on CPU (the C++ kernel when built)
+against a float64 definition."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import pfl_kernels
+from pfl_kernels.ops import class_means
+from pfl_kernels.reference import class_means as ref
+from tests.tolerances import assert_close
+
+F64 = torch.float64
+DTYPES = [torch.float32, F64, torch.bfloat16]
+
+
+def make_inputs(n, d, c, dtype=torch.float32, clients=None, seed=0, label_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    lead = () if clients is None else (clients,)
+    features = torch.randn(*lead, n, d, generator=g, dtype=F64).to(dtype)
+    labels = torch.randint(0, c, (*lead, n), generator=g).to(label_dtype)
+    return features, labels
+
+
+def expected(features, labels, c):
+    """Loop over classes in float64: (means, counts)."""
+    if features.dim() == 3:
+        outs = [expected(f, l, c) for f, l in zip(features, labels)]
+        return torch.stack([o[0] for o in outs]), torch.stack([o[1] for o in outs])
+    f = features.to(F64)
+    means = torch.zeros(c, f.shape[1], dtype=F64)
+    counts = torch.zeros(c, dtype=torch.int64)
+    for cls in range(c):
+        rows = f[labels == cls]
+        counts[cls] = rows.shape[0]
+        if rows.shape[0]:
+            means[cls] = rows.mean(0)
+    return means, counts
+
+
+def acc(dtype):
+    return F64 if dtype == F64 else torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,d,c,clients", [(1, 1, 1, None), (17, 5, 3, None), (1000, 129, 10, None),
+                                           (333, 33, 100, None), (50, 7, 4, 3), (200, 65, 10, 5),
+                                           (3, 300, 7, 2)], ids=str)
+def test_matches_reference(n, d, c, clients, dtype):
+    features, labels = make_inputs(n, d, c, dtype, clients)
+    means, counts = class_means(features, labels, c)
+    lead = () if clients is None else (clients,)
+    assert means.shape == (*lead, c, d) and means.dtype == acc(dtype) and means.is_contiguous()
+    assert counts.shape == (*lead, c) and counts.dtype == torch.int64
+    want_means, want_counts = expected(features, labels, c)
+    assert torch.equal(counts, want_counts)
+    assert_close(means, want_means, torch.float32 if dtype == torch.bfloat16 else dtype, "means")
+    ref_means, ref_counts = ref.class_means(features.to(F64), labels, c)
+    assert torch.equal(ref_counts, want_counts)
+    assert_close(ref_means, want_means, F64, "reference")
+
+
+def test_int32_labels_and_edge_classes():
+    features, labels = make_inputs(64, 9, 6, seed=1, label_dtype=torch.int32)
+    labels[0], labels[-1] = 0, 5  # labels at 0 and C - 1
+    labels[labels == 3] = 4  # class 3 has no sample
+    means, counts = class_means(features, labels, 6)
+    assert counts[3] == 0 and torch.equal(means[3], torch.zeros(9))
+    want_means, want_counts = expected(features, labels.to(torch.int64), 6)
+    assert torch.equal(counts, want_counts)
+    assert_close(means, want_means, torch.float32)
+
+
+def test_classes_without_samples_and_empty_inputs():
+    features = torch.randn(5, 4)
+    means, counts = class_means(features, torch.full((5,), 2), 4)
+    assert torch.equal(counts, torch.tensor([0, 0, 5, 0]))
+    assert torch.equal(means[[0, 1, 3]], torch.zeros(3, 4))
+    m0, c0 = class_means(torch.randn(0, 4), torch.zeros(0, dtype=torch.int64), 3)
+    assert torch.equal(m0, torch.zeros(3, 4)) and torch.equal(c0, torch.zeros(3, dtype=torch.int64))
+    m1, c1 = class_means(torch.randn(2, 0, 4), torch.zeros(2, 0, dtype=torch.int64), 3)
+    assert m1.shape == (2, 3, 4) and not m1.any() and not c1.any()
+
+
+def test_duplicated_zero_and_non_finite_rows():
+    features, labels = make_inputs(40, 6, 4, seed=2)
+    features[3] = features[7]
+    features[9] = 0.0
+    labels[:] = torch.arange(40) % 4
+    features[10, 2] = float("nan")  # class 2 only
+    features[13, 0] = float("inf")  # class 1 only
+    means, counts = class_means(features, labels, 4)
+    assert torch.isnan(means[2, 2]) and torch.isinf(means[1, 0])
+    assert torch.isfinite(means[[0, 3]]).all(), "a non-finite row reaches only its own class"
+    clean = features.clone()
+    clean[10, 2] = 0.0
+    clean[13, 0] = 0.0
+    assert_close(means[[0, 3]], expected(clean, labels, 4)[0][[0, 3]], torch.float32)
+
+
+def test_non_contiguous_inputs():
+    features, labels = make_inputs(30, 8, 5, F64, clients=3, seed=3)
+    t = features.transpose(1, 2).contiguous().transpose(1, 2)  # column-major rows
+    s = torch.randn(3, 60, 16, dtype=F64)[:, ::2, ::2]
+    s.copy_(features)
+    lab = torch.stack([labels, labels], -1)[..., 0]
+    want = expected(features, labels, 5)
+    for name, f in (("transposed", t), ("strided", s)):
+        assert not f.is_contiguous()
+        means, counts = class_means(f, lab, 5)
+        assert torch.equal(counts, want[1])
+        assert_close(means, want[0], F64, name)
+
+
+def test_deterministic_across_thread_counts():
+    features, labels = make_inputs(20000, 96, 7, seed=4)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = class_means(features, labels, 7)
+        torch.set_num_threads(max(2, old))
+        many = class_means(features, labels, 7)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+@pytest.mark.parametrize("clients", [None, 2])
+def test_gradcheck(clients):
+    features, labels = make_inputs(12, 3, 4, F64, clients, seed=5)
+    labels[..., :2] = 3  # at least one class with several samples; class 0 may be empty
+    f = features.requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: class_means(x, labels, 5)[0], (f,))
+
+
+def test_gradient_formula_bf16():
+    features, labels = make_inputs(50, 6, 4, torch.bfloat16, seed=6)
+    f = features.clone().requires_grad_()
+    means, counts = class_means(f, labels, 4)
+    g = torch.randn_like(means)
+    means.backward(g)
+    assert f.grad.dtype == torch.bfloat16
+    want = g[labels] / counts[labels][:, None].to(torch.float32)
+    assert_close(f.grad, want.to(F64), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+@pytest.mark.parametrize("clients", [None, 3])
+def test_opcheck(dtype, clients):
+    features, labels = make_inputs(20, 5, 4, dtype, clients, seed=7)
+    torch.library.opcheck(torch.ops.pfl.class_means, (features.requires_grad_(), labels, 4))
+    torch.library.opcheck(torch.ops.pfl.class_means, (features.detach(), labels.to(torch.int32), 6))
+
+
+def test_compile_matches_eager():
+    features, labels = make_inputs(30, 5, 4, seed=8)
+    f = features.requires_grad_()
+
+    def fn(x):
+        return (class_means(x, labels, 4)[0] ** 2).sum()
+
+    eager = fn(f)
+    (eager_grad,) = torch.autograd.grad(eager, [f])
+    compiled = torch.compile(fn)(f)
+    (compiled_grad,) = torch.autograd.grad(compiled, [f])
+    assert_close(compiled, eager.double(), torch.float32)
+    assert_close(compiled_grad, eager_grad.double(), torch.float32)
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+def test_errors_labels_out_of_range():
+    features, labels = make_inputs(10, 3, 4)
+    bad = labels.clone()
+    bad[6] = 4
+    with pytest.raises(ValueError, match=r"labels must be in \[0, num_classes=4\), got labels\[6\] = 4"):
+        class_means(features, bad, 4)
+    bad[6] = -1
+    with pytest.raises(ValueError, match=r"got labels\[6\] = -1"):
+        class_means(features, bad, 4)
+    f3, l3 = make_inputs(5, 3, 4, clients=2)
+    l3[1, 2] = 9
+    with pytest.raises(ValueError, match=r"got labels\[\[1, 2\]\] = 9"):
+        class_means(f3, l3, 4)
+
+
+def test_op_level_label_check():
+    if pfl_kernels.backend_info()["pfl::class_means"]["cpu"]["implementation"] != "cpp":
+        pytest.skip("the op's own label check is the C++ kernel's")
+    features, labels = make_inputs(10, 3, 4)
+    labels[6] = 7
+    with pytest.raises(RuntimeError, match=r"got labels\[6\] = 7"):
+        torch.ops.pfl.class_means(features, labels, 4)
+
+
+def test_errors_shapes_types_devices():
+    features, labels = make_inputs(10, 3, 4)
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 1"):
+        class_means(features, labels, 0)
+    with pytest.raises(ValueError, match=r"labels must have shape \[N\]"):
+        class_means(features, labels[:9], 4)
+    with pytest.raises(ValueError, match=r"labels must have shape \[K, N\]"):
+        class_means(features[None], labels, 4)
+    with pytest.raises(ValueError, match="features must be \\[N, D\\] or \\[K, N, D\\]"):
+        class_means(features[0], labels[0], 4)
+    with pytest.raises(TypeError, match="labels must be an int64 or int32"):
+        class_means(features, labels.to(torch.float32), 4)
+    with pytest.raises(TypeError, match="features must be a floating"):
+        class_means(features.to(torch.int64), labels, 4)
+    with pytest.raises(ValueError, match="labels must be on the device of features"):
+        class_means(features, labels.to("meta"), 4)
+
+
+def test_cpu_runs_the_cpp_kernel():
+    if any(os.environ.get(v, "0") not in ("", "0") for v in ("PFL_KERNELS_SKIP_EXTENSION",
+                                                              "PFL_KERNELS_DISABLE_EXTENSION")):
+        pytest.skip("the C++ extension is switched off by the environment")
+    assert pfl_kernels.backend_info()["pfl::class_means"]["cpu"] == {"implementation": "cpp", "reason": ""}
