@@ -1,0 +1,120 @@
+"""The Triton branch_aggregate kernel against the float64 reference.
+
+In the Triton interpreter or on a CUDA device, skipped otherwise (see ``triton_support.py``):
+
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/test_branch_aggregate_triton.py -q
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_support import (
+    DEVICE, F64, MARKS, RUNNABLE, assert_registered_for_cuda, gpu_only, interpreter_only, launchers_as_cpu_kernels)
+from tests.tolerances import assert_close
+
+pytestmark = MARKS
+
+if RUNNABLE:
+    from pfl_kernels.reference import branch_aggregate as ref
+    from pfl_kernels.triton import branch_aggregate as tba
+
+
+@pytest.fixture(params=["default-blocks", "tiny-blocks"])
+def blocks(request, monkeypatch):
+    """Default blocks, or tiny ones so that P spans several programs."""
+    if request.param == "tiny-blocks":
+        monkeypatch.setattr(tba, "_MAX_BLOCK_P", 16)
+        monkeypatch.setattr(tba, "_MIN_BLOCK_P", 16)
+    return request.param
+
+
+def make_inputs(k, b, shape, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = torch.randn(k, b, *shape, generator=g, dtype=F64).to(DEVICE, dtype)
+    alpha = (torch.rand(k, b, generator=g, dtype=F64) + 0.05).to(DEVICE)
+    counts = torch.randint(1, 50, (k,), generator=g).to(DEVICE)
+    return params, alpha, counts
+
+
+def check(params, alpha, counts, dtype=F64):
+    out = tba.branch_aggregate_triton(params, alpha, counts)
+    assert out.dtype == params.dtype and out.is_contiguous() and out.shape == params.shape[1:]
+    want = ref.branch_aggregate(params.to(F64), alpha.to(F64), counts)
+    assert_close(out, want, dtype, "W")
+    return out
+
+
+@pytest.mark.parametrize("k,b,shape", [(1, 1, (5,)), (3, 2, (7,)), (5, 3, (2, 3, 3)), (40, 2, (33,))], ids=str)
+def test_matches_reference(k, b, shape, blocks):
+    check(*make_inputs(k, b, shape))
+
+
+def test_float32(blocks):
+    check(*make_inputs(6, 3, (37,), torch.float32, seed=1), dtype=torch.float32)
+
+
+def test_unweighted_branch_and_zero_weight_rows(blocks):
+    params, alpha, counts = make_inputs(6, 3, (21,), seed=2)
+    alpha[:, 1] = 0.0  # nobody weights branch 1: plain average
+    counts[2] = 0
+    params[2] = float("nan")  # n = 0: never read for branches 0 and 2 (read for branch 1)
+    alpha[4, 0] = 0.0
+    params[4, 0] = float("inf")
+    out = tba.branch_aggregate_triton(params, alpha, counts)
+    assert torch.isfinite(out[[0, 2]]).all()
+    assert torch.isnan(out[1]).all(), "the plain average of branch 1 reads every client"
+    clean = params.clone()
+    clean[2] = 0.0
+    clean[4, 0] = 0.0
+    assert_close(out[[0, 2]], ref.branch_aggregate(clean, alpha, counts)[[0, 2]], F64)
+
+
+def test_strided_params(blocks):
+    params, alpha, counts = make_inputs(4, 3, (5, 6), seed=3)
+    strided = torch.randn(4, 6, 5, 12, dtype=F64, device=DEVICE)[:, ::2, :, ::2]
+    strided.copy_(params)
+    permuted = params.transpose(2, 3).contiguous().transpose(2, 3)  # not one run: copied
+    for p in (strided, permuted):
+        assert not p.is_contiguous()
+        check(p, alpha, counts)
+
+
+@interpreter_only
+def test_through_dispatcher_and_autograd():
+    """The launcher as the CPU kernel of the op, under the wrapper and autograd."""
+    from pfl_kernels.ops import branch_aggregate
+
+    params, alpha, counts = make_inputs(4, 3, (6,), seed=4)
+    leaves = [t.clone().requires_grad_(True) for t in (params, alpha)]
+    ref_leaves = [t.clone().requires_grad_(True) for t in (params, alpha)]
+    g = torch.randn(3, 6, dtype=F64)
+    with launchers_as_cpu_kernels({"branch_aggregate": tba.branch_aggregate_triton}):
+        out = branch_aggregate(*leaves, counts)
+        out.backward(g)
+    want = ref.branch_aggregate(*ref_leaves, counts)
+    want.backward(g)
+    assert_close(out, want, F64, "W")
+    for name, a, b in zip(("branch_params", "alpha"), leaves, ref_leaves):
+        assert_close(a.grad, b.grad, F64, f"grad of {name}")
+
+
+def test_registered_for_cuda():
+    assert_registered_for_cuda(("branch_aggregate",))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_dtypes(dtype):
+    params, alpha, counts = make_inputs(30, 5, (4099,), dtype, seed=5)
+    out = torch.ops.pfl.branch_aggregate(params, alpha.float(), counts)
+    assert out.dtype == dtype
+    assert_close(out, ref.branch_aggregate(params.to(F64), alpha, counts), dtype, "W")
+
+
+@gpu_only
+def test_gpu_opcheck_and_gradcheck():
+    params, alpha, counts = make_inputs(4, 3, (5,), seed=6)
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate.default,
+                          (params.requires_grad_(), alpha.requires_grad_(), counts))
+    assert torch.autograd.gradcheck(lambda p, a: torch.ops.pfl.branch_aggregate(p, a, counts), (params, alpha))

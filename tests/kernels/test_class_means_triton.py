@@ -1,0 +1,119 @@
+"""The Triton class_means kernel against the float64 reference.
+
+In the Triton interpreter or on a CUDA device, skipped otherwise (see ``triton_support.py``):
+
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/test_class_means_triton.py -q
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_support import (
+    DEVICE, F64, MARKS, RUNNABLE, assert_registered_for_cuda, gpu_only, interpreter_only, launchers_as_cpu_kernels)
+from tests.tolerances import assert_close
+
+pytestmark = MARKS
+
+if RUNNABLE:
+    from pfl_kernels.reference import class_means as ref
+    from pfl_kernels.triton import class_means as tcm
+
+
+def make_inputs(n, d, c, clients=None, dtype=F64, seed=0, label_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    lead = () if clients is None else (clients,)
+    features = torch.randn(*lead, n, d, generator=g, dtype=F64).to(DEVICE, dtype)
+    labels = torch.randint(0, c, (*lead, n), generator=g).to(DEVICE, label_dtype)
+    return features, labels
+
+
+def check(features, labels, c, dtype=F64):
+    means, counts = tcm.class_means_triton(features, labels, c)
+    want_means, want_counts = ref.class_means(features.to(F64), labels, c)
+    assert means.dtype == ref.acc_dtype(features.dtype) and counts.dtype == torch.int64
+    assert torch.equal(counts.cpu(), want_counts.cpu())
+    assert_close(means, want_means, dtype, "means")
+    return means, counts
+
+
+@pytest.mark.parametrize("n,d,c,clients", [(1, 1, 1, None), (17, 5, 3, None), (40, 9, 7, None),
+                                           (12, 3, 4, 3), (30, 300, 5, None)], ids=str)
+def test_matches_reference(n, d, c, clients):
+    check(*make_inputs(n, d, c, clients), c)
+
+
+def test_float32_int32_labels_and_empty_classes():
+    features, labels = make_inputs(25, 6, 5, dtype=torch.float32, seed=1, label_dtype=torch.int32)
+    labels[labels == 2] = 4
+    labels[0], labels[-1] = 0, 4
+    means, counts = check(features, labels, 5, torch.float32)
+    assert counts[2] == 0 and not means[2].any()
+
+
+def test_empty_inputs():
+    means, counts = tcm.class_means_triton(torch.randn(0, 4, device=DEVICE), torch.zeros(0, dtype=torch.int64,
+                                                                                         device=DEVICE), 3)
+    assert means.shape == (3, 4) and not means.any() and not counts.any()
+
+
+def test_strided_features():
+    features, labels = make_inputs(20, 8, 4, clients=2, seed=2)
+    t = features.transpose(1, 2).contiguous().transpose(1, 2)
+    check(t, labels, 4)
+
+
+def test_out_of_range_labels_are_set_aside():
+    """The wrapper rejects them; the launcher alone must not read or write out of bounds."""
+    features, labels = make_inputs(10, 3, 4, seed=3)
+    labels[3] = 9
+    labels[5] = -2
+    means, counts = tcm.class_means_triton(features, labels, 4)
+    keep = torch.ones(10, dtype=torch.bool, device=DEVICE)
+    keep[[3, 5]] = False
+    want_means, want_counts = ref.class_means(features[keep], labels[keep], 4)
+    assert torch.equal(counts.cpu(), want_counts.cpu())
+    assert_close(means, want_means, F64)
+
+
+@interpreter_only
+def test_through_dispatcher_and_autograd():
+    from pfl_kernels.ops import class_means
+
+    features, labels = make_inputs(15, 4, 3, clients=2, seed=4)
+    f = features.clone().requires_grad_(True)
+    f_ref = features.clone().requires_grad_(True)
+    with launchers_as_cpu_kernels({"class_means": tcm.class_means_triton}):
+        means, _ = class_means(f, labels, 3)
+    g = torch.randn_like(means)
+    means.backward(g)
+    want, _ = ref.class_means(f_ref, labels, 3)
+    want.backward(g)
+    assert_close(means, want, F64)
+    assert_close(f.grad, f_ref.grad, F64, "grad of features")
+
+
+def test_registered_for_cuda():
+    assert_registered_for_cuda(("class_means",))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_dtypes(dtype):
+    features, labels = make_inputs(5000, 257, 10, dtype=dtype, seed=5)
+    means, counts = torch.ops.pfl.class_means(features, labels, 10)
+    assert means.dtype == torch.float32
+    want, want_counts = ref.class_means(features.to(F64), labels, 10)
+    assert torch.equal(counts, want_counts)
+    assert_close(means, want, torch.float32 if dtype != torch.float16 else dtype)
+
+
+@gpu_only
+def test_gpu_opcheck_gradcheck_and_determinism():
+    features, labels = make_inputs(30, 5, 4, clients=2, seed=6)
+    torch.library.opcheck(torch.ops.pfl.class_means.default, (features.requires_grad_(), labels, 4))
+    assert torch.autograd.gradcheck(lambda x: torch.ops.pfl.class_means(x, labels, 4)[0], (features,))
+    big, big_labels = make_inputs(20000, 64, 7, dtype=torch.float32, seed=7)
+    a = torch.ops.pfl.class_means(big, big_labels, 7)[0]
+    b = torch.ops.pfl.class_means(big, big_labels, 7)[0]
+    assert torch.equal(a, b)
