@@ -159,8 +159,3 @@ def branch_aggregate(branch_params: torch.Tensor, alpha: torch.Tensor, counts: t
         raise ValueError(f"alpha must be >= 0, got alpha[{i}, {j}] = {alpha[i, j].item()}")
     return torch.ops.pfl.branch_aggregate(branch_params, alpha, counts)
 
-
-# ops/__init__.py star-imports this module, which rebinds the package attribute
-# ``branch_aggregate`` from this module to this function, and then reads
-# ``branch_aggregate.__all__``: the function carries the module's list so that both read alike.
-branch_aggregate.__all__ = __all__

@@ -125,8 +125,3 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
                              f"{int(labels[idx])}")
     return torch.ops.pfl.class_means(features, labels, num_classes)
 
-
-# ops/__init__.py star-imports this module, which rebinds the package attribute
-# ``class_means`` from this module to this function, and then reads ``class_means.__all__``:
-# the function carries the module's list so that both read alike.
-class_means.__all__ = __all__
