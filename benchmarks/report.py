@@ -1,6 +1,6 @@
 """Run the CPU benchmark suites of pfl-kernels and print their ratios.
 
-    python benchmarks/report.py [--quick] [--suite factorized|branch|all] [--json PATH]
+    python benchmarks/report.py [--quick] [--suite NAME|all] [--json PATH]
                                 [--benchmark-json PATH]
 
 Runs each suite (``benchmarks/bench_<suite>.py``, default: all of them, one after the
@@ -166,6 +166,31 @@ SUITES = {
                 "op's fixed cost per call, not its traffic.\n"
                 "Targets: the ops at B = 5 and resnet9-conv256-256k3, the conv layers ('-': none); "
                 "met: all targets of the row.\n"
+                + _TIMES_LEGEND),
+    ),
+    "branch_aggregate": Suite(
+        name="branch_aggregate",
+        cases={"aggregate": Case("aggregate", speedup=True, target=None, floor_target=1.5)},
+        ops=("branch_aggregate",),
+        reference_note=("NOTE: branch_aggregate ran the plain-PyTorch reference on CPU, so the fused side "
+                        "is eager code behind a custom op."),
+        legend=("ours / baseline: fused pfl::branch_aggregate / eager normalized weights + "
+                "torch.einsum('kb,kbp->bp') (BLAS).\nratio: eager/fused (speed-up, higher is better).\n"
+                "floor: dst.copy_(src), preallocated, moving the op's minimum traffic (K*B*P + B*P + "
+                "2*K*B + K float32); ours/floor: fused / floor (lower is better). Target: <= 1.5 x floor "
+                "on every row.\nShape: K clients, B branches, P parameters per branch (float32).\n"
+                + _TIMES_LEGEND),
+    ),
+    "class_means": Suite(
+        name="class_means",
+        cases={"class_means": Case("class means", speedup=True, target=None, floor_target=1.5)},
+        ops=("class_means",),
+        reference_note=("NOTE: class_means ran the plain-PyTorch reference on CPU, so the fused side is "
+                        "eager code behind a custom op."),
+        legend=("ours / baseline: fused pfl::class_means / eager index_add_ + bincount + divide.\n"
+                "ratio: eager/fused (speed-up, higher is better).\nfloor: dst.copy_(src) of N*D float32 "
+                "(a copy of the features, preallocated); ours/floor: fused / floor (lower is better). "
+                "Target: <= 1.5 x floor on every row.\nShape: N samples, D dims, C classes.\n"
                 + _TIMES_LEGEND),
     ),
 }
