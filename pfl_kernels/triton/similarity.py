@@ -1,1 +1,252 @@
-"""Placeholder: filled in by the server-side kernels work (issue 4)."""
+"""Triton kernels of the similarity ops, registered for the CUDA dispatch key.
+
+``pairwise_cosine`` / ``pairwise_sqdist``: one tiled product kernel and one epilogue kernel.
+
+* product: program (tile of BLOCK_K rows of x, tile of BLOCK_M rows of y, split s) walks its
+  share of D in BLOCK_D steps: ``tl.dot`` of the two tiles with float32 accumulation
+  (tensor cores for bfloat16/float16; ``input_precision="ieee"`` for float32, since TF32
+  would cost the cosine three decimal digits) and, in the same loop over the same loaded
+  tiles, the rows' sums of squares.  Nothing is read twice and no normalized copy exists.
+  With few output tiles (K = 20: one tile) D is split over ``SPLIT`` programs per tile so
+  that every SM has work; each writes its partial product and partial norms to float32
+  buffers [SPLIT, K, M], [SPLIT, K], [SPLIT, M].  No atomics: deterministic.
+* epilogue: per output tile, sums the SPLIT partials in order and applies the cosine
+  (clamp(s / (max(‖x‖, eps) max(‖y‖, eps)), -1, 1)) or the squared distance
+  (max(‖x‖² + ‖y‖² − 2 s, 0)).  With y None it reads s[min(i, j), max(i, j)] (exactly
+  symmetric result) and sets the distance's diagonal to 0.
+
+float64 inputs use the plain-PyTorch reference (cuBLAS dgemm), which is what a float64
+Triton dot would lower to at best.
+
+``similarity_weights``: one program per row holds the row in registers (rows up to
+``_MAX_ROW`` = 16384 entries; longer rows use the reference).  The kept set is the
+threshold mask plus the own entry; when that is fewer than min_keep, the remaining ones
+are the largest of the rest found without sorting: the values are mapped to int32 keys in
+the same order, a binary search over the key range (32 counting passes over the row in
+registers) finds the threshold key T of the need-th largest, and of the entries equal to
+T the lowest columns are taken (a cumulative count): the reference's tie-breaking.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops import similarity as _ops  # noqa: F401  (defines the schemas implemented here)
+from ..ops._library import LIB
+from ..ops.similarity import _check_pair, _check_weights_args
+from ..reference import similarity as _ref
+from .branch import _sm_count
+from .factorized import _check_devices, _device_guard, _launch
+
+# Tiles of the product: 64 x 64 outputs, 64 of D per step (tests shrink them).
+_BLOCK_K = 64
+_BLOCK_M = 64
+_BLOCK_D = 64
+_WAVES = 4  # split D until there are about this many programs per SM
+_MAX_PARTIAL_BYTES = 256 << 20  # cap on the float32 partials [SPLIT, K, M]
+_MAX_ROW = 16384  # similarity_weights: longer rows use the reference
+MODE_COSINE = 0
+MODE_SQDIST = 1
+
+
+@triton.jit
+def _product_kernel(
+    x_ptr, y_ptr, part_ptr, nx_ptr, ny_ptr,
+    K, M, D, d_per_split,
+    sx_k, sx_d, sy_m, sy_d,
+    IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pk = tl.program_id(0)
+    pm = tl.program_id(1)
+    ps = tl.program_id(2)
+    rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    mk = rk < K
+    mm = rm < M
+    acc = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
+    nx = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ny = tl.zeros([BLOCK_M], dtype=tl.float32)
+    d_lo = ps.to(tl.int64) * d_per_split
+    x_row = x_ptr + rk.to(tl.int64)[:, None] * sx_k
+    y_row = y_ptr + rm.to(tl.int64)[:, None] * sy_m
+    for d0 in range(0, d_per_split, BLOCK_D):
+        rd = d_lo + d0 + tl.arange(0, BLOCK_D)
+        md = (rd < D) & (d0 + tl.arange(0, BLOCK_D) < d_per_split)
+        xt = tl.load(x_row + rd[None, :] * sx_d, mask=mk[:, None] & md[None, :], other=0)
+        yt = tl.load(y_row + rd[None, :] * sy_d, mask=mm[:, None] & md[None, :], other=0)
+        if IEEE:
+            acc = tl.dot(xt, tl.trans(yt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(yt), acc)
+        xf = xt.to(tl.float32)
+        yf = yt.to(tl.float32)
+        nx += tl.sum(xf * xf, axis=1)
+        ny += tl.sum(yf * yf, axis=1)
+    base = ps.to(tl.int64) * K * M
+    tl.store(part_ptr + base + rk.to(tl.int64)[:, None] * M + rm[None, :], acc, mask=mk[:, None] & mm[None, :])
+    # Each row's partial norm is stored by one program only.
+    if pm == 0:
+        tl.store(nx_ptr + ps.to(tl.int64) * K + rk, nx, mask=mk)
+    if pk == 0:
+        tl.store(ny_ptr + ps.to(tl.int64) * M + rm, ny, mask=mm)
+
+
+@triton.jit
+def _epilogue_kernel(
+    part_ptr, nx_ptr, ny_ptr, out_ptr, K, M, SPLIT, eps,
+    MODE: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mk = rk < K
+    mm = rm < M
+    m2 = mk[:, None] & mm[None, :]
+    i = rk.to(tl.int64)[:, None]
+    j = rm.to(tl.int64)[None, :]
+    if SYMMETRIC:  # read the upper triangle only: s[i, j] and s[j, i] are the same number
+        idx = tl.where(i <= j, i * M + j, j * M + i)
+    else:
+        idx = i * M + j
+    s = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
+    sx = tl.zeros([BLOCK_K], dtype=tl.float32)
+    sy = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k64 = tl.program_id(0).to(tl.int64) * 0 + K  # int64 offsets: SPLIT·K·M may pass 2^31
+    m64 = k64 * 0 + M
+    for p in range(0, SPLIT):  # in split order: deterministic
+        s += tl.load(part_ptr + p * k64 * m64 + idx, mask=m2, other=0)
+        sx += tl.load(nx_ptr + p * k64 + rk, mask=mk, other=0)
+        sy += tl.load(ny_ptr + p * m64 + rm, mask=mm, other=0)
+    if MODE == 0:
+        ix = 1.0 / tl.maximum(tl.sqrt(sx), eps)
+        iy = 1.0 / tl.maximum(tl.sqrt(sy), eps)
+        v = s * (ix[:, None] * iy[None, :])
+        v = tl.minimum(tl.maximum(v, -1.0), 1.0)
+    else:
+        v = tl.maximum(sx[:, None] + sy[None, :] - 2.0 * s, 0.0)
+        if SYMMETRIC:
+            v = tl.where(i == j, 0.0, v)
+    tl.store(out_ptr + i * M + j, v, mask=m2)
+
+
+def _split(k: int, m: int, d: int, device: torch.device) -> int:
+    """Programs per output tile along D: enough for _WAVES programs per SM, within the cap."""
+    tiles = triton.cdiv(k, _BLOCK_K) * triton.cdiv(m, _BLOCK_M)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
+    split = max(1, triton.cdiv(_WAVES * sms, tiles))
+    split = min(split, triton.cdiv(max(d, 1), _BLOCK_D), max(1, _MAX_PARTIAL_BYTES // (4 * max(k * m, 1))))
+    return max(1, split)
+
+
+def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
+    shape = _check_pair(x, y)
+    _check_devices(x, y)
+    if x.dtype == torch.float64:
+        return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
+    k, m = shape
+    d = x.shape[1]
+    out = x.new_empty((k, m), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    yy = x if y is None else y
+    split = _split(k, m, d, x.device)
+    # Each split's share of D, a multiple of BLOCK_D.
+    d_per_split = triton.cdiv(triton.cdiv(max(d, 1), split), _BLOCK_D) * _BLOCK_D
+    split = triton.cdiv(max(d, 1), d_per_split)
+    part = x.new_empty((split, k, m), dtype=torch.float32)
+    nx = x.new_empty((split, k), dtype=torch.float32)
+    ny = x.new_empty((split, m), dtype=torch.float32)
+    with _device_guard(x):
+        _launch(_product_kernel)[(triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M), split)](
+            x, yy, part, nx, ny, k, m, d, d_per_split,
+            x.stride(0), x.stride(1), yy.stride(0), yy.stride(1),
+            IEEE=x.dtype == torch.float32, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D, num_warps=4,
+        )
+        _launch(_epilogue_kernel)[(triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M))](
+            part, nx, ny, out, k, m, split, eps,
+            MODE=mode, SYMMETRIC=y is None, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, num_warps=4,
+        )
+    return out
+
+
+def pairwise_cosine_triton(x: torch.Tensor, y, eps: float) -> torch.Tensor:
+    """Triton ``pfl::pairwise_cosine``: the reference's result, float32 accumulation, [K, M] float32."""
+    return _pairwise(x, y, MODE_COSINE, eps)
+
+
+def pairwise_sqdist_triton(x: torch.Tensor, y) -> torch.Tensor:
+    """Triton ``pfl::pairwise_sqdist``: the reference's result, float32 accumulation, [K, M] float32."""
+    return _pairwise(x, y, MODE_SQDIST, 0.0)
+
+
+@triton.jit
+def _weights_kernel(
+    sim_ptr, own_ptr, out_ptr, M, s_k, s_m, tau, scale, keep_at_least,
+    HAS_OWN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < M
+    v = tl.load(sim_ptr + row * s_k + cols * s_m, mask=valid, other=0).to(tl.float32)
+    if HAS_OWN:
+        own = tl.load(own_ptr + row)
+    else:
+        own = row
+    is_own = cols.to(tl.int64) == own
+    v = tl.where(is_own, 1.0, v)
+    kept = valid & ((v >= tau) | is_own)
+    need = keep_at_least - tl.sum(kept.to(tl.int32), axis=0)
+    if need > 0:
+        cand = valid & (kept == 0)
+        # int32 keys in the order of the floats: negative floats get their magnitude bits
+        # flipped, and -0.0 the key of 0.0.  Non-candidates get INT32_MIN, below every finite value's key.
+        bits = v.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        key = tl.where(v == 0, 0, key)  # -0.0 ties with 0.0, as the float comparison says
+        key = tl.where(cand, key, -2147483648)
+        lo = tl.full([], -2147483647, tl.int64)  # count(key >= lo) = candidates >= need
+        hi = tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((key >= mid).to(tl.int32), axis=0) >= need
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        above = cand & (key > lo)
+        ties = cand & (key == lo)
+        rank = tl.cumsum(ties.to(tl.int32), axis=0)
+        take = ties & (rank <= need - tl.sum(above.to(tl.int32), axis=0))
+        kept = kept | above | take
+    logits = tl.where(kept, scale * v, -float("inf"))
+    mx = tl.max(logits, axis=0)
+    e = tl.where(kept, tl.exp(logits - mx), 0.0)
+    total = tl.sum(e, axis=0)
+    w = tl.where(total > 0, e / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + row * M + cols, w.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_keep: int, self_index):
+    """Triton ``pfl::similarity_weights`` (float32 math; float64 sim and rows longer than
+    _MAX_ROW use the reference).  Assumes what the Python wrapper checked: finite sim and
+    self_index values in [-1, M)."""
+    _check_weights_args(sim, self_index)
+    _check_devices(sim, self_index)
+    k, m = sim.shape
+    if sim.dtype == torch.float64 or m > _MAX_ROW:
+        return _ref.similarity_weights(sim, tau, scale, min_keep, self_index)
+    out = sim.new_empty((k, m), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    own = self_index.to(torch.int64) if self_index is not None else out
+    block = triton.next_power_of_2(m)
+    with _device_guard(sim):
+        _launch(_weights_kernel)[(k,)](
+            sim, own, out, m, sim.stride(0), sim.stride(1), tau, scale, min(min_keep, m),
+            HAS_OWN=self_index is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+        )
+    return out
+
+
+LIB.impl("pairwise_cosine", pairwise_cosine_triton, "CUDA")
+LIB.impl("pairwise_sqdist", pairwise_sqdist_triton, "CUDA")
+LIB.impl("similarity_weights", similarity_weights_triton, "CUDA")
