@@ -1,2 +1,231 @@
-"""Placeholder: filled in by the server-side kernels work (issue 4)."""
-__all__: list = []
+"""Weighted aggregation of stacked client parameters (Factorized-FL, FedAvg, SimFed reflection).
+
+Ops in the ``pfl`` namespace:
+
+* ``weighted_average(weights, params) -> out``: weights [K, M], params [M, P] -> out [K, P],
+  ``out[k] = Σ_j weights[k, j] · params[j]``, one pass over params.
+* ``weighted_average.out(weights, params, *, out) -> out``: the same, written into ``out``
+  (e.g. a slice of a client bank: any row stride, unit stride in the last dim).  ``out`` may
+  overlap ``params`` (in-place aggregation ``bank <- W @ bank``): the result is the same as
+  without overlap.
+
+Semantics (documented, tested):
+
+* **A zero weight never reads its row of params**: ``out[k] = Σ_{j: w_kj != 0} w_kj θ_j``.  A
+  NaN or Inf row of params (a diverged client) reaches exactly the clients that give it a
+  nonzero weight; every other client's result is untouched (a plain ``weights @ params``
+  would compute 0·NaN = NaN and poison all of them).
+* NaN or Inf in ``weights`` raises ``ValueError``.
+* dtypes: params float32, float64, bfloat16 or float16; the sums run in the accumulation
+  dtype (float32 for bfloat16/float16 params, else the params' dtype), weights (any floating
+  dtype, e.g. float32 weights with bfloat16 params) are read in that dtype, and the result
+  has the params' dtype (it holds parameters).
+* Sparse weights (after ``similarity_weights`` most entries are zero) are exploited: the
+  cost grows with the number of nonzero weights, not with K·M.
+
+Gradients: ``grad_weights = g θᵀ`` and ``grad_params = wᵀ g`` (itself a weighted average).
+``out=`` does not support autograd (as in torch).
+
+``reflection_weights(attention)`` builds the weights that make SimFed's reflection (Eq. 8) a
+weighted average.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..reference import aggregate as ref
+from ._checks import FLOAT_DTYPES
+from ._library import define_op
+
+__all__ = ["weighted_average", "reflection_weights"]
+
+
+def _check_op_args(weights, params, out=None):
+    """Checks of the op contract that also hold under tracing (fake tensors); returns [K, P]."""
+    torch._check(weights.dim() == 2, lambda: f"weights must be [K, M], got {list(weights.shape)}")
+    torch._check(params.dim() == 2, lambda: f"params must be [M, P], got {list(params.shape)}")
+    torch._check(weights.shape[1] == params.shape[0],
+                 lambda: f"params must have M={weights.shape[1]} rows (weights' last dim), "
+                         f"got {list(params.shape)}")
+    torch._check(weights.dtype in FLOAT_DTYPES, lambda: f"weights must be floating, got {weights.dtype}")
+    torch._check(params.dtype in FLOAT_DTYPES, lambda: f"params must be floating, got {params.dtype}")
+    torch._check(weights.device == params.device,
+                 lambda: f"weights must be on params' device {params.device}, got {weights.device}")
+    shape = [weights.shape[0], params.shape[1]]
+    if out is not None:
+        torch._check(list(out.shape) == shape, lambda: f"out must have shape {shape}, got {list(out.shape)}")
+        torch._check(out.dtype == params.dtype, lambda: f"out must have params' dtype {params.dtype}, got {out.dtype}")
+        torch._check(out.device == params.device,
+                     lambda: f"out must be on params' device {params.device}, got {out.device}")
+        torch._check(out.shape[1] <= 1 or out.stride(1) == 1,
+                     lambda: f"out must have unit stride in its last dim, got strides {list(out.stride())}")
+    return shape
+
+
+def _reference(weights, params):
+    _check_op_args(weights, params)
+    return ref.weighted_average(weights, params)
+
+
+def _reference_out(weights, params, *, out):
+    _check_op_args(weights, params, out)
+    # The whole result exists before out is written, so out may overlap params.
+    out.copy_(ref.weighted_average(weights, params))
+    return out
+
+
+WEIGHTED_AVERAGE = define_op("weighted_average(Tensor weights, Tensor params) -> Tensor", _reference)
+WEIGHTED_AVERAGE_OUT = define_op(
+    "weighted_average.out(Tensor weights, Tensor params, *, Tensor(a!) out) -> Tensor(a!)", _reference_out)
+
+
+@torch.library.register_fake(WEIGHTED_AVERAGE)
+def _weighted_average_fake(weights, params):
+    return params.new_empty(_check_op_args(weights, params))
+
+
+@torch.library.register_fake(WEIGHTED_AVERAGE_OUT)
+def _weighted_average_out_fake(weights, params, *, out):
+    _check_op_args(weights, params, out)
+    return out
+
+
+def _setup_context(ctx, inputs, output):
+    weights, params = inputs
+    ctx.save_for_backward(weights, params)
+
+
+def _backward(ctx, grad):
+    weights, params = ctx.saved_tensors
+    grad_weights = grad_params = None
+    if ctx.needs_input_grad[0]:
+        acc = ref.accumulation_dtype(params.dtype)
+        grad_weights = (grad.to(acc) @ params.to(acc).t()).to(weights.dtype)
+    if ctx.needs_input_grad[1]:
+        # wᵀ g is a weighted average of the rows of g with the transposed weights.
+        grad_params = torch.ops.pfl.weighted_average(weights.t(), grad)
+    return grad_weights, grad_params
+
+
+torch.library.register_autograd(WEIGHTED_AVERAGE, _backward, setup_context=_setup_context)
+
+
+def _check_floating(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+
+
+def weighted_average(weights: torch.Tensor, params: torch.Tensor, *,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Weighted combinations of stacked parameters: ``out[k] = Σ_j weights[k, j] · params[j]``.
+
+    The server aggregation of Factorized-FL (Eq. 5: each client's new shared parameters are
+    the softmax-weighted sum of its kept clients') and of FedAvg (one row of sample fractions),
+    in one pass over ``params``.  With ``reflection_weights`` it is SimFed's reflection (Eq. 8).
+
+    A zero weight never reads its row: ``out[k] = Σ_{j: w_kj != 0} w_kj θ_j``, so a NaN/Inf
+    row of params only reaches the clients that give it a nonzero weight.  Sparse weights
+    (most entries zero, as after ``similarity_weights``) cost in proportion to their nonzeros.
+
+    Args:
+        weights: [K, M], any floating dtype (read in the accumulation dtype), finite.
+        params: [M, P], float32/float64/bfloat16/float16 (e.g. a bank of flattened models).
+        out: optional [K, P] tensor of params' dtype to write into (a bank slice: any row
+            stride, unit stride in the last dim).  It may overlap params (in-place
+            aggregation): the result is the same.  Not differentiable.
+
+    Returns:
+        [K, P] in params' dtype (``out`` when given).  Differentiable in weights and params.
+
+    Raises:
+        TypeError: non-tensor or non-floating inputs, out of another dtype.
+        ValueError: shapes that do not fit, differing devices, NaN/Inf in weights, out
+            without unit stride in its last dim or with overlapping rows.
+        RuntimeError: out= with inputs that require grad (under grad mode).
+    """
+    _check_floating("weights", weights)
+    _check_floating("params", params)
+    if weights.dim() != 2:
+        raise ValueError(f"weights must be [K, M] (2 dims), got shape {list(weights.shape)}")
+    if params.dim() != 2:
+        raise ValueError(f"params must be [M, P] (2 dims), got shape {list(params.shape)}")
+    if weights.shape[1] != params.shape[0]:
+        raise ValueError(f"params must be [M={weights.shape[1]}, P] to match weights {list(weights.shape)}, "
+                         f"got {list(params.shape)}")
+    if weights.device != params.device:
+        raise ValueError(f"weights must be on the device of params ({params.device}), got {weights.device}")
+    if not bool(torch.isfinite(weights).all()):
+        raise ValueError("weights must be finite (they hold NaN or Inf)")
+    if out is None:
+        return torch.ops.pfl.weighted_average(weights, params)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != params.dtype:
+        raise TypeError(f"out must have the dtype of params ({params.dtype}), got {out.dtype}")
+    shape = [weights.shape[0], params.shape[1]]
+    if list(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape} ([K, P]), got {list(out.shape)}")
+    if out.device != params.device:
+        raise ValueError(f"out must be on the device of params ({params.device}), got {out.device}")
+    if shape[1] > 1 and out.stride(1) != 1:
+        raise ValueError(f"out must have unit stride in its last dim, got strides {list(out.stride())}")
+    if shape[0] > 1 and shape[1] > 0 and abs(out.stride(0)) < shape[1]:
+        raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < P={shape[1]})")
+    if torch.is_grad_enabled() and (weights.requires_grad or params.requires_grad or out.requires_grad):
+        raise RuntimeError("weighted_average(out=...) does not support autograd: call it under "
+                           "torch.no_grad() or without out=")
+    return torch.ops.pfl.weighted_average.out(weights, params, out=out)
+
+
+def reflection_weights(attention: torch.Tensor, *, self_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Weights that make SimFed's reflection (Eq. 8) one ``weighted_average``.
+
+    SimFed updates each client by ``θ_k <- θ_k + Σ_j a_kj (θ_j − θ_k)`` (a_kj: the normalized
+    attention exp(α σ_j) / Σ exp(α σ) over the selected clients, 0 elsewhere).  That equals
+    ``Σ_j a_kj θ_j + (1 − Σ_j a_kj) θ_k``: the attention with ``1 − Σ_j a_kj`` added to the
+    client's own column.  Then ``weighted_average(reflection_weights(a), params)`` is the
+    reflection of every client at once.  Plain torch ops: differentiable in ``attention``.
+
+    Args:
+        attention: [K, M] floating, finite.
+        self_index: the column of each client itself: None for square attention (client k is
+            column k), else an integer tensor [K] with values in [0, M).
+
+    Returns:
+        [K, M] weights in attention's dtype; each row sums to 1.
+
+    Raises:
+        TypeError: attention not floating, self_index not an integer tensor.
+        ValueError: attention not 2-D or not finite, non-square attention without
+            self_index, self_index of the wrong shape/device or out of range.
+    """
+    _check_floating("attention", attention)
+    if attention.dim() != 2:
+        raise ValueError(f"attention must be [K, M] (2 dims), got shape {list(attention.shape)}")
+    if not bool(torch.isfinite(attention).all()):
+        raise ValueError("attention must be finite (it holds NaN or Inf)")
+    k, m = attention.shape
+    if self_index is None:
+        if k != m:
+            raise ValueError(f"attention {list(attention.shape)} is not square: pass self_index "
+                             f"(each client's column, an integer tensor [{k}])")
+        self_index = torch.arange(k, device=attention.device)
+    else:
+        if not isinstance(self_index, torch.Tensor) or self_index.dtype.is_floating_point \
+                or self_index.dtype.is_complex or self_index.dtype == torch.bool:
+            raise TypeError(f"self_index must be an integer tensor [{k}], got "
+                            f"{getattr(self_index, 'dtype', type(self_index).__name__)}")
+        if list(self_index.shape) != [k]:
+            raise ValueError(f"self_index must have shape [{k}] (one column per row of attention), "
+                             f"got {list(self_index.shape)}")
+        if self_index.device != attention.device:
+            raise ValueError(f"self_index must be on attention's device ({attention.device}), "
+                             f"got {self_index.device}")
+        if k and (bool((self_index < 0).any()) or bool((self_index >= m).any())):
+            raise ValueError(f"self_index must hold columns in [0, {m}), got values from "
+                             f"{int(self_index.min())} to {int(self_index.max())}")
+    return ref.reflection_weights(attention, self_index)
