@@ -1,0 +1,88 @@
+"""CPU benchmarks of ``weighted_average`` against ``torch.mm`` (the floor of a dense product).
+
+Cases (float32 params and weights, M = K clients, P parameters per client):
+
+* ``dense``: dense softmax weights, ``weighted_average(w, params, out=out)`` (ours) against
+  ``torch.mm(w, params, out=out)`` (floor: the BLAS product it replaces, same shapes and
+  dtype).  Target: ours <= 1.1 x floor.  Peak memory: the op allocates nothing of size [K, P]
+  besides its output (here it writes a preallocated ``out``); ``extra_info['rss_delta_mb']``
+  records the growth of the process's peak RSS over the call (resource.getrusage), which stays
+  near zero.
+* ``sparse``: weights thresholded to 5% nonzero per row (as after ``similarity_weights``), at
+  K = 1000, P = 10^5: ours against the dense product ``torch.mm`` of the same weights
+  (side 'floor').  Target: >= 5 x faster than torch.mm.
+
+Shapes: K in {20, 100, 1000}, P in {65536, 10^5, 10^6, 10^7}, skipping those whose params +
+out exceed ~4 GB (K = 100 and 1000 at P = 10^7; K = 1000 at P = 10^6) or whose dense product
+takes more than ~10 s on 2 cores.  ``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and the
+sparse case only, one repeat.
+
+Run: ``OMP_WAIT_POLICY=PASSIVE python benchmarks/report.py --suite aggregate [--quick]``.
+"""
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+
+import pfl_kernels  # noqa: F401  (registers torch.ops.pfl.* and loads the C++ kernels if built)
+from benchmarks import _common as common
+from pfl_kernels.ops import weighted_average
+
+GB = 1 << 30
+MAX_BYTES = 4 * GB
+CLIENTS = (20, 100, 1000)
+PARAMS = (65536, 10**5, 10**6, 10**7)
+SPARSE_SHAPE = (1000, 10**5)
+SPARSE_DENSITY = 0.05
+
+
+def _fits(k: int, p: int) -> bool:
+    return 2 * k * p * 4 <= MAX_BYTES and k * k * p <= 2 * 10**11
+
+
+DENSE_SHAPES = [(20, 65536), (100, 65536)] if common.QUICK else \
+    [(k, p) for k in CLIENTS for p in PARAMS if _fits(k, p)]
+SIDES = (("ours", "pfl"), ("floor", "torch.mm"))
+BENCH = common.benchmark_mark(max_time=2.0, quick_max_time=0.5)
+
+
+def _inputs(k: int, p: int, density: float):
+    g = torch.Generator().manual_seed(0)
+    w = torch.softmax(torch.randn(k, k, generator=g), -1)
+    if density < 1:
+        keep = torch.rand(k, k, generator=g).argsort(1) < max(1, int(density * k))
+        w = torch.softmax(torch.where(keep, w, -float("inf")), -1)
+    return w, torch.randn(k, p, generator=g), torch.empty(k, p)
+
+
+def _params(shapes):
+    return [pytest.param((k, p), side, impl, repeat, id=f"K{k}-P{p}-r{repeat}-{side}")
+            for repeat in range(common.REPEATS) for k, p in shapes for side, impl in SIDES]
+
+
+def _run(benchmark, case, shape, side, impl, repeat, density):
+    k, p = shape
+    w, params, out = _inputs(k, p, density)
+    fn = (lambda: weighted_average(w, params, out=out)) if side == "ours" else \
+        (lambda: torch.mm(w, params, out=out))
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    benchmark.group = f"{case}/K{k}-P{p}"
+    benchmark.extra_info.update(case=case, shape=f"K{k}-P{p}", clients=k, params_per_client=p,
+                                density=density, side=side, impl=impl, repeat=repeat)
+    benchmark(fn)
+    benchmark.extra_info["rss_delta_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+@BENCH
+@pytest.mark.parametrize("shape,side,impl,repeat", _params(DENSE_SHAPES))
+def test_dense(benchmark, shape, side, impl, repeat):
+    _run(benchmark, "dense", shape, side, impl, repeat, 1.0)
+
+
+@BENCH
+@pytest.mark.parametrize("shape,side,impl,repeat", _params([SPARSE_SHAPE]))
+def test_sparse(benchmark, shape, side, impl, repeat):
+    _run(benchmark, "sparse", shape, side, impl, repeat, SPARSE_DENSITY)
