@@ -396,28 +396,36 @@ void weights_kernel(const at::Tensor& sim, const int64_t* own, double tau, doubl
   const int64_t keep_at_least = std::min(min_keep, M);
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(M, 1));
   at::parallel_for(0, K, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<acc_t> v(M);
-    std::vector<uint8_t> kept(M);
+    std::vector<uint8_t> kept;
+    std::vector<int64_t> idx;  // the kept columns (ascending, then the top-up)
     std::vector<std::pair<acc_t, int64_t>> rest;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t self = own ? own[i] : i;
-      int64_t n_kept = 0;
+      const scalar_t* srow = sp + i * sr;
+      auto value = [&](int64_t j) { return j == self ? acc_t(1) : static_cast<acc_t>(srow[j * sc]); };
+      // One pass over the row: the columns >= tau, and whether all are finite (x - x is 0
+      // exactly for finite x, NaN otherwise; branch-free, unlike a test per element).
+      idx.clear();
       bool finite = true;
       for (int64_t j = 0; j < M; ++j) {
-        const acc_t x = static_cast<acc_t>(sp[i * sr + j * sc]);
-        finite &= std::isfinite(x);
-        const bool is_self = j == self;
-        v[j] = is_self ? acc_t(1) : x;
-        kept[j] = is_self || v[j] >= t;
-        n_kept += kept[j];
+        const acc_t x = static_cast<acc_t>(srow[j * sc]);
+        finite &= (x - x) == acc_t(0);
+        if (x >= t) idx.push_back(j);
       }
       if (!finite) not_finite.store(true, std::memory_order_relaxed);
+      if (self >= 0) {  // the own column is kept whatever sim holds there
+        auto at_self = std::lower_bound(idx.begin(), idx.end(), self);
+        if (at_self == idx.end() || *at_self != self) idx.insert(at_self, self);
+      }
+      const int64_t n_kept = static_cast<int64_t>(idx.size());
       if (n_kept < keep_at_least) {
         // The most similar of the others: value descending, then column ascending (a strict
         // total order, so the set chosen is unique and does not depend on the algorithm).
+        kept.assign(M, 0);
+        for (const int64_t j : idx) kept[j] = 1;
         rest.clear();
         for (int64_t j = 0; j < M; ++j) {
-          if (!kept[j]) rest.emplace_back(v[j], j);
+          if (!kept[j]) rest.emplace_back(value(j), j);
         }
         const int64_t need = keep_at_least - n_kept;
         auto before = [](const std::pair<acc_t, int64_t>& p, const std::pair<acc_t, int64_t>& q) {
@@ -426,23 +434,21 @@ void weights_kernel(const at::Tensor& sim, const int64_t* own, double tau, doubl
         if (need < static_cast<int64_t>(rest.size())) {
           std::nth_element(rest.begin(), rest.begin() + need, rest.end(), before);
         }
-        for (int64_t r = 0; r < need; ++r) kept[rest[r].second] = 1;
+        for (int64_t r = 0; r < need; ++r) idx.push_back(rest[r].second);
       }
+      // Softmax over the kept entries only (exp is the costly part: a handful per row).
       acc_t* row = op + i * M;
+      std::fill(row, row + M, acc_t(0));
+      if (idx.empty()) continue;  // no own column and nothing kept: a zero row
       acc_t mx = -std::numeric_limits<acc_t>::infinity();
-      for (int64_t j = 0; j < M; ++j) {
-        if (kept[j]) mx = std::max(mx, a * v[j]);
-      }
+      for (const int64_t j : idx) mx = std::max(mx, a * value(j));
       acc_t sum = 0;
-      for (int64_t j = 0; j < M; ++j) {
-        const acc_t e = kept[j] ? std::exp(a * v[j] - mx) : acc_t(0);
-        row[j] = e;
-        sum += e;
+      for (const int64_t j : idx) {
+        row[j] = std::exp(a * value(j) - mx);
+        sum += row[j];
       }
-      if (sum > 0) {
-        const acc_t inv = acc_t(1) / sum;
-        for (int64_t j = 0; j < M; ++j) row[j] *= inv;
-      }
+      const acc_t inv = acc_t(1) / sum;
+      for (const int64_t j : idx) row[j] *= inv;
     }
   });
 }
@@ -470,7 +476,7 @@ at::Tensor similarity_weights_cpu(const at::Tensor& sim, double tau, double scal
     own = self_index->to(at::kLong).contiguous();
     const int64_t* o = own.const_data_ptr<int64_t>();
     for (int64_t i = 0; i < K; ++i) {
-      TORCH_CHECK(o[i] >= -1 && o[i] < M, "self_index values must be in [-1, ", M,
+      TORCH_CHECK_VALUE(o[i] >= -1 && o[i] < M, "self_index values must be in [-1, ", M,
                   ") (a column of sim, or -1 for none), got ", o[i], " in row ", i);
     }
   }
@@ -481,7 +487,8 @@ at::Tensor similarity_weights_cpu(const at::Tensor& sim, double tau, double scal
     weights_kernel<scalar_t>(sim, own.defined() ? own.const_data_ptr<int64_t>() : nullptr, tau, scale, min_keep,
                              out, not_finite);
   });
-  TORCH_CHECK(!not_finite.load(), "sim must be finite (it holds NaN or Inf)");
+  // ValueError in Python, as the wrapper's own check (which it leaves to this kernel).
+  TORCH_CHECK_VALUE(!not_finite.load(), "sim must be finite (it holds NaN or Inf)");
   return out;
 }
 

@@ -26,6 +26,7 @@ similarity_weights is differentiable in sim through the softmax over the kept en
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional
@@ -34,7 +35,7 @@ import torch
 
 from ..reference import similarity as ref
 from ._checks import check_same, check_tensor
-from ._library import define_op
+from ._library import define_op, has_kernel
 
 __all__ = ["pairwise_cosine", "pairwise_sqdist", "similarity_weights"]
 
@@ -275,6 +276,13 @@ def pairwise_sqdist(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.
     return torch.ops.pfl.pairwise_sqdist(x, y)
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_kernel_checks_values() -> bool:
+    """Whether the C++ kernel (which checks sim and self_index itself) serves CPU tensors.
+    Cached: the dispatcher query costs tens of microseconds, as much as a small call."""
+    return has_kernel(SIMILARITY_WEIGHTS, "CPU")
+
+
 def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep: int = 0,
                        self_index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Aggregation weights from similarities: Factorized-FL Eq. 4–5, SimFed Eq. 3.
@@ -337,9 +345,10 @@ def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep:
             raise ValueError(f"self_index must be [K] with K = {k} (sim's rows), got {list(self_index.shape)}")
         if self_index.device != sim.device:
             raise ValueError(f"self_index must be on sim's device {sim.device}, got {self_index.device}")
-    # The checks of values need the data: under torch.compile they are left to the kernels
-    # (the C++ kernel raises on both; the reference does not check).
-    if not torch.compiler.is_compiling():
+    # The checks of values need the data: under torch.compile, and on CPU with the C++ kernel
+    # (which makes them in its own pass, raising the same ValueError), they are left to the
+    # kernel; the reference and the Triton kernel do not check.
+    if not torch.compiler.is_compiling() and not (sim.device.type == "cpu" and _cpu_kernel_checks_values()):
         if self_index is not None and k and bool(((self_index < -1) | (self_index >= m)).any()):
             raise ValueError(f"self_index values must be in [-1, {m}) (a column of sim, or -1 for none)")
         if sim.numel() and not bool(torch.isfinite(sim).all()):

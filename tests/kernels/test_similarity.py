@@ -297,7 +297,12 @@ def test_weights_ties_prefer_lower_column():
         [True, True, False, True, False],   # self (col 3), cols 0 and 1
         [True, True, False, False, True],   # self (col 4), cols 0 and 1
     ]
-    assert torch.equal(w, ref.similarity_weights(sim, 0.9, 1.0, 3, None))
+    assert_close(w, ref.similarity_weights(sim.double(), 0.9, 1.0, 3, None), torch.float32)
+    assert torch.equal(w > 0, ref.similarity_weights(sim, 0.9, 1.0, 3, None) > 0)
+    sim[0, 3] = -0.0  # -0.0 ties with 0.0 (the lower column first)
+    sim[0, 4] = 0.0
+    sim[0, 1] = 0.0
+    assert (similarity_weights(sim, tau=0.9, scale=1.0, min_keep=3)[0] > 0).tolist() == [True, True, True, False, False]
 
 
 def test_weights_self_index_rectangular_and_missing():
