@@ -1,0 +1,196 @@
+"""GPU benchmark of the Triton similarity kernels (needs CUDA, torch >= 2.11, triton >= 3.6).
+
+    python benchmarks/gpu_similarity.py [--dtype float32|bfloat16|float16] [--quick]
+
+For every client count K in ``CLIENTS`` and dimension D in ``DIMS`` (inputs under
+``MAX_INPUT_BYTES``) it
+
+1. checks ``torch.ops.pfl.pairwise_cosine`` and ``pairwise_sqdist`` on CUDA (the Triton
+   kernels; y None: every client against every client) against the float64 reference, and
+   stops on a mismatch;
+2. times, with ``triton.testing.do_bench`` (median; L2 flushed before each call): the fused
+   op, the eager code it replaces (``F.normalize`` + ``mm``; ``torch.cdist(x, x) ** 2``) and
+   the floor ``torch.mm(x, x.t())`` in the input dtype (cuBLAS; for float32 with TF32 off,
+   the precision the op keeps).  ``copy_ms`` holds the mm time (the shared row format's
+   name for the floor);
+3. reports the bytes the op must move (x read once, [K, K] float32 written once), the
+   ratio to the floor (fused / mm) and the speed-up over eager.
+
+``similarity_weights`` is timed at K = M in ``WEIGHT_CLIENTS`` against the eager torch rule
+(topk + masks + softmax), with no floor.
+
+Prints a table and writes JSON to ``benchmarks/results/similarity_gpu_<device>.json``.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks import _gpu_common as common  # noqa: E402
+
+CLIENTS = [20, 100, 1000]
+DIMS = [65_536, 100_000, 1_000_000, 10_000_000]
+WEIGHT_CLIENTS = [100, 1000, 10_000]
+MAX_INPUT_BYTES = 8 << 30
+TARGET = 1.5  # fused / floor (mm), the CPU target, reported on the GPU too
+TAU, SCALE, MIN_KEEP = 0.9, 20.0, 4
+
+
+@dataclass
+class Row(common.Measured):
+    """One measurement: an op at (K, D) (weights: D = K)."""
+
+    op: str
+    clients: int
+    dim: int
+    bytes: int
+    fused_ms: float
+    eager_ms: float
+    copy_ms: float  # the floor: torch.mm (pairwise ops); nan for weights
+    max_abs_err: float
+
+    JSON_EXTRA = (("fused_gbps", "fused_gbps"), ("floor_ratio", "floor_ratio"), ("speedup_vs_eager", "speedup"))
+
+    @property
+    def floor_ratio(self) -> float:
+        return self.fused_ms / self.copy_ms if self.copy_ms == self.copy_ms else float("nan")
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    head = (f"{'op':<8} {'K':>6} {'D':>9} {'MB':>8} {'fused us':>10} {'eager us':>10} {'mm us':>10} "
+            f"{'x floor':>8} {'x eager':>8} {'max err':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        flag = "" if r.floor_ratio != r.floor_ratio else (" ok" if r.floor_ratio <= TARGET else " MISS")
+        lines.append(f"{r.op:<8} {r.clients:>6} {r.dim:>9} {r.bytes / 1e6:>8.1f} {r.fused_ms * 1e3:>10.1f} "
+                     f"{r.eager_ms * 1e3:>10.1f} {r.copy_ms * 1e3:>10.1f} {r.floor_ratio:>8.2f} "
+                     f"{r.speedup:>8.2f} {r.max_abs_err:>9.2e}{flag}")
+    return "\n".join(lines)
+
+
+def _timing():
+    return dict(warmup=25, rep=100, return_mode="median")
+
+
+def bench_pair(k: int, d: int, dtype: torch.dtype, device: str = "cuda") -> list[Row]:
+    """Check then time pairwise_cosine and pairwise_sqdist (y None) at [K, D]."""
+    import triton.testing
+
+    from pfl_kernels.reference import similarity as ref
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(k, d, device=device, generator=gen).to(dtype)
+    xe = x.double()
+    elem = x.element_size()
+    nbytes = k * d * elem + k * k * 4
+    rows = []
+    floor_ms = triton.testing.do_bench(lambda: torch.mm(x, x.t()), **_timing())
+
+    def fused_cos():
+        return torch.ops.pfl.pairwise_cosine(x, None, 1e-8)
+
+    def eager_cos():
+        xn = F.normalize(x.float(), dim=1)
+        return xn @ xn.t()
+
+    def fused_sq():
+        return torch.ops.pfl.pairwise_sqdist(x, None)
+
+    def eager_sq():
+        return torch.cdist(x.float(), x.float()) ** 2
+
+    err_c = common.check(f"cosine K={k} D={d}", fused_cos(), ref.pairwise_cosine(xe, None, 1e-8), 2e-5)
+    # sqdist: the expanded form's error is relative to the norms (see pairwise_sqdist).
+    scale = 2 * xe.pow(2).sum(1).max().item()
+    err_s = common.check(f"sqdist K={k} D={d}", fused_sq() / scale, ref.pairwise_sqdist(xe, None) / scale,
+                         2e-6 * max(1.0, math.sqrt(d / 1000)))
+    for op, fused, eager, err in (("cosine", fused_cos, eager_cos, err_c), ("sqdist", fused_sq, eager_sq, err_s)):
+        fused_ms = triton.testing.do_bench(fused, **_timing())
+        eager_ms = triton.testing.do_bench(eager, **_timing())
+        rows.append(Row(op, k, d, nbytes, fused_ms, eager_ms, floor_ms, err))
+    del x, xe
+    torch.cuda.empty_cache()
+    return rows
+
+
+def eager_weights(sim: torch.Tensor) -> torch.Tensor:
+    v = sim.clone()
+    v.fill_diagonal_(1.0)
+    kept = v >= TAU
+    kept.scatter_(1, v.topk(min(MIN_KEEP, v.shape[1]), dim=1).indices, True)
+    return torch.softmax((SCALE * v).masked_fill(~kept, float("-inf")), dim=1)
+
+
+def bench_weights(k: int, device: str = "cuda") -> Row:
+    import triton.testing
+
+    from pfl_kernels.reference import similarity as ref
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    sim = torch.rand(k, k, device=device, generator=gen) * 2 - 1
+
+    def fused():
+        return torch.ops.pfl.similarity_weights(sim, TAU, SCALE, MIN_KEEP, None)
+
+    err = common.check(f"weights K={k}", fused(), ref.similarity_weights(sim.double(), TAU, SCALE, MIN_KEEP, None),
+                       1e-5)
+    fused_ms = triton.testing.do_bench(fused, **_timing())
+    eager_ms = triton.testing.do_bench(lambda: eager_weights(sim), **_timing())
+    return Row("weights", k, k, 2 * k * k * 4, fused_ms, eager_ms, float("nan"), err)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = common.parse_args(__doc__, argv, quick_help="K in {20, 100}, D in {65536, 10^6}, weights K=1000")
+    if not common.cuda_or_explain("gpu_similarity.py needs a CUDA device (none found): nothing measured"):
+        return 2
+    info = common.backend_info("pfl::pairwise_cosine")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the floor keeps float32 precision, as the op does
+    dtype = common.DTYPES[args.dtype]
+    elem = torch.empty((), dtype=dtype).element_size()
+    device_name = torch.cuda.get_device_name()
+    rows, skipped = [], []
+    for k in ([20, 100] if args.quick else CLIENTS):
+        for d in ([65_536, 1_000_000] if args.quick else DIMS):
+            if k * d * elem >= MAX_INPUT_BYTES:
+                skipped.append([k, d])
+                continue
+            rows.extend(bench_pair(k, d, dtype))
+            common.print_rows(rows[-2:], format_table)
+    for k in ([1000] if args.quick else WEIGHT_CLIENTS):
+        rows.append(bench_weights(k))
+        common.print_rows(rows[-1:], format_table)
+    print("\n" + format_table(rows))
+    pair = [r for r in rows if r.op != "weights"]
+    summary = {
+        "pairwise_cases": len(pair), "met": sum(r.floor_ratio <= TARGET for r in pair),
+        "worst_floor_ratio": max((r.floor_ratio for r in pair), default=None),
+        "geomean_speedup_vs_eager": math.exp(sum(math.log(r.speedup) for r in rows) / len(rows)) if rows else None,
+        "skipped_inputs_over_bytes": skipped,
+    }
+    print(f"pairwise: {summary['met']}/{summary['pairwise_cases']} within {TARGET}x of torch.mm "
+          f"(worst {summary['worst_floor_ratio']:.2f}x)")
+    path = args.json or common.RESULTS / f"similarity_gpu_{common.sanitize(device_name)}.json"
+    common.write_json(path, "benchmarks/gpu_similarity.py", device_name, info, {
+        "config": {"dtype": args.dtype, "timing": common.TIMING,
+                   "bytes": "x read once, the [K, K] float32 result written once",
+                   "floor": "torch.mm(x, x.t()) in the input dtype (TF32 off)", "floor_ratio": "fused / mm",
+                   "target": TARGET, "eager": "F.normalize + mm; torch.cdist ** 2; topk + masks + softmax",
+                   "weights": {"tau": TAU, "scale": SCALE, "min_keep": MIN_KEEP}},
+        "summary": summary,
+        "rows": [r.to_json() for r in rows],
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
