@@ -103,12 +103,13 @@ def params(shapes: Sequence[Shape], sides: Sequence[tuple[str, str]],
 
 
 def run(benchmark, case: str, fn: Callable[[], object], labels: Mapping[str, object],
-        extra: Optional[Mapping[str, object]] = None):
+        extra: Optional[Mapping[str, object]] = None, rounds: Optional[int] = None):
     """Benchmark ``fn`` under the group ``case/shape`` (``case/shape/B<branches>`` where the
     test is parametrized by ``branches``), labelled for the report to group.
 
     ``extra_info`` holds ``case``, ``shape``, ``weight_shape``, the suite's ``labels``,
-    ``side``, ``impl``, ``repeat`` and then ``extra``.
+    ``side``, ``impl``, ``repeat`` and then ``extra``.  ``rounds``: measure exactly that many
+    single calls (``benchmark.pedantic``), for sides that take minutes per call.
     """
     shape: Shape = benchmark.params["shape"]
     benchmark.group = f"{case}/{shape.name}"
@@ -118,6 +119,8 @@ def run(benchmark, case: str, fn: Callable[[], object], labels: Mapping[str, obj
                                 side=benchmark.params["side"], impl=benchmark.params["impl"],
                                 repeat=benchmark.params["repeat"])
     benchmark.extra_info.update(extra or {})
+    if rounds is not None:
+        return benchmark.pedantic(fn, rounds=rounds, iterations=1)
     return benchmark(fn)
 
 

@@ -193,6 +193,46 @@ SUITES = {
                 "Target: <= 1.5 x floor on every row.\nShape: N samples, D dims, C classes.\n"
                 + _TIMES_LEGEND),
     ),
+    "similarity": Suite(
+        name="similarity",
+        cases={
+            "cosine": Case("pairwise cosine", speedup=True, target=None, floor_target=1.5),
+            "sqdist": Case("pairwise sqdist", speedup=True, target=None, floor_target=1.5),
+            "weights": Case("similarity weights", speedup=True, target=None),
+        },
+        ops=("pairwise_cosine", "pairwise_sqdist", "similarity_weights"),
+        reference_note=("NOTE: the similarity ops ran the plain-PyTorch reference on CPU, so the fused side "
+                        "is eager code behind a custom op."),
+        legend=("ours / baseline: fused pfl::pairwise_cosine / F.normalize + mm; fused pfl::pairwise_sqdist / "
+                "torch.cdist(x, x)**2; fused pfl::similarity_weights / eager topk + masks + softmax "
+                "(tau 0.9, scale 20, min_keep 4).\nratio: baseline/fused (speed-up, higher is better).\n"
+                "floor: torch.mm(x, x.t()) on the same [K, D] x (the product the op is bound by); ours/floor: "
+                "fused / mm (lower is better). Target: <= 1.5 x floor on every cosine and sqdist row.\n"
+                "Shape: K clients, D parameters (float32); weights: sim [K, K]. Inputs of 4 GB or more are "
+                "skipped.\n" + _TIMES_LEGEND),
+    ),
+    "aggregate": Suite(
+        name="aggregate",
+        cases={"dense": Case("dense weights", speedup=False, target=1.1),
+               "sparse": Case("5% nonzero weights", speedup=True, target=5.0)},
+        ops=("weighted_average",),
+        reference_note="NOTE: weighted_average ran the plain-PyTorch reference on CPU.",
+        legend=("ours: pfl::weighted_average(w, params, out=out); baseline: torch.mm(w, params, out=out), "
+                "same shapes, float32 (the BLAS product the op replaces, and the floor of a dense product).\n"
+                "ratio: ours / torch.mm for dense weights (cost, lower is better, target <= 1.1); torch.mm / "
+                "ours for 5%-nonzero weights (speed-up, target >= 5 at K=1000, P=1e5).\n"
+                "Shape: K=M clients, P params per client.\n" + _TIMES_LEGEND),
+    ),
+    "round_end": Suite(
+        name="round_end",
+        cases={"round_end": Case("round end", speedup=True, target=10.0, target_at={"clients": 1000})},
+        ops=("pairwise_cosine", "similarity_weights", "weighted_average"),
+        reference_note="NOTE: the similarity/aggregation ops ran the plain-PyTorch reference on CPU.",
+        legend=("ours: pairwise_cosine -> similarity_weights -> weighted_average over banks; baseline: the "
+                "released Factorized-FL server's loops over clients, kept clients and state-dict keys (in "
+                "torch).\nratio: baseline / ours (speed-up). Target >= 10 at K=1000, P=1e5, D=65536, 5% kept.\n"
+                + _TIMES_LEGEND),
+    ),
 }
 
 
