@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.aggregate import average_rows
+from ..engine.aggregate import average_rows, sender_weights
 from ..engine.federation import Federation
 from .base import Algorithm
 
@@ -39,10 +39,10 @@ class FedAvg(Algorithm):
             return
         for client in senders.tolist():
             fed.comm.send("up", client, "shared", self.shared_values(fed))
-        sizes = fed.train_sizes()[senders]
-        weights = sizes / sizes.sum()
-        self.global_params = average_rows(fed.params.data[senders][:, fed.shared], weights)
-        self.global_buffers = average_rows(fed.buffers.data[senders], weights)
+        weights = sender_weights(fed.num_clients, senders, fed.train_sizes())
+        self.global_params = average_rows(fed.params.data[:, fed.shared], weights)
+        if self.global_buffers.numel():
+            self.global_buffers = average_rows(fed.buffers.data, weights)
 
     def global_model_of(self, fed: Federation, client: int) -> torch.Tensor:
         """The client's view of the global model: the global shared parameters, its own local ones."""
