@@ -21,7 +21,7 @@ from .config import RunConfig, apply_sets, check, config_from, load_config_file
 FLAGS = {
     "scenario": str, "dataset": str, "model": str, "clients": int, "rounds": int, "local_epochs": int,
     "local_steps": int, "batch_size": int, "lr": float, "samples_per_client": int, "seed": int, "device": str,
-    "sample": float, "eval_every": int, "checkpoint_every": int, "optimizer": str, "data_root": str,
+    "sample": float, "eval_every": int, "workers": int, "checkpoint_every": int, "optimizer": str, "data_root": str,
 }
 DEMO_ALGORITHMS = ("local", "fedavg", "fedprox", "fedper", "fedavg-ft")
 

@@ -54,6 +54,7 @@ class RunConfig:
     checkpoint_every: int = 1
     seed: int = 0
     device: str = "cpu"
+    workers: Optional[int] = None  # clients trained at once on CPU (None: one per core)
     data_root: Optional[str] = None
     samples_per_client: Optional[int] = None
     keep_head_local: Optional[bool] = None  # None: True in HEAD_LOCAL_SCENARIOS

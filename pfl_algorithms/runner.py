@@ -45,7 +45,8 @@ def build(config: RunConfig):
     schedule = LocalSchedule(batch_size=config.batch_size, epochs=config.local_epochs, steps=config.local_steps)
     settings = EngineSettings(rounds=config.rounds, sample=config.sample, schedule=schedule,
                               optimizer=config.optimizer, optimizer_settings=_optimizer_settings(config),
-                              eval_every=config.eval_every, seed=config.seed, optimizer_state=config.optimizer_state)
+                              eval_every=config.eval_every, seed=config.seed, optimizer_state=config.optimizer_state,
+                              workers=config.workers)
     clients = [ClientData(c.train, c.val, c.test, c.label_map) for c in partition.clients]
     local_names = algorithm.local_parameter_names(model, keep_head_local=config.head_local())
     fed = Federation(model, dataset.inputs, dataset.labels, clients, settings, local_names=local_names,

@@ -11,7 +11,11 @@ is not finite is logged and keeps its previous state; the algorithm combines the
 """
 from __future__ import annotations
 
+import copy
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -41,12 +45,20 @@ class EngineSettings:
     # "reset": every round starts from fresh optimizer state (a new torch.optim per client and
     # round, as FedAvg-style code does); "keep": each client's state persists in its bank rows.
     optimizer_state: str = "reset"
+    # Clients trained at once on CPU, each in its own thread on one core with its own copy of
+    # the template module (None: one per core).  Small models use cores far better this way
+    # than by splitting each client's small ops over threads.  A client's training is then
+    # single-threaded, so its result does not depend on how many run beside it.
+    workers: Optional[int] = None
 
     def __post_init__(self):
         if self.rounds < 0:
             raise ValueError(f"rounds must be >= 0, got {self.rounds}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ValueError(f"workers must be None or an integer >= 1, got {self.workers!r}")
         if self.optimizer_state not in ("reset", "keep"):
             raise ValueError(f"optimizer_state must be 'reset' or 'keep', got {self.optimizer_state!r}")
         if isinstance(self.sample, bool) or not isinstance(self.sample, (int, float)):
@@ -95,8 +107,12 @@ class Federation:
         self.local_names = tuple(local_names)
         local = set(local_names)
         # Shared parameters first, local ones last: each is one contiguous span of a bank row.
-        self.work = WorkingModel(model, order=lambda name: name in local)
-        self.layout = self.work.layout
+        self._order = lambda name: name in local
+        self._main_work = WorkingModel(model, order=self._order)
+        self._local = threading.local()
+        self._works_lock = threading.Lock()
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.layout = self._main_work.layout
         k = len(self.clients)
         self.params = ClientBank(self.layout, k, device=self.device, fill=self.work.params)
         self.buffers = ClientBank(self.work.buffer_layout, k, device=self.device, fill=self.work.buffers)
@@ -109,6 +125,36 @@ class Federation:
         self.shared = self.layout.span(self.shared_names)
         self.comm = CommLedger()
         self.round = 0
+
+    @property
+    def work(self) -> WorkingModel:
+        """The working model of the calling thread (worker threads each have their own copy)."""
+        work = getattr(self._local, "work", None)
+        if work is None:
+            if threading.current_thread() is threading.main_thread():
+                work = self._main_work
+            else:
+                with self._works_lock:
+                    work = WorkingModel(copy.deepcopy(self._main_work.module), order=self._order)
+            self._local.work = work
+        return work
+
+    @property
+    def workers(self) -> int:
+        """How many clients train at once (1 on CUDA, where one client fills the device)."""
+        if self.device.type != "cpu":
+            return 1
+        return self.settings.workers or (os.cpu_count() or 1)
+
+    def train_clients(self, clients: list[int], train_one) -> list:
+        """``train_one(client)`` for every client, ``workers`` at a time; results in order."""
+        if self.workers <= 1 or len(clients) <= 1:
+            return [train_one(c) for c in clients]
+        if self._pool is None:
+            # Kept for the federation's lifetime, so each thread keeps its working model.
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, initializer=torch.set_num_threads,
+                                            initargs=(1,), thread_name_prefix="pfl-client")
+        return list(self._pool.map(train_one, clients))
 
     @property
     def num_clients(self) -> int:
@@ -222,8 +268,8 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
     up0, down0 = fed.comm.total("up"), fed.comm.total("down")
     algorithm.begin_round(fed, clients, round_)
     losses, finite = {}, []
-    for client in clients.tolist():
-        result = algorithm.train_client(fed, client, round_)
+    results = fed.train_clients(clients.tolist(), lambda client: algorithm.train_client(fed, client, round_))
+    for client, result in zip(clients.tolist(), results):
         finite.append(result.finite)
         losses[client] = result.loss
     ok = torch.tensor(finite, dtype=torch.bool)
