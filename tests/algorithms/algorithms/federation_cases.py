@@ -26,7 +26,7 @@ def blobs(n=120, features=4, classes=3, seed=0):
 
 
 def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sample=1.0, steps=None, epochs=1,
-                    lr=0.1, keep_head_local=False, label_maps=None, seed=0, batch_size=16):
+                    lr=0.1, keep_head_local=False, label_maps=None, seed=0, batch_size=16, workers=1):
     inputs, labels = blobs(sum(sizes), seed=seed)
     data, start = [], 0
     for k, size in enumerate(sizes[:clients]):
@@ -37,7 +37,7 @@ def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sampl
                                label_map=None if label_maps is None else label_maps[k]))
     torch.manual_seed(seed)
     model = TinyNet().double()
-    settings = EngineSettings(rounds=rounds, sample=sample, seed=seed, optimizer_settings={"lr": lr},
+    settings = EngineSettings(rounds=rounds, sample=sample, seed=seed, optimizer_settings={"lr": lr}, workers=workers,
                               schedule=LocalSchedule(batch_size=batch_size, epochs=epochs, steps=steps))
     fed = Federation(model, inputs, labels, data, settings,
                      local_names=algorithm.local_parameter_names(model, keep_head_local=keep_head_local))

@@ -132,3 +132,17 @@ def test_unknown_settings_and_names_raise():
         make_algorithm("fedprox", tau=0.5)
     with pytest.raises(ValueError, match="fedavg"):
         make_algorithm("fedsgd")
+
+
+def test_concurrent_clients_give_the_same_result_for_any_worker_count():
+    """Each worker trains its client on one thread: 2 or 3 workers give bitwise the same round,
+    and the sequential run (intra-op threads) agrees to rounding."""
+    results = {}
+    for workers in (1, 2, 3):
+        algo = FedAvg()
+        fed = make_federation(algo, rounds=2, workers=workers)
+        for r in range(2):
+            run_round(fed, algo, r)
+        results[workers] = (algo.global_params.clone(), fed.params.data.clone())
+    assert torch.equal(results[2][0], results[3][0]) and torch.equal(results[2][1], results[3][1])
+    torch.testing.assert_close(results[1][0], results[2][0], rtol=1e-12, atol=1e-12)
