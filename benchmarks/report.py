@@ -233,6 +233,18 @@ SUITES = {
                 "torch).\nratio: baseline / ours (speed-up). Target >= 10 at K=1000, P=1e5, D=65536, 5% kept.\n"
                 + _TIMES_LEGEND),
     ),
+    "fedavg_round": Suite(
+        name="fedavg_round",
+        cases={"fedavg_round": Case("fedavg round", speedup=True, target=1.5)},
+        ops=("weighted_average",),
+        reference_note="NOTE: weighted_average ran the plain-PyTorch reference on CPU.",
+        legend=("ours: one FedAvg round of pfl_algorithms' engine (banks, flat working model, flat SGD, "
+                "clients trained concurrently, weighted_average); baseline: benchmarks/plain_fedavg_loop.py "
+                "(deepcopy per client, DataLoader, torch.optim.SGD, state_dict averaging).\n"
+                "Job: 20 clients x 250 CIFAR-shaped samples, LeNet-5, batch 64, 1 epoch, SGD lr 0.01.\n"
+                "ratio: baseline / ours (speed-up). Target >= 1.5. The whole 10-round command against the "
+                "plain script: benchmarks/fedavg_command.py.\n" + _TIMES_LEGEND),
+    ),
 }
 
 
