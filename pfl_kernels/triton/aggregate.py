@@ -1,1 +1,232 @@
-"""Placeholder: filled in by the server-side kernels work (issue 4)."""
+"""Triton kernels of ``pfl::weighted_average`` (and its ``.out`` overload), registered for CUDA.
+
+``out[k] = Σ_{j: w_kj != 0} w_kj θ_j`` with weights [K, M] and params [M, P] (schemas and
+semantics in ``pfl_kernels/ops/aggregate.py``).  Two kernels, chosen like the CPU kernels by
+the density of the weights (nonzeros < ``_SPARSE_DENSITY`` · K·M: sparse), never by the
+device:
+
+* dense: one program per (K-block, P-block) tile of out walks M in BLOCK_M steps, ``tl.dot``
+  of the weights tile [BLOCK_K, BLOCK_M] with the params tile [BLOCK_M, BLOCK_P], float32
+  accumulation with ``input_precision="ieee"`` (TF32 would lose three decimal digits of the
+  parameters; bfloat16/float16 params are widened to float32 in registers, so weights are
+  read in float32 as the contract says).  K-blocks are the fastest grid axis, so the
+  programs of one P-block run together and read its params from L2; at K <= BLOCK_K (the
+  memory-bound case, e.g. K = 20) params are read exactly once.  Zero weights never read
+  their row: each params tile is checked for NaN/Inf; its non-finite values are zeroed for
+  the ``tl.dot`` and added back, one row of the tile at a time, only where the weight is
+  nonzero (a slow path that only tiles holding NaN/Inf take).
+* sparse: the nonzero weights as CSR (row pointers, int32 columns, values in the
+  accumulation dtype), built with torch ops on the device; one program per (row, P-block)
+  gathers only the kept rows of params.  Cost ∝ nnz · P.  Rows are the fastest grid axis,
+  so rows sharing kept clients read them from L2.
+
+float64 params: the sparse kernel accumulates in float64; the dense case uses the
+plain-PyTorch reference (cuBLAS dgemm plus its exact NaN/Inf fix-up), which is what a float64
+Triton dot would lower to at best.
+
+Weights are checked for NaN/Inf here too (one device sync, shared with counting the nonzeros).
+
+``out=``: out may overlap params.  The dense kernel with a single K-block reads the whole
+params block of its columns before it writes the same columns of out, so an overlap in
+which out's rows are params' rows (the in-place ``bank <- W @ bank``, or another row range of
+the same bank) is safe there; every other overlap (several K-blocks, the sparse kernel, a
+shifted or differently strided view) first copies params.  Offsets are int64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops import aggregate as _ops  # noqa: F401  (defines the schemas implemented here)
+from ..ops._library import LIB
+from ..ops.aggregate import _check_op_args
+from ..reference import aggregate as _ref
+from .factorized import _check_devices, _device_guard, _launch
+
+# Dense tiles: up to 64 rows of out x 128 columns, 32 rows of params per step (tl.dot needs
+# at least 16 in every dimension).  Tests shrink these.
+_MAX_BLOCK_K = 64
+_BLOCK_M = 32
+_BLOCK_P = 128
+# Sparse: columns per program (4 warps, 8 fp32 per thread).
+_SPARSE_BLOCK_P = 1024
+# Below this fraction of nonzero weights, the sparse kernel runs (as on CPU).
+_SPARSE_DENSITY = 0.3
+
+
+@triton.jit
+def _dense_kernel(
+    w_ptr, p_ptr, out_ptr,
+    K, M, P, n_kb,
+    sp_m, so_k,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kb = pid % n_kb
+    pb = pid // n_kb
+    rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    rp = pb.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mk = rk < K
+    mp = rp < P
+    w_rows = w_ptr + rk.to(tl.int64)[:, None] * M  # weights: contiguous [K, M], float32
+    acc = tl.zeros([BLOCK_K, BLOCK_P], dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        mm = rm < M
+        wt = tl.load(w_rows + rm[None, :], mask=mk[:, None] & mm[None, :], other=0)
+        pt = tl.load(p_ptr + rm.to(tl.int64)[:, None] * sp_m + rp[None, :],
+                     mask=mm[:, None] & mp[None, :], other=0).to(tl.float32)
+        finite = tl.abs(pt) < float("inf")  # False for NaN and ±Inf
+        acc = tl.dot(wt, tl.where(finite, pt, 0.0), acc, input_precision="ieee")
+        if tl.max((finite == 0).to(tl.int32)) > 0:
+            # Add each non-finite value back, only where its weight is nonzero.
+            for jj in range(0, BLOCK_M):
+                j = m0 + jj
+                if j < M:
+                    wj = tl.load(w_ptr + rk.to(tl.int64) * M + j, mask=mk, other=0)
+                    tj = tl.load(p_ptr + j.to(tl.int64) * sp_m + rp, mask=mp, other=0).to(tl.float32)
+                    bad = (tl.abs(tj) < float("inf")) == 0
+                    hit = (wj != 0)[:, None] & bad[None, :]
+                    # Operands outside `hit` replaced by 1: no 0·Inf is even computed.
+                    prod = tl.where(wj != 0, wj, 1.0)[:, None] * tl.where(bad, tj, 1.0)[None, :]
+                    acc += tl.where(hit, prod, 0.0)
+    o = out_ptr + rk.to(tl.int64)[:, None] * so_k + rp[None, :]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mk[:, None] & mp[None, :])
+
+
+@triton.jit
+def _sparse_kernel(
+    ptr_ptr, col_ptr, val_ptr, p_ptr, out_ptr,
+    K, P,
+    sp_m, so_k,
+    ACC_F64: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    k = (pid % K).to(tl.int64)
+    pb = (pid // K).to(tl.int64)
+    rp = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    mp = rp < P
+    if ACC_F64:
+        acc = tl.zeros([BLOCK_P], dtype=tl.float64)
+    else:
+        acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+    e0 = tl.load(ptr_ptr + k)
+    e1 = tl.load(ptr_ptr + k + 1)
+    for e in range(e0, e1):  # in column order: deterministic
+        j = tl.load(col_ptr + e).to(tl.int64)
+        v = tl.load(val_ptr + e)
+        acc += v * tl.load(p_ptr + j * sp_m + rp, mask=mp, other=0).to(acc.dtype)
+    tl.store(out_ptr + k * so_k + rp, acc.to(out_ptr.dtype.element_ty), mask=mp)
+
+
+def _block_k(k: int) -> int:
+    return max(16, min(_MAX_BLOCK_K, triton.next_power_of_2(max(k, 1))))
+
+
+def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
+    """Whether every row of out is a whole row of params or shares no memory with params
+    (same row stride, start a whole number of rows apart): then the columns of out only
+    overlap the same columns of params."""
+    if params.shape[0] > 1 and out.shape[0] > 1 and out.stride(0) != params.stride(0):
+        return False
+    stride = params.stride(0) if params.shape[0] > 1 else out.stride(0)
+    diff = out.data_ptr() - params.data_ptr()
+    size = params.element_size()
+    return stride > 0 and diff % size == 0 and (diff // size) % stride == 0
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two 2-D tensors with unit column stride share any byte (by their extents)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(t):
+        span = (t.shape[0] - 1) * t.stride(0)
+        lo, hi = min(0, span), max(0, span) + t.shape[1]
+        return t.data_ptr() + lo * t.element_size(), t.data_ptr() + hi * t.element_size()
+
+    alo, ahi = extent(a)
+    blo, bhi = extent(b)
+    return alo < bhi and blo < ahi
+
+
+def _weights_stats(w: torch.Tensor) -> int:
+    """Nonzeros of w; raises ValueError on NaN/Inf (one device sync for both)."""
+    nnz, bad = torch.stack([(w != 0).sum(), (~torch.isfinite(w)).sum()]).tolist()
+    if bad:
+        raise ValueError("weights must be finite (they hold NaN or Inf)")
+    return int(nnz)
+
+
+def _csr(w: torch.Tensor):
+    """(row pointers int64 [K+1], columns int32 [nnz], values [nnz]) of w's nonzeros, row-major."""
+    mask = w != 0
+    ptr = torch.zeros(w.shape[0] + 1, dtype=torch.int64, device=w.device)
+    torch.cumsum(mask.sum(1), 0, out=ptr[1:])
+    rows, cols = mask.nonzero(as_tuple=True)
+    return ptr, cols.to(torch.int32), w[rows, cols].contiguous()
+
+
+def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
+    k, p = out.shape
+    m = params.shape[0]
+    acc = torch.float64 if params.dtype == torch.float64 else torch.float32
+    w = weights.to(acc).contiguous()
+    if _overlaps(out, w):
+        w = w.clone()
+    nnz = _weights_stats(w)
+    if k == 0 or p == 0:
+        return
+    if m == 0:
+        out.zero_()
+        return
+    if p > 1 and params.stride(1) != 1:
+        params = params.contiguous()
+    sparse = nnz < _SPARSE_DENSITY * k * m
+    dense_ref = not sparse and acc == torch.float64
+    block_k = _block_k(k)
+    if _overlaps(out, params) and (sparse or dense_ref or triton.cdiv(k, block_k) > 1
+                                   or not _rows_of(out, params)):
+        params = params.clone()
+    if dense_ref:
+        out.copy_(_ref.weighted_average(w, params))
+        return
+    with _device_guard(params):
+        if sparse:
+            ptr, cols, vals = _csr(w)
+            grid = (k * triton.cdiv(p, _SPARSE_BLOCK_P),)
+            _launch(_sparse_kernel)[grid](
+                ptr, cols, vals, params, out, k, p, params.stride(0), out.stride(0),
+                ACC_F64=acc == torch.float64, BLOCK_P=_SPARSE_BLOCK_P,
+                num_warps=max(1, min(8, _SPARSE_BLOCK_P // 256)),
+            )
+            return
+        n_kb = triton.cdiv(k, block_k)
+        _launch(_dense_kernel)[(n_kb * triton.cdiv(p, _BLOCK_P),)](
+            w, params, out, k, m, p, n_kb, params.stride(0), out.stride(0),
+            BLOCK_K=block_k, BLOCK_M=_BLOCK_M, BLOCK_P=_BLOCK_P, num_warps=4,
+        )
+
+
+def weighted_average_triton(weights: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Triton ``pfl::weighted_average``: [K, P] in params' dtype, the reference's result
+    (zero weights never read their row) with float32 (float64) accumulation."""
+    shape = _check_op_args(weights, params)
+    _check_devices(params, weights)
+    out = params.new_empty(shape)
+    _weighted_average_into(weights, params, out)
+    return out
+
+
+def weighted_average_out_triton(weights: torch.Tensor, params: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+    """Triton ``pfl::weighted_average.out``: the same, written into ``out`` (any row stride,
+    unit column stride; it may overlap params)."""
+    _check_op_args(weights, params, out)
+    _check_devices(params, weights, out)
+    _weighted_average_into(weights, params, out)
+    return out
+
+
+LIB.impl("weighted_average", weighted_average_triton, "CUDA")
+LIB.impl("weighted_average.out", weighted_average_out_triton, "CUDA")

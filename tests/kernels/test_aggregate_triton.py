@@ -1,0 +1,236 @@
+"""The Triton weighted_average kernels (dense tl.dot tiles, sparse CSR gather) against float64.
+
+In the Triton interpreter or on a CUDA device, skipped otherwise (see ``triton_support.py``):
+
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/test_aggregate_triton.py -q -m triton_interpret
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.triton_support import (
+    DEVICE, F64, MARKS, RUNNABLE, assert_registered_for_cuda, gpu_only, interpreter_only, launchers_as_cpu_kernels)
+from tests.tolerances import assert_close
+
+pytestmark = MARKS
+
+if RUNNABLE:
+    from pfl_kernels.reference import aggregate as ref
+    from pfl_kernels.triton import aggregate as ta
+
+SHAPES = [(1, 1, 1), (3, 5, 7), (20, 17, 33), (5, 40, 70)]
+
+
+@pytest.fixture(params=["dense", "sparse"])
+def path(request, monkeypatch):
+    """Force a kernel through the density threshold (dense: never sparse; sparse: always)."""
+    monkeypatch.setattr(ta, "_SPARSE_DENSITY", 0.0 if request.param == "dense" else 2.0)
+    return request.param
+
+
+@pytest.fixture(params=["default-blocks", "small-blocks"])
+def blocks(request, monkeypatch):
+    """Default tiles, or the smallest ones so that K, M and P span several blocks."""
+    if request.param == "small-blocks":
+        monkeypatch.setattr(ta, "_MAX_BLOCK_K", 16)
+        monkeypatch.setattr(ta, "_BLOCK_M", 16)
+        monkeypatch.setattr(ta, "_BLOCK_P", 16)
+        monkeypatch.setattr(ta, "_SPARSE_BLOCK_P", 16)
+    return request.param
+
+
+def make(k, m, p, dtype=torch.float32, density=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(k, m, generator=g, dtype=F64) + 0.1
+    if density < 1:
+        w = w * (torch.rand(k, m, generator=g, dtype=F64) < density)
+    w = w / w.sum(1, keepdim=True).clamp_min(1e-12)
+    params = torch.randn(m, p, generator=g, dtype=F64).to(dtype)
+    return w.float().to(DEVICE), params.to(DEVICE)
+
+
+def expected(w, params):
+    return ref.weighted_average(w.to(F64), params.to(F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+@pytest.mark.parametrize("density", [1.0, 0.3])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference(shape, density, dtype, path, blocks):
+    w, params = make(*shape, dtype, density)
+    out = ta.weighted_average_triton(w, params)
+    assert out.dtype == dtype and tuple(out.shape) == (shape[0], shape[2]) and out.is_contiguous()
+    assert_close(out, expected(w, params), dtype)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_row_only_reaches_clients_that_weight_it(bad, path, blocks):
+    k, m, p = 20, 18, 40
+    w, params = make(k, m, p, density=0.5, seed=3)
+    params[7, 10:15] = bad
+    w[:, 7] = 0
+    w[[0, 11, 19], 7] = 0.25
+    out = ta.weighted_average_triton(w, params)
+    hit = torch.zeros(k, dtype=torch.bool, device=DEVICE)
+    hit[[0, 11, 19]] = True
+    assert not torch.isfinite(out[hit][:, 10:15]).any()
+    assert torch.isfinite(out[hit][:, :10]).all() and torch.isfinite(out[hit][:, 15:]).all()
+    clean = params.clone()
+    clean[7] = 0
+    assert_close(out[~hit], expected(w[~hit], clean), torch.float32)
+    if bad != bad:  # NaN: the same positions as the reference
+        assert torch.equal(torch.isnan(out), torch.isnan(expected(w, params)))
+
+
+def test_out_into_a_bank_slice(path, blocks):
+    w, params = make(6, 9, 37, density=0.5)
+    bank = torch.full((10, 50), 7.0, device=DEVICE)
+    out = bank[2:8, 5:42]
+    got = ta.weighted_average_out_triton(w, params, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(out, expected(w, params), torch.float32)
+    untouched = torch.ones_like(bank, dtype=torch.bool)
+    untouched[2:8, 5:42] = False
+    assert (bank[untouched] == 7).all()
+
+
+@pytest.mark.parametrize("k", [12, 40])  # one K-block (read in place) and several (copied)
+def test_out_aliasing_params_in_place(k, path, blocks):
+    w, params = make(k, k, 53, density=0.6, seed=1)
+    want = expected(w, params)
+    bank = params.clone()
+    ta.weighted_average_out_triton(w, bank, out=bank)
+    assert_close(bank, want, torch.float32)
+
+
+def test_out_aliasing_rows_and_shifted_columns(path, blocks):
+    bank = torch.randn(30, 120, dtype=F64, device=DEVICE)
+    w, _ = make(20, 25, 100, F64, 0.4)
+    params = bank[0:25, 0:100]
+    want = expected(w, params.clone())
+    ta.weighted_average_out_triton(w, params, out=bank[5:25, 0:100])  # other rows of one bank
+    assert_close(bank[5:25, 0:100], want, F64)
+    bank = torch.randn(30, 120, dtype=F64, device=DEVICE)
+    params = bank[0:25, 0:100]
+    want = expected(w, params.clone())
+    ta.weighted_average_out_triton(w, params, out=bank[3:23, 7:107])  # shifted columns: copied
+    assert_close(bank[3:23, 7:107], want, F64)
+
+
+def test_helpers_detect_overlap():
+    bank = torch.zeros(10, 20, device=DEVICE)
+    assert ta._overlaps(bank[0:5], bank[4:9]) and not ta._overlaps(bank[0:4], bank[4:9])
+    assert ta._rows_of(bank[2:6], bank) and not ta._rows_of(bank[2:6, 1:], bank[:, :19])
+    assert not ta._overlaps(bank, torch.zeros(10, 20, device=DEVICE))
+
+
+def test_strided_params_and_weights(path, blocks):
+    w, params = make(12, 10, 63, density=0.5)
+    pt = torch.empty(63, 10, device=DEVICE).t()
+    pt.copy_(params)
+    wt = torch.empty(10, 12, device=DEVICE).t()
+    wt.copy_(w)
+    rows = torch.empty(10, 80, device=DEVICE)[:, 5:68]
+    rows.copy_(params)
+    assert_close(ta.weighted_average_triton(wt, pt), expected(w, params), torch.float32)
+    assert_close(ta.weighted_average_triton(w, rows), expected(w, params), torch.float32)
+
+
+def test_float64_weights_with_float32_params(path):
+    w, params = make(5, 6, 17)
+    assert_close(ta.weighted_average_triton(w.double(), params), expected(w, params), torch.float32)
+
+
+def test_empty_and_zero_rows(path):
+    assert tuple(ta.weighted_average_triton(torch.rand(0, 3, device=DEVICE),
+                                            torch.randn(3, 5, device=DEVICE)).shape) == (0, 5)
+    assert tuple(ta.weighted_average_triton(torch.rand(2, 3, device=DEVICE),
+                                            torch.randn(3, 0, device=DEVICE)).shape) == (2, 0)
+    zeros = ta.weighted_average_triton(torch.rand(2, 0, device=DEVICE), torch.randn(0, 4, device=DEVICE))
+    assert torch.equal(zeros, torch.zeros(2, 4, device=DEVICE))
+    w, params = make(6, 6, 19)
+    w[2] = 0  # a client with no weights gets zeros
+    out = ta.weighted_average_triton(w, params)
+    assert torch.equal(out[2], torch.zeros(19, device=DEVICE))
+
+
+def test_non_finite_weights_raise():
+    w = torch.rand(3, 4, device=DEVICE)
+    w[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="weights must be finite"):
+        ta.weighted_average_triton(w, torch.randn(4, 5, device=DEVICE))
+
+
+def test_csr():
+    w = torch.tensor([[0.0, 2.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.5]], device=DEVICE)
+    ptr, cols, vals = ta._csr(w)
+    assert ptr.tolist() == [0, 2, 2, 4] and cols.tolist() == [1, 3, 0, 3] and vals.tolist() == [2, 3, 1, 0.5]
+    assert cols.dtype == torch.int32
+
+
+@interpreter_only
+def test_through_dispatcher_and_autograd():
+    """The launchers as the CPU kernels of the op, under the wrapper and autograd."""
+    from pfl_kernels.ops import weighted_average
+
+    w, params = make(5, 6, 9, F64, 0.6, seed=4)
+    w = w.double()
+    leaves = [t.clone().requires_grad_(True) for t in (w, params)]
+    ref_leaves = [t.clone().requires_grad_(True) for t in (w, params)]
+    g = torch.randn(5, 9, dtype=F64)
+    with launchers_as_cpu_kernels({"weighted_average": ta.weighted_average_triton,
+                                   "weighted_average.out": ta.weighted_average_out_triton}):
+        out = weighted_average(*leaves)
+        out.backward(g)
+        into = torch.empty(5, 9, dtype=F64)
+        weighted_average(w, params, out=into)
+    want = ref_leaves[0] @ ref_leaves[1]
+    want.backward(g)
+    assert_close(out, want, F64)
+    assert_close(into, want, F64)
+    for name, a, b in zip(("weights", "params"), leaves, ref_leaves):
+        assert_close(a.grad, b.grad, F64, f"grad of {name}")
+
+
+def test_registered_for_cuda():
+    assert_registered_for_cuda(("weighted_average", "weighted_average.out"))
+
+
+@gpu_only
+@pytest.mark.parametrize("density", [1.0, 0.05])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_dtypes(dtype, density):
+    w, params = make(100, 100, 4099, dtype, density, seed=5)
+    out = torch.ops.pfl.weighted_average(w, params)
+    assert out.dtype == dtype
+    assert_close(out, expected(w, params), dtype)
+
+
+@gpu_only
+def test_gpu_large_offsets_and_nan():
+    """Rows of params starting past 2^31 elements (int64 addressing), one with a NaN."""
+    w, params = make(5, 5, 7, seed=6)
+    big = torch.zeros(5, (1 << 29) + 7, device=DEVICE)  # 10.7 GB: row 4 starts past 2^31
+    big[:, -7:] = params
+    big[4, -3] = float("nan")
+    w[0, 4] = 0
+    for density in (0.0, 2.0):  # dense and sparse kernels
+        ta._SPARSE_DENSITY = density
+        try:
+            out = torch.ops.pfl.weighted_average(w, big)
+        finally:
+            ta._SPARSE_DENSITY = 0.3
+        assert torch.isfinite(out[0]).all() and torch.isnan(out[1:, -3]).all()
+        assert_close(out[0, -7:], expected(w, params)[0], torch.float32)
+    del big
+
+
+@gpu_only
+def test_gpu_opcheck_and_gradcheck():
+    w, params = make(4, 6, 11, F64, 0.5, seed=7)
+    torch.library.opcheck(torch.ops.pfl.weighted_average.default, (w.requires_grad_(), params.requires_grad_()))
+    torch.library.opcheck(torch.ops.pfl.weighted_average.out, (w.detach(), params.detach()),
+                          {"out": torch.empty(4, 11, dtype=F64, device=DEVICE)},
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert torch.autograd.gradcheck(torch.ops.pfl.weighted_average, (w, params))
