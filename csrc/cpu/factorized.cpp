@@ -36,6 +36,9 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#include <immintrin.h>  // AVX2 intrinsics, used only inside the target("avx2") region below
+#endif
 
 namespace pfl {
 namespace {
@@ -171,9 +174,11 @@ namespace base {
 #define PFL_FACTORIZED_AVX2 1
 #pragma GCC push_options
 #pragma GCC target("avx2")
+#define PFL_FACTORIZED_IN_AVX2 1  // the AVX2-only parts of factorized_kernels.h
 namespace avx2 {
 #include "factorized_kernels.h"
 }  // namespace avx2
+#undef PFL_FACTORIZED_IN_AVX2
 #pragma GCC pop_options
 #endif
 

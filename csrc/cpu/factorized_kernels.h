@@ -194,6 +194,12 @@ void forward_kernel(const at::Tensor& w, const at::Tensor& u_t, const at::Tensor
 
 // ---------------------------------------------------------------- backward
 
+// The sum of rank_term's lanes, in its order.
+template <typename acc_t>
+inline acc_t sum_lanes(const acc_t* lane) {
+  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
 // One rank term of a row g of G: returns g · v (if kDot) and adds uj * g to acc (if kAxpy), in
 // one pass.  Eight independent lanes let the dot product vectorize without -ffast-math.
 template <bool kDot, bool kAxpy, bool kUnit, typename acc_t, typename scalar_t>
@@ -212,8 +218,232 @@ acc_t rank_term(const acc_t* __restrict g, const scalar_t* __restrict v, int64_t
     if (kDot) lane[0] += g[i] * static_cast<acc_t>(v[i * vs]);
     if (kAxpy) acc[i] += uj * g[i];
   }
-  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  return sum_lanes(lane);
 }
+
+#if defined(PFL_FACTORIZED_IN_AVX2)
+// ---------------------------------------------------------------- backward, B == 1, AVX2
+//
+// Where W is Mᵀ (B == 1: spatial, linear) column c of G is grad_W's row c, R floats long.  The
+// generic path gathers G's tile with 4 x 4 transposes (R = 9, every 3x3 conv, costs 12 rows'
+// worth) and then adds each row into grad_v's accumulator in memory.  For tiles of up to 32
+// rows the AVX2 build takes two steps per task instead:
+//  (1) 8 columns at a time, straight from grad_W into registers: an 8 x 8 transpose per 8 rows
+//      (with loads of 128-bit halves, so no shuffle crosses them), and a leftover row (R = 9
+//      and 25 leave one) as 8 unaligned loads whose lane j is already in place, merged by 7
+//      blends (4 or more leftover rows take an overlapping 8 x 8 block).  The rows go to the
+//      tile and, while in registers, into grad_v; R = 9 and 25 are compile-time constants.
+//  (2) Row by row over the tile: grad_mu (= G * mask) and grad_mask, and grad_u's lanes.  This
+//      keeps mask and grad_mu single long streams: writing all R rows of grad_mu 8 columns at
+//      a time keeps 2R streams C floats apart in flight, which for a power-of-two C (most
+//      layers) all fall into one cache set and evict each other (2.5x slower at 256x256x3x3).
+//      The tile's rows are padded for the same reason.
+// The arithmetic is the generic path's, operation for operation and in the same order
+// (grad_u's 8 lanes are the column offsets mod 8 within the tile, a tail of < 8 columns goes to
+// lane 0, sum_lanes adds them; grad_v adds the rows in ascending order; no FMA), so results are
+// bitwise equal to the baseline build's, which runs the generic path with the same tiling.
+
+// Padding of the tile's rows: 16 floats (a cache line) keep R rows of a power-of-two length
+// out of one cache set.
+constexpr int64_t kB1Pad = 16;
+
+// The 128-bit halves [p_j[i..i+3] | p_{j+4}[i..i+3]] of the rows of an 8 x 8 block.
+inline __m256 load_halves(const float* p, int64_t s, int64_t j, int64_t i) {
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p + j * s + i)),
+                              _mm_loadu_ps(p + (j + 4) * s + i), 1);
+}
+
+// out[i] lane j = p[j * s + i] for i, j < 8: a 4 x 4 transpose within each 128-bit half, on
+// rows loaded as load_halves (no lane-crossing shuffle).
+inline void transpose8(const float* p, int64_t s, __m256 out[8]) {
+  for (int64_t i = 0; i < 8; i += 4) {
+    const __m256 a0 = load_halves(p, s, 0, i), a1 = load_halves(p, s, 1, i);
+    const __m256 a2 = load_halves(p, s, 2, i), a3 = load_halves(p, s, 3, i);
+    const __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
+    const __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
+    out[i] = _mm256_shuffle_ps(t0, t2, 0x44);
+    out[i + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+    out[i + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
+    out[i + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+  }
+}
+
+// Lane j = p[j * s] for j < 8: lane j of the 8 floats at p + j * (s - 1).  For row r of 8
+// columns of R floats each, s >= R apart, every load lies inside the columns' span
+// [p - r, p - r + 7 s + R): the first ends at p + 8 <= p - r + 7 s + R, the last at p + 7 s + 1.
+inline __m256 diagonal8(const float* p, int64_t s) {
+  const int64_t d = s - 1;
+  __m256 x = _mm256_loadu_ps(p);
+  x = _mm256_blend_ps(x, _mm256_loadu_ps(p + d), 0x02);
+  x = _mm256_blend_ps(x, _mm256_loadu_ps(p + 2 * d), 0x04);
+  x = _mm256_blend_ps(x, _mm256_loadu_ps(p + 3 * d), 0x08);
+  x = _mm256_blend_ps(x, _mm256_loadu_ps(p + 4 * d), 0x10);
+  x = _mm256_blend_ps(x, _mm256_loadu_ps(p + 5 * d), 0x20);
+  x = _mm256_blend_ps(x, _mm256_loadu_ps(p + 6 * d), 0x40);
+  x = _mm256_blend_ps(x, _mm256_loadu_ps(p + 7 * d), 0x80);
+  return x;
+}
+
+// One client's operands of a B == 1 task (float, unit column strides).
+struct B1Operands {
+  int64_t C;
+  const float* u;  // u[r, j] = u[r * u_sr + j * u_sj]
+  int64_t u_sr, u_sj;
+  const float* v;  // v[j, c] = v[j * v_sj + c]
+  int64_t v_sj;
+  const float* mask;  // mask[r, c] = mask[r * mask_sr + c]; null: none (or grad_mu not wanted)
+  int64_t mask_sr;
+  const float* mu;  // read for grad_mask only (null: not wanted)
+  int64_t mu_sr;
+  float* gmu;  // grad_mu [R, C] (null: not wanted)
+  float* gmask;  // grad_mask [R, C] (null: not wanted)
+  float* gv;  // grad_v [rank, C] (null: not wanted)
+  bool need_gu;
+};
+
+// Step (1) for 8 columns at p (column j at p + j * sa, from a row r0 on): rows r0 + i,
+// kSkip <= i < kRows, to the tile at tc + i * pitch and, if gv, into gv[0..kRank) (ur: the
+// rows' u, broadcast).  kRows >= 8 rows take 8 x 8 transposes, overlapping for the last 8.
+template <int kRank, int kRows, int kSkip = 0>
+inline void b1_rows_of_8(const float* p, int64_t sa, float* tc, int64_t pitch, const __m256* ur, __m256* gv) {
+  constexpr int64_t kR8 = kRows / 8 * 8, kRem = kRows - kR8;
+  static_assert(kSkip == 0 || kRows == 8, "rows are skipped only in a block of 8");
+  auto put = [&](int64_t r, __m256 g) {
+    _mm256_storeu_ps(tc + r * pitch, g);
+    for (int j = 0; gv != nullptr && j < kRank; ++j) gv[j] = _mm256_add_ps(gv[j], _mm256_mul_ps(ur[r * kRank + j], g));
+  };
+  __m256 t[8];
+  for (int64_t r = 0; r < kR8; r += 8) {
+    transpose8(p + r, sa, t);
+    for (int i = r == 0 ? kSkip : 0; i < 8; ++i) put(r + i, t[i]);
+  }
+  if constexpr (kRem >= 4 && kRows >= 8) {  // the last 8 rows, of which the first 8 - kRem are done
+    transpose8(p + kRows - 8, sa, t);
+    for (int64_t i = 8 - kRem; i < 8; ++i) put(kRows - 8 + i, t[i]);
+  } else {
+    for (int64_t r = kR8; r < kRows; ++r) put(r, diagonal8(p + r, sa));
+  }
+}
+
+// The task of columns [c0, c1) of G (all R <= 32 rows: a single row tile), with
+// G[r, c] = gw[c * sa + r] (sa >= R), for rank kRank; kRows = R when a compile-time constant,
+// else 0.  Writes grad_mu, grad_mask, grad_v's columns and grad_u's lanes:
+// lanes[(r * kRank + j) * 8 + l], as rank_term's.  tile: R rows of `pitch` >= c1 - c0 floats.
+template <int kRank, int kRows>
+void backward_tile_b1(const float* gw, int64_t sa, int64_t R, int64_t c0, int64_t c1, const B1Operands& o,
+                      float* __restrict lanes, float* __restrict tile, int64_t pitch) {
+  const int64_t C = o.C, c8 = c0 + (c1 - c0) / 8 * 8;
+  const bool need_gv = o.gv != nullptr;
+  // u[r, j], broadcast.
+  __m256 ur[(kRows > 0 ? kRows : 32) * kRank];
+  for (int64_t r = 0; r < R; ++r)
+    for (int j = 0; j < kRank; ++j) ur[r * kRank + j] = _mm256_set1_ps(o.u[r * o.u_sr + j * o.u_sj]);
+
+  // Step (1).
+  for (int64_t c = c0; c < c8; c += 8) {
+    const float* p = gw + c * sa;
+    float* tc = tile + (c - c0);
+    __m256 gv[kRank];
+    for (int j = 0; j < kRank; ++j) gv[j] = _mm256_setzero_ps();
+    if constexpr (kRows > 0) {
+      b1_rows_of_8<kRank, kRows>(p, sa, tc, pitch, ur, need_gv ? gv : nullptr);
+    } else {
+      // R at run time: blocks of 8 rows, then the n = R % 8 leftover rows: from the block of
+      // the last 8 rows where there are 4 or more (and R >= 8), else one by one.
+      __m256* gvp = need_gv ? gv : nullptr;
+      const int64_t r8 = R / 8 * 8;
+      for (int64_t r = 0; r < r8; r += 8) b1_rows_of_8<kRank, 8>(p + r, sa, tc + r * pitch, pitch, ur + r * kRank, gvp);
+      auto leftover = [&](auto n) {
+        if (n >= 4 && R >= 8) {
+          const int64_t r = R - 8;
+          b1_rows_of_8<kRank, 8, 8 - n>(p + r, sa, tc + r * pitch, pitch, ur + r * kRank, gvp);
+        } else {
+          b1_rows_of_8<kRank, n>(p + r8, sa, tc + r8 * pitch, pitch, ur + r8 * kRank, gvp);
+        }
+      };
+      switch (R - r8) {
+        case 1: leftover(std::integral_constant<int, 1>{}); break;
+        case 2: leftover(std::integral_constant<int, 2>{}); break;
+        case 3: leftover(std::integral_constant<int, 3>{}); break;
+        case 4: leftover(std::integral_constant<int, 4>{}); break;
+        case 5: leftover(std::integral_constant<int, 5>{}); break;
+        case 6: leftover(std::integral_constant<int, 6>{}); break;
+        case 7: leftover(std::integral_constant<int, 7>{}); break;
+        default: break;
+      }
+    }
+    for (int j = 0; need_gv && j < kRank; ++j) _mm256_storeu_ps(o.gv + j * C + c, gv[j]);
+  }
+
+  // Step (2), with the operands' presence hoisted out of the loop.
+  auto rows = [&](auto has_gmu, auto has_mask, auto need_gu) {
+    const float* v = o.v;
+    const int64_t v_sj = o.v_sj;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* tr = tile + r * pitch - c0;
+      const float* mask = has_mask ? o.mask + r * o.mask_sr : nullptr;
+      const float* mu = o.mu != nullptr ? o.mu + r * o.mu_sr : nullptr;
+      float* gmu = has_gmu ? o.gmu + r * C : nullptr;
+      float* gmask = o.gmask != nullptr ? o.gmask + r * C : nullptr;
+      __m256 acc[kRank];
+      for (int j = 0; j < kRank; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t c = c0; c < c8; c += 8) {
+        const __m256 g = _mm256_loadu_ps(tr + c);
+        if constexpr (has_gmu) _mm256_storeu_ps(gmu + c, has_mask ? _mm256_mul_ps(g, _mm256_loadu_ps(mask + c)) : g);
+        if (gmask != nullptr) _mm256_storeu_ps(gmask + c, _mm256_mul_ps(g, _mm256_loadu_ps(mu + c)));
+        if constexpr (need_gu) {
+          for (int j = 0; j < kRank; ++j)
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(g, _mm256_loadu_ps(v + j * v_sj + c)));
+        }
+      }
+      for (int j = 0; j < kRank; ++j) _mm256_storeu_ps(lanes + (r * kRank + j) * 8, acc[j]);
+    }
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (o.gmu == nullptr) {
+    o.need_gu ? rows(F{}, F{}, T{}) : rows(F{}, F{}, F{});
+  } else if (o.mask == nullptr) {
+    o.need_gu ? rows(T{}, F{}, T{}) : rows(T{}, F{}, F{});
+  } else {
+    o.need_gu ? rows(T{}, T{}, T{}) : rows(T{}, T{}, F{});
+  }
+
+  for (int64_t c = c8; c < c1; ++c) {  // the last < 8 columns, as rank_term's tail
+    const float* p = gw + c * sa;
+    float gv[kRank] = {};
+    for (int64_t r = 0; r < R; ++r) {
+      const float g = p[r];
+      if (o.gmu != nullptr) o.gmu[r * C + c] = o.mask != nullptr ? g * o.mask[r * o.mask_sr + c] : g;
+      if (o.gmask != nullptr) o.gmask[r * C + c] = g * o.mu[r * o.mu_sr + c];
+      for (int j = 0; j < kRank; ++j) {
+        if (o.need_gu) lanes[(r * kRank + j) * 8] += g * o.v[j * o.v_sj + c];
+        gv[j] += o.u[r * o.u_sr + j * o.u_sj] * g;
+      }
+    }
+    for (int j = 0; need_gv && j < kRank; ++j) o.gv[j * C + c] = gv[j];
+  }
+}
+
+// backward_tile_b1 for a run-time rank of 1 to 4 (the layers' ranks; others take the generic
+// path); the 3x3 and 5x5 kernels (R = 9, 25) get their row count at compile time.
+inline void backward_tile_b1(int64_t rank, const float* gw, int64_t sa, int64_t R, int64_t c0, int64_t c1,
+                             const B1Operands& o, float* lanes, float* tile, int64_t pitch) {
+  auto run = [&](auto rows) {
+    switch (rank) {
+      case 1: return backward_tile_b1<1, rows>(gw, sa, R, c0, c1, o, lanes, tile, pitch);
+      case 2: return backward_tile_b1<2, rows>(gw, sa, R, c0, c1, o, lanes, tile, pitch);
+      case 3: return backward_tile_b1<3, rows>(gw, sa, R, c0, c1, o, lanes, tile, pitch);
+      default: return backward_tile_b1<4, rows>(gw, sa, R, c0, c1, o, lanes, tile, pitch);
+    }
+  };
+  switch (R) {
+    case 9: return run(std::integral_constant<int, 9>{});
+    case 25: return run(std::integral_constant<int, 25>{});
+    default: return run(std::integral_constant<int, 0>{});
+  }
+}
+#endif  // PFL_FACTORIZED_IN_AVX2
 
 template <typename scalar_t>
 void backward_kernel(const at::Tensor& gw_t, const at::Tensor& u_t, const at::Tensor& v_t,
@@ -227,8 +457,6 @@ void backward_kernel(const at::Tensor& gw_t, const at::Tensor& u_t, const at::Te
   const auto u = strided<const scalar_t>(u_t), v = strided<const scalar_t>(v_t);
   const auto mu = strided<const scalar_t>(mu_t), mask = strided<const scalar_t>(mask_t);
   const int64_t rank = u_t.size(-1), R = g.R, C = g.C;
-  const Tiling t = make_tiling<acc_t>(g);
-  const int64_t n_tasks = K * t.n_col_tiles * t.n_row_tiles;
 
   // grad_W as [K?, A, R, B] with its own strides (a view when the strides allow one).
   at::Tensor gw = gw_t;
@@ -244,6 +472,10 @@ void backward_kernel(const at::Tensor& gw_t, const at::Tensor& u_t, const at::Te
   const int64_t gsk = (*view_strides)[0], gsa = (*view_strides)[1], gsr = (*view_strides)[2],
                 gsb = (*view_strides)[3];
 
+  const bool unit = unit_columns({v.sy, need_gmask ? mu.sy : 1, has_mask && need_gmu ? mask.sy : 1}, C);
+  const Tiling t = make_tiling<acc_t>(g);
+  const int64_t n_tasks = K * t.n_col_tiles * t.n_row_tiles;
+
   // grad_u is a sum over column tiles, grad_v over row tiles: with more than one tile, tasks
   // write per-tile partial sums (no two tasks write one element) and a second pass adds them.
   const bool gu_direct = t.n_col_tiles == 1, gv_direct = t.n_row_tiles == 1;
@@ -255,8 +487,7 @@ void backward_kernel(const at::Tensor& gw_t, const at::Tensor& u_t, const at::Te
   scalar_t* gmu = need_gmu ? gmu_t.data_ptr<scalar_t>() : nullptr;
   scalar_t* gmask = need_gmask ? gmask_t.data_ptr<scalar_t>() : nullptr;
 
-  with_unit_stride(unit_columns({v.sy, need_gmask ? mu.sy : 1, has_mask && need_gmu ? mask.sy : 1}, C),
-                   [&](auto unit) {
+  with_unit_stride(unit, [&](auto unit) {
     constexpr bool kUnit = decltype(unit)::value;
     const int64_t vs = kUnit ? 1 : v.sy, mus = kUnit ? 1 : mu.sy, masks = kUnit ? 1 : mask.sy;
     auto term = [&](const acc_t* gr, const scalar_t* vj, acc_t uj, acc_t* acc, int64_t n) {
@@ -269,11 +500,47 @@ void backward_kernel(const at::Tensor& gw_t, const at::Tensor& u_t, const at::Te
       std::unique_ptr<scalar_t[]> tile(new scalar_t[t.rows * t.cols]);
       std::unique_ptr<acc_t[]> wide(new acc_t[kWide ? t.cols : 0]);
       std::unique_ptr<acc_t[]> gv_acc(new acc_t[rank * t.cols]);
+#if defined(PFL_FACTORIZED_IN_AVX2)
+      // grad_W is Mᵀ with unit-stride columns of G and one row tile (spatial and linear with
+      // R <= 32: every conv of the benchmarks): see backward_tile_b1.  sa >= R keeps its loads
+      // inside grad_W.
+      const bool b1 = std::is_same_v<scalar_t, float> && kUnit && g.B == 1 && gsr == 1 && gsa >= R &&
+                      t.n_row_tiles == 1 && rank >= 1 && rank <= 4;
+      std::unique_ptr<float[]> lanes(new float[b1 ? R * rank * 8 : 0]);
+      std::unique_ptr<float[]> b1_tile(new float[b1 ? R * (t.cols + kB1Pad) : 0]);
+#endif
       for (int64_t task = begin; task < end; ++task) {
         const int64_t k = task / (t.n_col_tiles * t.n_row_tiles);
         const int64_t ct = task / t.n_row_tiles % t.n_col_tiles, rt = task % t.n_row_tiles;
         const int64_t c0 = ct * t.cols, c1 = std::min(c0 + t.cols, C), nc = c1 - c0;
         const int64_t r0 = rt * t.rows, r1 = std::min(r0 + t.rows, R), a = c0 / g.B;
+#if defined(PFL_FACTORIZED_IN_AVX2)
+        if constexpr (kUnit && std::is_same_v<scalar_t, float>) {
+          if (b1) {
+            const B1Operands o{C,
+                               u.row(k, 0, 0), u.sx, u.sy,
+                               v.row(k, 0, 0), v.sx,
+                               has_mask && need_gmu ? mask.row(k, 0, 0) : nullptr, mask.sx,
+                               need_gmask ? mu.row(k, 0, 0) : nullptr, mu.sx,
+                               need_gmu ? gmu + k * R * C : nullptr,
+                               need_gmask ? gmask + k * R * C : nullptr,
+                               need_gv ? gv + k * rank * C : nullptr,  // gv_direct: one row tile
+                               need_gu};
+            backward_tile_b1(rank, gwp + k * gsk, gsa, R, c0, c1, o, lanes.get(), b1_tile.get(), t.cols + kB1Pad);
+            for (int64_t r = 0; need_gu && r < R; ++r) {
+              for (int64_t j = 0; j < rank; ++j) {
+                const float s = sum_lanes(lanes.get() + (r * rank + j) * 8);
+                if (gu_direct) {
+                  gu[(k * R + r) * rank + j] = s;
+                } else {
+                  gu_part[((k * t.n_col_tiles + ct) * R + r) * rank + j] = s;
+                }
+              }
+            }
+            continue;
+          }
+        }
+#endif
         // Rows of G are read in place where grad_W holds them as unit-stride rows (view
         // layout), else gathered into the tile.
         const bool in_place = g.B > 1 && gsb == 1 && (c1 - 1) / g.B == a;
