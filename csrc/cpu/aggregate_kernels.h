@@ -111,16 +111,22 @@ void dense_rows(const acc_t* __restrict wblock, int rows, const acc_t* __restric
   }
 }
 
-// Four vectors of S converted to acc_t (bfloat16/float16 widen; same type: plain loads).
+// Vectors of a row chunk in row_terms: the sums stay in kRowVecs registers while the terms
+// stream past, and each term reads kRowVecs contiguous vectors of its row (AVX2: 256 bytes,
+// four cache lines), which hides the latency of the rows' scattered addresses better than
+// 4 vectors did (sparse 5% at K = 1000, P = 10^5, 2 cores: 449 -> 357 ms at tile 64).
+constexpr int kRowVecs = 8;
+
+// kRowVecs vectors of S converted to acc_t (bfloat16/float16 widen; same type: plain loads).
 template <typename acc_t, typename S>
-inline void load_row_chunk(const S* __restrict t, typename Vec<acc_t>::type (&x)[4]) {
+inline void load_row_chunk(const S* __restrict t, typename Vec<acc_t>::type (&x)[kRowVecs]) {
   constexpr int L = Vec<acc_t>::kLanes;
   if constexpr (std::is_same_v<S, acc_t>) {
-    for (int q = 0; q < 4; ++q) x[q] = load_vec(t + q * L);
+    for (int q = 0; q < kRowVecs; ++q) x[q] = load_vec(t + q * L);
   } else {
-    alignas(64) acc_t v[4 * L];
-    for (int l = 0; l < 4 * L; ++l) v[l] = static_cast<acc_t>(t[l]);
-    for (int q = 0; q < 4; ++q) x[q] = load_vec(v + q * L);
+    alignas(64) acc_t v[kRowVecs * L];
+    for (int l = 0; l < kRowVecs * L; ++l) v[l] = static_cast<acc_t>(t[l]);
+    for (int q = 0; q < kRowVecs; ++q) x[q] = load_vec(v + q * L);
   }
 }
 
@@ -132,15 +138,16 @@ inline void row_terms(const S* __restrict src, int64_t ss, const Terms& terms, i
                       scalar_t* __restrict out) {
   using vec = typename Vec<acc_t>::type;
   constexpr int L = Vec<acc_t>::kLanes;
-  constexpr int V = 4 * L;
+  constexpr int V = kRowVecs * L;
   int64_t c = 0;
   for (; c + V <= tw; c += V) {
-    vec s[4] = {vec{}, vec{}, vec{}, vec{}};
+    vec s[kRowVecs];
+    for (int q = 0; q < kRowVecs; ++q) s[q] = vec{};
     terms([&](int64_t j, acc_t w) {
-      vec x[4];
+      vec x[kRowVecs];
       load_row_chunk<acc_t>(src + j * ss + c, x);
       const vec wv = vec{} + w;
-      for (int q = 0; q < 4; ++q) s[q] += wv * x[q];
+      for (int q = 0; q < kRowVecs; ++q) s[q] += wv * x[q];
     });
     alignas(64) acc_t v[V];
     std::memcpy(v, s, sizeof(s));
