@@ -17,6 +17,9 @@ out exceed ~4 GB (K = 100 and 1000 at P = 10^7; K = 1000 at P = 10^6) or whose d
 takes more than ~10 s on 2 cores.  ``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and the
 sparse case only, one repeat.
 
+Labels in ``extra_info``: case, shape (``K<K>-P<P>``), weight_shape [K, M, P], clients,
+params_per_client, density, side, impl, repeat, rss_delta_mb.
+
 Run: ``OMP_WAIT_POLICY=PASSIVE python benchmarks/report.py --suite aggregate [--quick]``.
 """
 from __future__ import annotations
@@ -72,7 +75,7 @@ def _run(benchmark, case, shape, side, impl, repeat, density):
     fn()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     benchmark.group = f"{case}/K{k}-P{p}"
-    benchmark.extra_info.update(case=case, shape=f"K{k}-P{p}", clients=k, params_per_client=p,
+    benchmark.extra_info.update(case=case, shape=f"K{k}-P{p}", weight_shape=[k, k, p], clients=k, params_per_client=p,
                                 density=density, side=side, impl=impl, repeat=repeat)
     benchmark(fn)
     benchmark.extra_info["rss_delta_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
