@@ -22,6 +22,10 @@ Semantics (documented, tested):
   has the params' dtype (it holds parameters).
 * Sparse weights (after ``similarity_weights`` most entries are zero) are exploited: the
   cost grows with the number of nonzero weights, not with K·M.
+* Kernels: C++ on CPU (``csrc/cpu/aggregate.cpp``: BLAS per column block for dense
+  float32/float64, a CSR gather for sparse weights, a register-blocked loop for bf16/fp16),
+  Triton on CUDA (``pfl_kernels/triton/aggregate.py``: ``tl.dot`` tiles or a CSR gather), the
+  plain-PyTorch reference elsewhere; all with the semantics above.
 
 Gradients: ``grad_weights = g θᵀ`` and ``grad_params = wᵀ g`` (itself a weighted average).
 ``out=`` does not support autograd (as in torch).
