@@ -90,3 +90,23 @@ def test_list_names_everything(capsys):
 def test_bad_settings_are_clear_errors(argv, message, capsys):
     assert main(argv + ["--quiet"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_config_file_then_flags_then_sets(tmp_path):
+    """Precedence: the TOML file < command-line flags < --set."""
+    toml = tmp_path / "run.toml"
+    toml.write_text('dataset = "gaussian-mixture"\nmodel = "mlp"\nscenario = "iid"\nclients = 3\nrounds = 1\n'
+                    'lr = 0.3\n[dataset_options]\nsamples = 90\n[algorithm_settings]\nmu = 0.5\n')
+    out = tmp_path / "r"
+    assert main(["run", "fedprox", "--config", str(toml), "--lr", "0.2", "--set", "mu=0.25", "--quiet",
+                 "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["clients"] == 3 and config["lr"] == 0.2 and config["algorithm_settings"] == {"mu": 0.25}
+    assert config["dataset_options"] == {"samples": 90}
+
+
+def test_unknown_config_key_is_reported(tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text("roundz = 3\n")
+    assert main(["run", "fedavg", "--config", str(toml), "--quiet"]) == 2
+    assert "roundz" in capsys.readouterr().err
