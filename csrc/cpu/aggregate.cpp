@@ -28,6 +28,7 @@
 // column of params (out a slice of the bank params lives in, the in-place `bank <- W @ bank`):
 // then every task packs (mm path: copies) its whole tile of params before it writes that tile
 // of out.  Any other overlap is resolved by reading a copy of params.
+#include "check_helpers.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -108,11 +109,7 @@ constexpr int64_t kMinParallelWork = 1 << 18;
 
 // ---------------------------------------------------------------- checks
 
-std::string shape_str(at::IntArrayRef s) {
-  std::string r = "[";
-  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
-  return r + "]";
-}
+using cpu::shape_str;
 
 void check_args(const at::Tensor& weights, const at::Tensor& params, const at::Tensor* out) {
   TORCH_CHECK_VALUE(weights.dim() == 2, "weights must be [K, M], got ", shape_str(weights.sizes()));

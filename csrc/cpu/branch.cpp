@@ -20,6 +20,7 @@
 // which reads shared branches once for all clients, was slower in most K = 10 cases measured
 // (by up to 45%): the branches stay in L3 between clients, and ten interleaved output streams
 // cost more than that saves.
+#include "check_helpers.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/AccumulateType.h>
 #include <ATen/Dispatch.h>
@@ -57,13 +58,8 @@ namespace {
 
 // ---------------------------------------------------------------- checks
 
-std::string join(at::IntArrayRef s) {
-  std::ostringstream out;
-  for (size_t i = 0; i < s.size(); ++i) out << (i ? ", " : "") << s[i];
-  return out.str();
-}
-
-std::string shape_str(at::IntArrayRef s) { return "[" + join(s) + "]"; }
+using cpu::join;
+using cpu::shape_str;
 
 // Python's name of a dtype, so that the messages read as those of the Python checks.
 std::string dtype_str(at::ScalarType t) {

@@ -15,6 +15,7 @@
 //
 // Determinism: every output element is summed over its clients in client order, one rounding
 // per addition (s += c_i w_i), whatever the chunking or the thread count.
+#include "check_helpers.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -36,13 +37,7 @@
 namespace pfl {
 namespace {
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < s.size(); ++i) out << (i ? ", " : "") << s[i];
-  out << "]";
-  return out.str();
-}
+using cpu::shape_str;
 
 // The checks of _check_op_args in ops/branch_aggregate.py (the same wording).
 void check_args(const at::Tensor& params, const at::Tensor& alpha, const at::Tensor& counts) {

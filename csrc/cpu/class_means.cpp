@@ -10,6 +10,7 @@
 // too few classes to keep the threads busy); the next rows are prefetched, since the rows of a
 // class are scattered.  No atomics, no partial sums to combine: every mean is summed in sample
 // order, so the result does not depend on the thread count.
+#include "check_helpers.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -28,13 +29,7 @@
 namespace pfl {
 namespace {
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < s.size(); ++i) out << (i ? ", " : "") << s[i];
-  out << "]";
-  return out.str();
-}
+using cpu::shape_str;
 
 // The checks of _check_op_args in ops/class_means.py (the same wording).
 void check_args(const at::Tensor& features, const at::Tensor& labels, int64_t num_classes) {

@@ -29,6 +29,7 @@
 // entries >= tau; only when they (with the own entry) are fewer than min_keep does it select
 // the most similar of the rest with std::nth_element on (value desc, column asc) pairs, O(M) on
 // average; then one softmax over the kept entries.
+#include "check_helpers.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -56,13 +57,7 @@ namespace {
 
 // ---------------------------------------------------------------- checks
 
-std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < s.size(); ++i) out << (i ? ", " : "") << s[i];
-  out << "]";
-  return out.str();
-}
+using cpu::shape_str;
 
 std::string dtype_str(at::ScalarType t) {
   switch (t) {

@@ -3,14 +3,13 @@ JSON manifest that records them exactly (saved in each run directory)."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..atomic_io import atomic_write_json
 from .datasets import ArrayDataset
 
 MANIFEST_FORMAT = 1
@@ -166,19 +165,7 @@ class Partition:
     def save(self, path) -> None:
         """Write ``manifest()`` as JSON to ``path`` atomically (a temp file in the same
         directory, then ``os.replace``), so a killed run never leaves half a manifest."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".partition-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.manifest(), f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_json(path, self.manifest(), compact=True)
 
     @classmethod
     def load(cls, path) -> "Partition":
