@@ -119,6 +119,9 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = 
         if stop_after is not None and round_ - first >= stop_after:
             break
         record = run_round(fed, algorithm, round_).as_dict()
+        for client in record["skipped_non_finite"]:
+            print(f"{config.algorithm}: round {round_}: client {client}'s update holds NaN or Inf; it is not "
+                  f"aggregated and the client keeps its previous state", file=sys.stderr)
         record["comm_gb"] = fed.comm.gigabits()
         rundir.append_metrics(record)
         history.append(record)

@@ -23,22 +23,24 @@ class FedAvg(Algorithm):
         self.global_params = fed.params.row(0)[fed.shared].clone()
         self.global_buffers = fed.buffers.row(0).clone()
 
-    def shared_values(self, fed: Federation) -> int:
-        """Values sent per client and direction: the shared parameters and the BatchNorm statistics."""
-        return self.global_params.numel() + self.global_buffers.numel()
+    def record_transfer(self, fed: Federation, direction: str, client: int) -> None:
+        """One client's transfer, by group: the shared parameters and the BatchNorm statistics."""
+        fed.comm.send(direction, client, "parameters", self.global_params.numel())
+        if self.global_buffers.numel():
+            fed.comm.send(direction, client, "batchnorm_statistics", self.global_buffers.numel())
 
     def begin_round(self, fed: Federation, clients: torch.Tensor, round_: int) -> None:
         fed.params.data[clients, fed.shared] = self.global_params
         fed.buffers.data[clients] = self.global_buffers
         for client in clients.tolist():
-            fed.comm.send("down", client, "shared", self.shared_values(fed))
+            self.record_transfer(fed, "down", client)
 
     def end_round(self, fed: Federation, clients: torch.Tensor, finite: torch.Tensor, round_: int) -> None:
         senders = clients[finite]
         if senders.numel() == 0:
             return
         for client in senders.tolist():
-            fed.comm.send("up", client, "shared", self.shared_values(fed))
+            self.record_transfer(fed, "up", client)
         weights = sender_weights(fed.num_clients, senders, fed.train_sizes())
         self.global_params = average_rows(fed.params.data[:, fed.shared], weights)
         if self.global_buffers.numel():

@@ -110,3 +110,22 @@ def test_unknown_config_key_is_reported(tmp_path, capsys):
     toml.write_text("roundz = 3\n")
     assert main(["run", "fedavg", "--config", str(toml), "--quiet"]) == 2
     assert "roundz" in capsys.readouterr().err
+
+
+def test_a_diverged_client_is_logged_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """A client whose update is NaN is reported on stderr and in metrics.jsonl; others go on."""
+    from pfl_algorithms.engine import federation
+
+    original = federation.Federation.train_client
+
+    def diverge_client_1(self, client, round_, **kwargs):
+        if client == 1 and round_ == 1:
+            self.inputs[self.clients[1].train] = float("nan")
+        return original(self, client, round_, **kwargs)
+
+    monkeypatch.setattr(federation.Federation, "train_client", diverge_client_1)
+    summary = run(tiny_config(rounds=3, workers=1), tmp_path / "r", progress=False)
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[1]["skipped_non_finite"] == [1] and lines[0]["skipped_non_finite"] == []
+    assert "client 1's update holds NaN or Inf" in capsys.readouterr().err
+    assert summary["rounds"] == 3
