@@ -172,7 +172,7 @@ def check(config: RunConfig) -> RunConfig:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if isinstance(config.rounds, bool) or not isinstance(config.rounds, int) or config.rounds < 0:
         raise ValueError(f"rounds must be an integer >= 0, got {config.rounds!r}")
-    if config.local_steps is not None and config.local_epochs != 1 and config.local_epochs != 0:
+    if config.local_steps is not None and config.local_epochs != RunConfig.local_epochs:
         raise ValueError("local_steps and local_epochs conflict: give one of them "
                          f"(local_steps={config.local_steps}, local_epochs={config.local_epochs})")
     if isinstance(config.sample, int) and not isinstance(config.sample, bool) and config.sample > config.clients:

@@ -136,7 +136,6 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = 
         bar.close()
     summary = summarize(config, history, fed, time.perf_counter() - wall_start)
     if fed.round == config.rounds:
-        atomic_write_json(rundir.summary, summary)
         from .plots import write_plots
 
         summary["plots"] = write_plots(rundir, history)

@@ -53,15 +53,10 @@ class FedAvg(Algorithm):
         return params
 
     def evaluate_client(self, fed: Federation, client: int, split: str = "test"):
-        """The global model (with the client's local parameters and its BatchNorm statistics
-        set to the global ones) on the client's split."""
-        fed.load_client(client)
-        saved = fed.buffers.row(client).clone()
-        fed.buffers.row(client).copy_(self.global_buffers)
-        try:
-            return fed.evaluate_client(client, split, params=self.global_model_of(fed, client))
-        finally:
-            fed.buffers.row(client).copy_(saved)
+        """The global model (with the client's local parameters) and the global BatchNorm
+        statistics, on the client's split."""
+        return fed.evaluate_client(client, split, params=self.global_model_of(fed, client),
+                                   buffers=self.global_buffers)
 
     def state_dict(self) -> dict:
         return {"global_params": self.global_params, "global_buffers": self.global_buffers}

@@ -216,11 +216,15 @@ class Federation:
         return result
 
     @torch.no_grad()
-    def evaluate_client(self, client: int, split: str = "test", params: Optional[torch.Tensor] = None):
-        """(accuracy, loss, samples) of a client's model (or of ``params`` with its buffers) on a split."""
+    def evaluate_client(self, client: int, split: str = "test", params: Optional[torch.Tensor] = None,
+                        buffers: Optional[torch.Tensor] = None):
+        """(accuracy, loss, samples) of a client's model on a split; ``params`` / ``buffers``
+        replace its parameters / BatchNorm statistics for this evaluation only."""
         self.load_client(client)
         if params is not None:
             self.work.params.copy_(params)
+        if buffers is not None:
+            self.work.buffers.copy_(buffers)
         data = self.clients[client]
         return evaluate(self.work.module, self.inputs, self.labels, getattr(data, split), label_map=data.label_map)
 
