@@ -16,7 +16,8 @@ from .config import RunConfig, check
 from .data import load_dataset, make_partition
 from .engine.federation import ClientData, EngineSettings, Federation, run_round
 from .engine.local import LocalSchedule
-from .engine.rundir import RunDirectory, atomic_write_json
+from .atomic_io import atomic_write_json
+from .engine.rundir import RunDirectory
 from .models import build_model
 
 

@@ -6,13 +6,11 @@ over ``bank.data[:, span]``; a checkpoint is one tensor per bank.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from .layout import FlatLayout
-
-Index = Union[int, slice, torch.Tensor, Iterable[int]]
 
 
 class ClientBank:
@@ -57,13 +55,3 @@ class ClientBank:
     def __repr__(self) -> str:
         return f"ClientBank({self.num_clients} clients x {self.layout.numel} {self.layout.dtype})"
 
-
-def flatten_into(layout: FlatLayout, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Copy named ``tensors`` into their places in the flat vector ``out`` [P]; returns ``out``."""
-    views = layout.views(out)
-    missing = set(views) - set(tensors)
-    if missing:
-        raise KeyError(f"missing tensors for the layout: {sorted(missing)}")
-    for name, view in views.items():
-        view.copy_(tensors[name])
-    return out

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic_io import atomic_write_bytes, atomic_write_json  # noqa: F401  (re-exported for the runner)
+from ..atomic_io import atomic_write_bytes
 
 
 class RunDirectory:

@@ -65,12 +65,6 @@ class WorkingModel:
         """Zero the flat gradient (the ``.grad`` views stay bound)."""
         self.grads.zero_()
 
-    def rebind_grads(self) -> None:
-        """Re-attach the ``.grad`` views (after code that set ``.grad = None``)."""
-        for name, view in self.layout.views(self.grads).items():
-            owner, leaf = _owner(self.module, name)
-            owner._parameters[leaf].grad = view
-
     @torch.no_grad()
     def load(self, params: torch.Tensor, buffers: Optional[torch.Tensor] = None,
              int_buffers: Optional[torch.Tensor] = None) -> None:
