@@ -25,7 +25,20 @@ class ArrayDataset:
         inputs: [N, C, H, W] images or [N, F] feature vectors, float32, normalized.
         labels: [N] int64 class ids in [0, num_classes).
         num_classes: the number of classes.
-        domains: optional [N] int64 domain ids (multi-domain datasets).
+        domains: optional [N] int64 domain ids in [0, len(domain_names)) (multi-domain data:
+            PACS's art/cartoon/photo/sketch, the parts of a mixture of datasets).
+        domain_names: the domains' names, in id order (given with ``domains``).
+        coarse_labels: optional [N] int64 superclass ids (CIFAR-100's 20 coarse labels).
+        writers: optional [N] int64 writer ids (FEMNIST's natural clients), ids in
+            [0, len(writer_names)).
+        writer_names: the writers' names in LEAF's files, in id order.
+        test_mask: optional [N] bool, True for samples of the dataset's official test set
+            (the pooled set keeps them; scenarios such as ``fda`` or ``natural`` use it).
+        mean, std: per-channel statistics of the normalization applied to images whose
+            pixels were in [0, 1]: ``inputs = (pixels - mean) / std``.  None for data that
+            are not images; transforms that work on pixels (feature shifts, noise, colour
+            jitter) use them to get back to the pixel scale.
+        class_names: optional names of the classes, in id order.
     """
 
     name: str
@@ -33,6 +46,14 @@ class ArrayDataset:
     labels: Tensor
     num_classes: int
     domains: Optional[Tensor] = None
+    domain_names: Optional[tuple] = None
+    coarse_labels: Optional[Tensor] = None
+    writers: Optional[Tensor] = None
+    writer_names: Optional[tuple] = None
+    test_mask: Optional[Tensor] = None
+    mean: Optional[tuple] = None
+    std: Optional[tuple] = None
+    class_names: Optional[tuple] = None
 
     def __post_init__(self):
         if self.inputs.dim() < 2:
@@ -40,8 +61,23 @@ class ArrayDataset:
         n = self.inputs.shape[0]
         if self.labels.shape != (n,):
             raise ValueError(f"labels must have shape ({n},), got {tuple(self.labels.shape)}")
-        if self.domains is not None and self.domains.shape != (n,):
-            raise ValueError(f"domains must have shape ({n},), got {tuple(self.domains.shape)}")
+        for field_name in _PER_SAMPLE[1:]:
+            value = getattr(self, field_name)
+            if value is not None and value.shape != (n,):
+                raise ValueError(f"{field_name} must have shape ({n},), got {tuple(value.shape)}")
+        for ids, names in (("domains", "domain_names"), ("writers", "writer_names")):
+            if getattr(self, ids) is not None and getattr(self, names) is not None and len(self):
+                top = int(getattr(self, ids).max())
+                if top >= len(getattr(self, names)):
+                    raise ValueError(f"{ids} has id {top} but {names} names only {len(getattr(self, names))}")
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("mean and std must be given together (or neither)")
+        if self.mean is not None:
+            self.mean, self.std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
+            channels = self.inputs.shape[1] if self.inputs.dim() == 4 else None
+            if channels is None or len(self.mean) != channels or len(self.std) != channels:
+                raise ValueError(f"mean and std need one value per channel of [N, C, H, W] images; got "
+                                 f"{len(self.mean)} and {len(self.std)} for inputs of shape {tuple(self.inputs.shape)}")
 
     def __len__(self) -> int:
         """The number of samples N."""
@@ -54,8 +90,52 @@ class ArrayDataset:
 
     def to(self, device) -> "ArrayDataset":
         """A copy whose tensors live on ``device`` (the same object's fields if already there)."""
-        move = lambda t: None if t is None else t.to(device)
-        return replace(self, inputs=move(self.inputs), labels=move(self.labels), domains=move(self.domains))
+        return replace(self, **{f: _move(getattr(self, f), device) for f in _PER_SAMPLE_AND_INPUTS})
+
+    def select(self, indices: Tensor) -> "ArrayDataset":
+        """The samples at ``indices`` (every per-sample tensor indexed alike), as a new dataset."""
+        indices = indices.to(self.labels.device)
+        return replace(self, **{f: None if getattr(self, f) is None else getattr(self, f)[indices]
+                                for f in _PER_SAMPLE_AND_INPUTS})
+
+    def to_pixels(self, x: Tensor) -> Tensor:
+        """Normalized images ``x`` [..., C, H, W] back on the pixel scale ([0, 1] before any shift)."""
+        mean, std = self._stats(x)
+        return x * std + mean
+
+    def from_pixels(self, pixels: Tensor) -> Tensor:
+        """Pixel-scale images normalized as this dataset's inputs are."""
+        mean, std = self._stats(pixels)
+        return (pixels - mean) / std
+
+    def _stats(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.mean is None:
+            raise ValueError(f"dataset {self.name!r} records no image normalization (mean/std); "
+                             "pixel-scale transforms need image data")
+        shape = (len(self.mean), 1, 1)
+        as_tensor = lambda v: torch.tensor(v, dtype=x.dtype, device=x.device).reshape(shape)
+        return as_tensor(self.mean), as_tensor(self.std)
+
+
+_PER_SAMPLE = ("labels", "domains", "coarse_labels", "writers", "test_mask")
+_PER_SAMPLE_AND_INPUTS = ("inputs", *_PER_SAMPLE)
+
+
+def _move(t, device):
+    return None if t is None else t.to(device)
+
+
+def normalize_images(pixels: Tensor) -> tuple[Tensor, tuple, tuple]:
+    """(normalized images, mean, std) of [N, C, H, W] pixels in [0, 1] (float or uint8/255):
+    zero mean and unit variance per channel over the whole pooled set, statistics in float64."""
+    pixels = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
+    if pixels.dim() != 4:
+        raise ValueError(f"images must be [N, C, H, W], got shape {tuple(pixels.shape)}")
+    flat = pixels.transpose(0, 1).reshape(pixels.shape[1], -1).double()
+    mean = flat.mean(1)
+    std = flat.std(1).clamp_min(1e-12)
+    out = (pixels - mean.float().reshape(-1, 1, 1)) / std.float().reshape(-1, 1, 1)
+    return out, tuple(mean.tolist()), tuple(std.tolist())
 
 
 @dataclass(frozen=True)
@@ -76,16 +156,11 @@ class DatasetSpec:
     available: bool = True
 
 
-def _normalize(x: Tensor) -> Tensor:
-    """Zero mean, unit variance over the whole pooled set (one scalar each, as the images are grey)."""
-    return (x - x.mean()) / x.std().clamp_min(1e-12)
-
-
 def load_digits_dataset(root=None, seed: int = 0) -> ArrayDataset:
     """scikit-learn's 8x8 digits (1,797 real images, 10 classes; shipped inside the package).
 
     Pixel values 0..16 are scaled to [0, 1], then normalized to zero mean and unit variance
-    over the pooled set.  ``root`` and ``seed`` are unused: the data are fixed.
+    over the pooled set (``mean``/``std`` record it).  ``root`` and ``seed`` are unused: the data are fixed.
     """
     try:
         from sklearn.datasets import load_digits
@@ -94,7 +169,8 @@ def load_digits_dataset(root=None, seed: int = 0) -> ArrayDataset:
     bunch = load_digits()
     images = torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.as_tensor(bunch.target, dtype=torch.int64)
-    return ArrayDataset("digits", _normalize(images), labels, 10)
+    inputs, mean, std = normalize_images(images)
+    return ArrayDataset("digits", inputs, labels, 10, mean=mean, std=std, class_names=tuple(str(d) for d in range(10)))
 
 
 def load_gaussian_mixture(root=None, seed: int = 0, *, num_classes: int = 4, dim: int = 2, samples: int = 1000,
