@@ -22,6 +22,7 @@ FLAGS = {
     "scenario": str, "dataset": str, "model": str, "clients": int, "rounds": int, "local_epochs": int,
     "local_steps": int, "batch_size": int, "lr": float, "samples_per_client": int, "seed": int, "device": str,
     "sample": float, "eval_every": int, "workers": int, "checkpoint_every": int, "optimizer": str, "data_root": str,
+    "augment": str,
 }
 DEMO_ALGORITHMS = ("local", "fedavg", "fedprox", "fedper", "fedavg-ft")
 
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return {"run": _cmd_run, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo}[args.command](args)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError, ImportError) as exc:
         print(f"pfl: error: {exc}", file=sys.stderr)
         return 2
 

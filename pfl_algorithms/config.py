@@ -55,7 +55,8 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"
     workers: Optional[int] = None  # clients trained at once on CPU (None: one per core)
-    data_root: Optional[str] = None
+    data_root: Optional[str] = None  # None: $PFL_DATA_ROOT, else ./data
+    augment: Optional[str] = None  # training-batch augmentation, e.g. "crop,flip" (see `pfl list`)
     samples_per_client: Optional[int] = None
     keep_head_local: Optional[bool] = None  # None: True in HEAD_LOCAL_SCENARIOS
     algorithm_settings: dict = field(default_factory=dict)
@@ -179,6 +180,16 @@ def check(config: RunConfig) -> RunConfig:
         raise ValueError(f"sample={config.sample} clients per round but only clients={config.clients}")
     if config.algorithm == "fedper" and config.keep_head_local is False:
         raise ValueError("fedper keeps the head local by definition: keep_head_local=False conflicts with it")
+    architectures = config.scenario_options.get("architectures")
+    if architectures is not None:
+        from .models.heterogeneous import parse_architecture
+
+        for entry in [architectures] if isinstance(architectures, str) else list(architectures):
+            parse_architecture(entry)
+    if config.augment is not None:
+        from .data.augment import parse_augmentation
+
+        parse_augmentation(config.augment)
     if config.device.startswith("cuda"):
         import torch
 

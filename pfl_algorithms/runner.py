@@ -18,7 +18,7 @@ from .engine.federation import ClientData, EngineSettings, Federation, run_round
 from .engine.local import LocalSchedule
 from .atomic_io import atomic_write_json
 from .engine.rundir import RunDirectory
-from .models import build_model
+from .models import build_client_models, build_model
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -39,10 +39,19 @@ def build(config: RunConfig):
     if config.samples_per_client is not None:
         options["samples_per_client"] = config.samples_per_client
     partition = make_partition(config.scenario, dataset, config.clients, seed=config.seed, **options)
-    torch.manual_seed(config.seed)  # the model's initialization; the same for every client
-    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=dataset.num_classes,
-                        **config.model_options)
+    dataset = partition.apply_transforms(dataset)  # feature-shifted domains, fda's noisy target
     algorithm = make_algorithm(config.algorithm, **config.algorithm_settings)
+    if partition.architectures is not None:
+        # Checked first so that a wrong list is reported as such.
+        build_client_models(partition.architectures, input_shape=dataset.input_shape,
+                            num_classes=partition.classes_seen, options=config.model_options)
+        raise ValueError(f"scenario option architectures={list(config.scenario_options['architectures'])} gives "
+                         f"clients different models, but {config.algorithm!r} trains one architecture for all "
+                         "clients; per-client architectures need an algorithm that shares no body parameters "
+                         "(Fed-CMA), which the engine does not run yet")
+    torch.manual_seed(config.seed)  # the model's initialization; the same for every client
+    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=partition.classes_seen,
+                        **config.model_options)
     schedule = LocalSchedule(batch_size=config.batch_size, epochs=config.local_epochs, steps=config.local_steps)
     settings = EngineSettings(rounds=config.rounds, sample=config.sample, schedule=schedule,
                               optimizer=config.optimizer, optimizer_settings=_optimizer_settings(config),
@@ -50,8 +59,13 @@ def build(config: RunConfig):
                               workers=config.workers)
     clients = [ClientData(c.train, c.val, c.test, c.label_map) for c in partition.clients]
     local_names = algorithm.local_parameter_names(model, keep_head_local=config.head_local())
+    augment = None
+    if config.augment is not None:
+        from .data.augment import make_augmentation
+
+        augment = make_augmentation(config.augment, mean=dataset.mean, std=dataset.std)
     fed = Federation(model, dataset.inputs, dataset.labels, clients, settings, local_names=local_names,
-                     device=config.device)
+                     device=config.device, augment=augment)
     algorithm.setup(fed)
     return fed, algorithm, partition
 
@@ -135,7 +149,7 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = 
             bar.update(round_ + 1, first, record.get("eval", {}).get("mean_accuracy"))
     if bar is not None:
         bar.close()
-    summary = summarize(config, history, fed, time.perf_counter() - wall_start)
+    summary = summarize(config, history, fed, time.perf_counter() - wall_start, partition.info)
     if fed.round == config.rounds:
         from .plots import write_plots
 
@@ -144,11 +158,21 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = 
     return summary
 
 
-def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: float) -> dict:
-    """Final and best mean personalized accuracy, per-client final accuracy, communication."""
+def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: float,
+              scenario_info: Optional[dict] = None) -> dict:
+    """Final and best mean personalized accuracy, per-client final accuracy, communication;
+    in the fda scenario also the target client's final and best accuracy (FedDAF reports
+    the best over rounds)."""
     evals = [(m["round"], m["eval"]) for m in history if "eval" in m]
     final = evals[-1][1] if evals else None
     best = max((e["mean_accuracy"] for _, e in evals), default=None)
+    target = {}
+    if scenario_info and "target_client" in scenario_info:
+        client = scenario_info["target_client"]
+        # JSON turns int keys into strings: accept both (a resumed run reads metrics back).
+        of = lambda e: e["accuracy"].get(client, e["accuracy"].get(str(client)))
+        target = {"target_client": client, "target_final_accuracy": of(final) if final else None,
+                  "target_best_accuracy": max((of(e) for _, e in evals), default=None)}
     return {
         "algorithm": config.algorithm, "scenario": config.scenario, "dataset": config.dataset,
         "model": config.model, "seed": config.seed, "clients": config.clients, "rounds": fed.round,
@@ -158,5 +182,6 @@ def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: f
         "comm_gb": fed.comm.gigabits(),
         "wall_s_this_run": wall_s,
         "train_wall_s_total": sum(m["wall_s"] for m in history),
+        **target,
         "config": dataclasses.asdict(config),
     }

@@ -3,8 +3,10 @@ clients as per-client index tensors (with a manifest saved in each run directory
 from .datasets import DATASETS, ArrayDataset, DatasetSpec, load_dataset
 from .partition import ClientSplit, Partition
 from .scenarios import SCENARIOS, ScenarioSpec, make_partition, split_sizes
+from .shifts import parse_shift, shift_pixels
 
 __all__ = [
     "ArrayDataset", "DatasetSpec", "DATASETS", "load_dataset",
     "ClientSplit", "Partition", "ScenarioSpec", "SCENARIOS", "make_partition", "split_sizes",
+    "parse_shift", "shift_pixels",
 ]

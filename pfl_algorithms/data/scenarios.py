@@ -11,8 +11,14 @@ client's share into train/val/test.  Options shared by all scenarios:
   The split is random within the client (not stratified by class).
 - ``samples_per_client``: None, or a cap on each client's share (its first ones in a seeded
   random order), for synthetic data and CPU-sized runs.
+- ``architectures``: None, or a list of model names (Fed-CMA's model heterogeneity): client
+  k gets ``architectures[k % len(architectures)]``, recorded in the manifest.  The models
+  must end in the same embedding size (``models.build_client_models`` checks it).
 
-Scenario-specific options are in ``SCENARIOS[name].defaults``.
+Scenario-specific options are in ``SCENARIOS[name].defaults`` and the docstrings of
+``label_skew.py``, ``multi_domain.py``, ``fda.py`` and ``natural.py``.  Scenarios that shift
+inputs (feature-shift domains, fda's noisy target) record the shifts in the partition;
+``Partition.apply_transforms(dataset)`` gives the inputs the clients see.
 """
 from __future__ import annotations
 
@@ -24,10 +30,14 @@ import torch
 from torch import Tensor
 
 from .datasets import ArrayDataset
+from .deal import ClientDeal, Deal
+from .fda import fda
+from .label_skew import dirichlet, iid, pathological
+from .multi_domain import DEFAULT_SHIFTS, multi_domain
+from .natural import natural
 from .partition import ClientSplit, Partition
 
-COMMON_DEFAULTS = {"split": (0.8, 0.1, 0.1), "samples_per_client": None}
-MAX_DIRICHLET_DRAWS = 1000
+COMMON_DEFAULTS = {"split": (0.8, 0.1, 0.1), "samples_per_client": None, "architectures": None}
 
 
 @dataclass(frozen=True)
@@ -36,114 +46,56 @@ class ScenarioSpec:
 
     Attributes:
         name: registry key.  description: one line for ``pfl list``.
-        fn: ``fn(labels, num_classes, num_clients, generator, **specific) -> list[Tensor]``,
-            each client's (shuffled) indices before the train/val/test split.
+        fn: ``fn(dataset, num_clients, generator, **specific) -> Deal``: each client's
+            (shuffled) indices before the train/val/test split, and what it records.
         defaults: every option it accepts (common ones included) and its default.
-        permute_labels: give every client a random permutation of the class ids.
     """
 
     name: str
     description: str
-    fn: Callable[..., list]
+    fn: Callable[..., Deal]
     defaults: dict = field(default_factory=dict)
-    permute_labels: bool = False
 
 
-def _shuffle(idx: Tensor, gen: torch.Generator) -> Tensor:
-    return idx[torch.randperm(idx.numel(), generator=gen)]
+def _label_skew(partitioner, permute_labels: bool):
+    """A label-skew partitioner (``label_skew.py``) as a scenario function; with
+    ``permute_labels`` every client (client 0 included) gets a uniformly random permutation
+    of the class ids as its label map, drawn after the shares in client order."""
+    def deal(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, **options) -> Deal:
+        shares = partitioner(dataset.labels.detach().cpu().to(torch.int64), dataset.num_classes, num_clients, gen,
+                             **options)
+        clients = [ClientDeal(share) for share in shares]
+        if permute_labels:
+            for client in clients:
+                client.label_map = torch.randperm(dataset.num_classes, generator=gen)
+        return Deal(clients)
+
+    deal.__doc__ = partitioner.__doc__
+    return deal
 
 
-def _class_indices(labels: Tensor, num_classes: int, gen: torch.Generator) -> list[Tensor]:
-    """Each class's sample indices in a seeded random order."""
-    return [_shuffle(torch.nonzero(labels == c).flatten(), gen) for c in range(num_classes)]
-
-
-def _gather(pieces: list[list[Tensor]], gen: torch.Generator) -> list[Tensor]:
-    """Concatenate each client's pieces and shuffle them, so a cap or split takes a random subset."""
-    return [_shuffle(torch.cat(p) if p else torch.empty(0, dtype=torch.int64), gen) for p in pieces]
-
-
-def iid(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator) -> list[Tensor]:
-    """Each class dealt evenly over all clients (the released code's IID); where a class does
-    not divide evenly, which clients get the one extra sample is drawn at random per class."""
-    pieces: list[list[Tensor]] = [[] for _ in range(num_clients)]
-    for idx in _class_indices(labels, num_classes, gen):
-        order = torch.randperm(num_clients, generator=gen).tolist()
-        for client, chunk in zip(order, torch.tensor_split(idx, num_clients)):
-            pieces[client].append(chunk)
-    return _gather(pieces, gen)
-
-
-def dirichlet(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
-              alpha: float = 0.5, min_samples: int = 10) -> list[Tensor]:
-    """Label skew: for each class, the clients' shares are drawn from Dirichlet(α·1) and the
-    class's (shuffled) samples cut at floor(cumulative share · count), as the released code
-    (and NIID-Bench) do.  The whole draw is repeated, from the same generator, until every
-    client has at least ``min_samples`` samples (at most 1000 draws)."""
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha!r}")
-    if int(min_samples) != min_samples or min_samples < 0:
-        raise ValueError(f"min_samples must be an int >= 0, got {min_samples!r}")
-    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
-    if num_clients * min_samples > labels.numel():
-        raise ValueError(f"dirichlet cannot give {num_clients} clients {min_samples} samples each from "
-                         f"{labels.numel()} samples; lower min_samples or num_clients")
-    concentration = torch.full((num_classes, num_clients), float(alpha), dtype=torch.float64)
-    for _ in range(MAX_DIRICHLET_DRAWS):
-        shares = torch._sample_dirichlet(concentration, generator=gen)  # [classes, clients]
-        cuts = torch.floor(torch.cumsum(shares, dim=1) * counts[:, None]).to(torch.int64)
-        cuts[:, -1] = counts.to(torch.int64)  # the last client takes the rounding remainder
-        sizes = torch.diff(cuts, dim=1, prepend=torch.zeros(num_classes, 1, dtype=torch.int64))
-        if int(sizes.sum(0).min()) >= min_samples:
-            break
-    else:
-        raise ValueError(f"dirichlet(alpha={alpha}) gave some client fewer than min_samples={min_samples} samples "
-                         f"in {MAX_DIRICHLET_DRAWS} draws; lower min_samples or num_clients, or raise alpha")
-    pieces: list[list[Tensor]] = [[] for _ in range(num_clients)]
-    for idx, row in zip(_class_indices(labels, num_classes, gen), sizes):
-        for client, chunk in enumerate(torch.split(idx, row.tolist())):
-            pieces[client].append(chunk)
-    return _gather(pieces, gen)
-
-
-def pathological(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
-                 classes_per_client: int = 2) -> list[Tensor]:
-    """Every client holds exactly ``classes_per_client`` classes.  Classes are laid out in a
-    seeded random order and client i takes the next k of them, cyclically, so each class is
-    held by about num_clients·k/num_classes clients; a class's samples are dealt evenly over
-    its holders.  Classes nobody holds (num_clients·k < num_classes) go unused."""
-    k = classes_per_client
-    if int(k) != k or not 1 <= k <= num_classes:
-        raise ValueError(f"classes_per_client must be an int in [1, {num_classes}], got {k!r}")
-    order = torch.randperm(num_classes, generator=gen).tolist()
-    holders: list[list[int]] = [[] for _ in range(num_classes)]
-    for client in range(num_clients):
-        for j in range(k):
-            holders[order[(client * k + j) % num_classes]].append(client)
-    pieces: list[list[Tensor]] = [[] for _ in range(num_clients)]
-    for idx, held_by in zip(_class_indices(labels, num_classes, gen), holders):
-        if not held_by:
-            continue
-        shuffled = [held_by[i] for i in torch.randperm(len(held_by), generator=gen).tolist()]
-        for client, chunk in zip(shuffled, torch.tensor_split(idx, len(held_by))):
-            pieces[client].append(chunk)
-    return _gather(pieces, gen)
-
-
-def _spec(name, description, fn, permute_labels=False, **specific) -> ScenarioSpec:
-    return ScenarioSpec(name, description, fn, {**COMMON_DEFAULTS, **specific}, permute_labels)
+def _spec(name, description, fn, **specific) -> ScenarioSpec:
+    return ScenarioSpec(name, description, fn, {**COMMON_DEFAULTS, **specific})
 
 
 SCENARIOS: dict[str, ScenarioSpec] = {spec.name: spec for spec in (
-    _spec("iid", "each class dealt evenly over all clients", iid),
-    _spec("dirichlet", "label skew: per-class client shares drawn from Dirichlet(alpha)", dirichlet,
-          alpha=0.5, min_samples=10),
-    _spec("pathological", "each client holds exactly classes_per_client classes", pathological,
+    _spec("iid", "each class dealt evenly over all clients", _label_skew(iid, False)),
+    _spec("dirichlet", "label skew: per-class client shares drawn from Dirichlet(alpha)",
+          _label_skew(dirichlet, False), alpha=0.5, min_samples=10),
+    _spec("pathological", "each client holds exactly classes_per_client classes", _label_skew(pathological, False),
           classes_per_client=2),
-    _spec("permuted-iid", "iid plus a random permutation of class ids per client (label heterogeneity)", iid,
-          permute_labels=True),
-    _spec("permuted-dirichlet", "dirichlet plus a random permutation of class ids per client", dirichlet,
-          permute_labels=True, alpha=0.5, min_samples=10),
+    _spec("permuted-iid", "iid plus a random permutation of class ids per client (label heterogeneity)",
+          _label_skew(iid, True)),
+    _spec("permuted-dirichlet", "dirichlet plus a random permutation of class ids per client",
+          _label_skew(dirichlet, True), alpha=0.5, min_samples=10),
+    _spec("multi-domain", "clients on different domains: a dataset's domains, CIFAR-100 superclasses, feature shifts",
+          multi_domain, domains="dataset", shifts=DEFAULT_SHIFTS, alpha=None, min_samples=1, relabel=None,
+          permute_labels=False),
+    _spec("fda", "FedDAF: Dirichlet sources and one scarce, noisy or domain-shifted target (the last client)",
+          fda, alpha=1.0, min_samples=10, target_domain=None, noise=0.0, target_fraction=1.0,
+          target_split=(0.2, 0.0, 0.8), target_share=None),
+    _spec("natural", "one client per writer (FEMNIST), with the writers' official test samples",
+          natural, min_samples=10, official_split=True),
 )}
 
 
@@ -180,7 +132,9 @@ def make_partition(name: str, dataset: ArrayDataset, num_clients: int, *, seed: 
     Returns:
         a ``Partition`` whose ``options`` hold every option with defaults filled in.  In the
         permuted scenarios every client (client 0 included) gets a uniformly random
-        permutation of the class ids as its ``label_map``; elsewhere ``label_map`` is None.
+        permutation of the class ids as its ``label_map``; multi-domain scenarios may relabel
+        (see ``multi_domain.py``); elsewhere ``label_map`` is None.  Apply the partition's
+        input shifts, if any, with ``partition.apply_transforms(dataset)``.
 
     Raises:
         ValueError: an unknown scenario or option (the message lists the valid ones), a bad
@@ -201,20 +155,53 @@ def make_partition(name: str, dataset: ArrayDataset, num_clients: int, *, seed: 
     if cap is not None and (int(cap) != cap or cap < 1):
         raise ValueError(f"samples_per_client must be None or a positive int, got {cap!r}")
 
+    architectures = _check_architectures(resolved["architectures"])
+    resolved["architectures"] = architectures
+
     gen = torch.Generator().manual_seed(int(seed))
-    labels = dataset.labels.detach().cpu().to(torch.int64)
     specific = {k: v for k, v in resolved.items() if k not in COMMON_DEFAULTS}
-    shares = spec.fn(labels, dataset.num_classes, int(num_clients), gen, **specific)
+    deal = spec.fn(dataset, int(num_clients), gen, **specific)
 
     clients = []
-    for client, idx in enumerate(shares):
-        if cap is not None:
-            idx = idx[:cap]
-        if idx.numel() == 0:
-            raise ValueError(f"scenario {name!r} left client {client} with no samples "
-                             f"({len(dataset)} samples, {num_clients} clients); use fewer clients")
-        n_train, n_val, n_test = split_sizes(idx.numel(), fractions)
-        train, val, test = torch.split(idx, [n_train, n_val, n_test])
-        label_map = torch.randperm(dataset.num_classes, generator=gen) if spec.permute_labels else None
-        clients.append(ClientSplit(train.clone(), val.clone(), test.clone(), label_map))
-    return Partition(name, clients, dataset.num_classes, resolved, int(seed), dataset.name, len(dataset))
+    for client, share in enumerate(deal.clients):
+        clients.append(_split_client(name, client, share, fractions, cap, len(dataset), int(num_clients)))
+        if architectures is not None:
+            clients[-1].architecture = architectures[client % len(architectures)]
+    # Noise seeds come from the same generator, after everything else, and are recorded.
+    transforms = [{**t, "seed": int(torch.randint(0, 2**62, (1,), generator=gen))} for t in deal.transforms]
+    return Partition(name, clients, dataset.num_classes, resolved, int(seed), dataset.name, len(dataset),
+                     deal.output_classes, deal.domain_names, transforms, deal.info)
+
+
+def _split_client(scenario: str, client: int, share: ClientDeal, fractions, cap, num_samples: int,
+                  num_clients: int) -> ClientSplit:
+    """Cap, split and thin one client's share (see the module docstring and ``ClientDeal``)."""
+    idx = share.indices if cap is None else share.indices[:cap]
+    fixed_test = share.test
+    if idx.numel() + (0 if fixed_test is None else fixed_test.numel()) == 0:
+        raise ValueError(f"scenario {scenario!r} left client {client} with no samples "
+                         f"({num_samples} samples, {num_clients} clients); use fewer clients")
+    own = fractions if share.split is None else _check_split(share.split)
+    if fixed_test is not None:
+        total = own[0] + own[1]
+        own = (own[0] / total, own[1] / total, 0.0) if total > 0 else (1.0, 0.0, 0.0)
+    n_train, n_val, n_test = split_sizes(idx.numel(), own)
+    train, val, test = torch.split(idx, [n_train, n_val, n_test])
+    if fixed_test is not None:
+        test = fixed_test
+    if share.keep_train < 1.0 and train.numel():
+        train = train[:max(1, int(math.floor(share.keep_train * train.numel() + 0.5)))]
+    return ClientSplit(train.clone(), val.clone(), test.clone(), share.label_map, share.domain)
+
+
+def _check_architectures(value):
+    if value is None:
+        return None
+    names = (value,) if isinstance(value, str) else value
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = ()
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"architectures must be None or a non-empty list of model names, got {value!r}")
+    return names

@@ -88,13 +88,17 @@ class Federation:
         optimizer_state: name -> bank [K, P] (momentum, Adam moments), plus ``optimizer_steps`` [K].
         local_names: parameters that never leave a client (e.g. the head in permuted scenarios).
         comm: the ledger of bits sent up and down.
+        augment: None, or ``augment(batch, generator) -> batch`` applied to every training
+            batch on the device (``data.augment.make_augmentation``), drawing from the
+            client's training generator.
     """
 
     def __init__(self, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, clients: list[ClientData],
-                 settings: EngineSettings, *, local_names: tuple[str, ...] = (), device="cpu"):
+                 settings: EngineSettings, *, local_names: tuple[str, ...] = (), device="cpu", augment=None):
         if not clients:
             raise ValueError("a federation needs at least one client")
         self.settings = settings
+        self.augment = augment
         self.device = torch.device(device)
         self.inputs = inputs.to(self.device)
         self.labels = labels.to(self.device)
@@ -207,7 +211,7 @@ class Federation:
         result = train_locally(self.work, self.optimizer, state, self.inputs, self.labels, data.train,
                                schedule or self.settings.schedule, generator=self.generator("train", round_, client),
                                label_map=data.label_map, loss_terms=loss_terms, grad_terms=grad_terms,
-                               ranges=ranges)
+                               ranges=ranges, augment=self.augment)
         if result.finite:
             self.store_client(client)
         else:

@@ -6,12 +6,13 @@
 from .base import BodyHeadModel, body_parameter_names, head_parameter_names
 from .digits_cnn import DigitsCNN
 from .fedgen_cnn import FedGenCNN
+from .heterogeneous import build_client_models, parse_architecture
 from .lenet5 import LeNet5
 from .mlp import MLP
 from .registry import MODELS, ModelSpec, build_model
 from .resnet9 import ResNet9
 
 __all__ = [
-    "MODELS", "ModelSpec", "build_model", "head_parameter_names", "body_parameter_names",
+    "MODELS", "ModelSpec", "build_model", "build_client_models", "parse_architecture", "head_parameter_names", "body_parameter_names",
     "BodyHeadModel", "ResNet9", "LeNet5", "FedGenCNN", "DigitsCNN", "MLP",
 ]

@@ -16,13 +16,16 @@ def _toy(samples=600, num_classes=10, seed=0):
 
 
 DATA = _toy()
-ALL = sorted(SCENARIOS)
+# The label-skew scenarios run on any labelled data; the domain scenarios have their own tests
+# (test_scenarios_domains.py).
+ALL = ["dirichlet", "iid", "pathological", "permuted-dirichlet", "permuted-iid"]
 
 
 def test_registry_names():
-    assert set(SCENARIOS) == {"iid", "dirichlet", "pathological", "permuted-iid", "permuted-dirichlet"}
+    assert set(SCENARIOS) == {*ALL, "multi-domain", "fda", "natural"}
     for spec in SCENARIOS.values():
         assert spec.defaults["split"] == (0.8, 0.1, 0.1) and spec.defaults["samples_per_client"] is None
+        assert spec.defaults["architectures"] is None
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -154,9 +157,9 @@ def test_partitioning_leaves_the_global_rng_alone():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match=r"valid scenarios: \['dirichlet', 'iid', 'pathological'"):
-        make_partition("fda", DATA, 4, seed=0)
-    with pytest.raises(ValueError, match=r"valid options: \['samples_per_client', 'split'\]"):
+    with pytest.raises(ValueError, match=r"valid scenarios: \['dirichlet', 'fda', 'iid', 'multi-domain'"):
+        make_partition("fedx", DATA, 4, seed=0)
+    with pytest.raises(ValueError, match=r"valid options: \['architectures', 'samples_per_client', 'split'\]"):
         make_partition("iid", DATA, 4, seed=0, alpha=0.5)
     with pytest.raises(ValueError, match="alpha must be > 0"):
         make_partition("dirichlet", DATA, 4, seed=0, alpha=0)

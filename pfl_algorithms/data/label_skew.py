@@ -1,0 +1,94 @@
+"""Label-skew partitioners: how one dataset's samples are dealt to clients by class.
+
+Each takes the labels on the CPU and a ``torch.Generator`` (never the global RNG) and
+returns each client's indices in a seeded random order (so a cap or a split takes a random
+subset).  The multi-domain and fda scenarios reuse them within a domain or over sources.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+MAX_DIRICHLET_DRAWS = 1000
+
+
+def shuffle(idx: Tensor, gen: torch.Generator) -> Tensor:
+    """``idx`` in a seeded random order."""
+    return idx[torch.randperm(idx.numel(), generator=gen)]
+
+
+def class_indices(labels: Tensor, num_classes: int, gen: torch.Generator) -> list[Tensor]:
+    """Each class's sample indices in a seeded random order."""
+    return [shuffle(torch.nonzero(labels == c).flatten(), gen) for c in range(num_classes)]
+
+
+def gather(pieces: list[list[Tensor]], gen: torch.Generator) -> list[Tensor]:
+    """Concatenate each client's pieces and shuffle them, so a cap or split takes a random subset."""
+    return [shuffle(torch.cat(p) if p else torch.empty(0, dtype=torch.int64), gen) for p in pieces]
+
+
+def iid(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator) -> list[Tensor]:
+    """Each class dealt evenly over all clients (the released code's IID); where a class does
+    not divide evenly, which clients get the one extra sample is drawn at random per class."""
+    pieces: list[list[Tensor]] = [[] for _ in range(num_clients)]
+    for idx in class_indices(labels, num_classes, gen):
+        order = torch.randperm(num_clients, generator=gen).tolist()
+        for client, chunk in zip(order, torch.tensor_split(idx, num_clients)):
+            pieces[client].append(chunk)
+    return gather(pieces, gen)
+
+
+def dirichlet(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
+              alpha: float = 0.5, min_samples: int = 10) -> list[Tensor]:
+    """Label skew: for each class, the clients' shares are drawn from Dirichlet(α·1) and the
+    class's (shuffled) samples cut at floor(cumulative share · count), as the released code
+    (and NIID-Bench) do.  The whole draw is repeated, from the same generator, until every
+    client has at least ``min_samples`` samples (at most 1000 draws)."""
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha!r}")
+    if int(min_samples) != min_samples or min_samples < 0:
+        raise ValueError(f"min_samples must be an int >= 0, got {min_samples!r}")
+    counts = torch.bincount(labels, minlength=num_classes).to(torch.float64)
+    if num_clients * min_samples > labels.numel():
+        raise ValueError(f"dirichlet cannot give {num_clients} clients {min_samples} samples each from "
+                         f"{labels.numel()} samples; lower min_samples or num_clients")
+    concentration = torch.full((num_classes, num_clients), float(alpha), dtype=torch.float64)
+    for _ in range(MAX_DIRICHLET_DRAWS):
+        shares = torch._sample_dirichlet(concentration, generator=gen)  # [classes, clients]
+        cuts = torch.floor(torch.cumsum(shares, dim=1) * counts[:, None]).to(torch.int64)
+        cuts[:, -1] = counts.to(torch.int64)  # the last client takes the rounding remainder
+        sizes = torch.diff(cuts, dim=1, prepend=torch.zeros(num_classes, 1, dtype=torch.int64))
+        if int(sizes.sum(0).min()) >= min_samples:
+            break
+    else:
+        raise ValueError(f"dirichlet(alpha={alpha}) gave some client fewer than min_samples={min_samples} samples "
+                         f"in {MAX_DIRICHLET_DRAWS} draws; lower min_samples or num_clients, or raise alpha")
+    pieces: list[list[Tensor]] = [[] for _ in range(num_clients)]
+    for idx, row in zip(class_indices(labels, num_classes, gen), sizes):
+        for client, chunk in enumerate(torch.split(idx, row.tolist())):
+            pieces[client].append(chunk)
+    return gather(pieces, gen)
+
+
+def pathological(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
+                 classes_per_client: int = 2) -> list[Tensor]:
+    """Every client holds exactly ``classes_per_client`` classes.  Classes are laid out in a
+    seeded random order and client i takes the next k of them, cyclically, so each class is
+    held by about num_clients·k/num_classes clients; a class's samples are dealt evenly over
+    its holders.  Classes nobody holds (num_clients·k < num_classes) go unused."""
+    k = classes_per_client
+    if int(k) != k or not 1 <= k <= num_classes:
+        raise ValueError(f"classes_per_client must be an int in [1, {num_classes}], got {k!r}")
+    order = torch.randperm(num_classes, generator=gen).tolist()
+    holders: list[list[int]] = [[] for _ in range(num_classes)]
+    for client in range(num_clients):
+        for j in range(k):
+            holders[order[(client * k + j) % num_classes]].append(client)
+    pieces: list[list[Tensor]] = [[] for _ in range(num_clients)]
+    for idx, held_by in zip(class_indices(labels, num_classes, gen), holders):
+        if not held_by:
+            continue
+        shuffled = [held_by[i] for i in torch.randperm(len(held_by), generator=gen).tolist()]
+        for client, chunk in zip(shuffled, torch.tensor_split(idx, len(held_by))):
+            pieces[client].append(chunk)
+    return gather(pieces, gen)
