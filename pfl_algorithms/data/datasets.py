@@ -1,19 +1,29 @@
 """Datasets held as tensors, and the registry of dataset names.
 
-Every loader returns ONE pooled ``ArrayDataset``: the Factorized-FL released code pools the
-train and test sets and lets the scenario split each client's share into train/val/test.
-The datasets that need no download are built here; the others are registered names whose
-loader says that their reader does not exist yet.
+Every loader returns ONE pooled ``ArrayDataset`` on the CPU: the Factorized-FL released code
+pools the train and test sets and lets the scenario split each client's share into
+train/val/test; ``test_mask`` keeps the official test samples marked (train first, then test).
+Images are float32, normalized per channel over the pooled set (``normalize_images``).
+
+The file-backed datasets read the standard formats under a data root (``root``, else
+``$PFL_DATA_ROOT``, else ``./data``; see ``readers.data_root``) in torchvision's layouts,
+through torchvision where it imports and directly elsewhere, with identical tensors; see
+``pfl_algorithms/data/readers`` for the layouts.  Their options are keyword-only arguments
+of the loaders (``download=False`` on each).
 """
 from __future__ import annotations
 
 import inspect
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from functools import partial
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
+
+from . import readers
+from .readers import RawData
 
 
 @dataclass
@@ -39,6 +49,7 @@ class ArrayDataset:
             are not images; transforms that work on pixels (feature shifts, noise, colour
             jitter) use them to get back to the pixel scale.
         class_names: optional names of the classes, in id order.
+        coarse_names: optional names of the superclasses (``coarse_labels``), in id order.
     """
 
     name: str
@@ -54,6 +65,7 @@ class ArrayDataset:
     mean: Optional[tuple] = None
     std: Optional[tuple] = None
     class_names: Optional[tuple] = None
+    coarse_names: Optional[tuple] = None
 
     def __post_init__(self):
         if self.inputs.dim() < 2:
@@ -65,11 +77,13 @@ class ArrayDataset:
             value = getattr(self, field_name)
             if value is not None and value.shape != (n,):
                 raise ValueError(f"{field_name} must have shape ({n},), got {tuple(value.shape)}")
-        for ids, names in (("domains", "domain_names"), ("writers", "writer_names")):
+        for ids, names in _IDS_AND_NAMES:
             if getattr(self, ids) is not None and getattr(self, names) is not None and len(self):
                 top = int(getattr(self, ids).max())
                 if top >= len(getattr(self, names)):
                     raise ValueError(f"{ids} has id {top} but {names} names only {len(getattr(self, names))}")
+        if self.class_names is not None and len(self.class_names) != self.num_classes:
+            raise ValueError(f"class_names names {len(self.class_names)} classes but num_classes is {self.num_classes}")
         if (self.mean is None) != (self.std is None):
             raise ValueError("mean and std must be given together (or neither)")
         if self.mean is not None:
@@ -118,6 +132,7 @@ class ArrayDataset:
 
 
 _PER_SAMPLE = ("labels", "domains", "coarse_labels", "writers", "test_mask")
+_IDS_AND_NAMES = (("domains", "domain_names"), ("writers", "writer_names"), ("coarse_labels", "coarse_names"))
 _PER_SAMPLE_AND_INPUTS = ("inputs", *_PER_SAMPLE)
 
 
@@ -127,15 +142,34 @@ def _move(t, device):
 
 def normalize_images(pixels: Tensor) -> tuple[Tensor, tuple, tuple]:
     """(normalized images, mean, std) of [N, C, H, W] pixels in [0, 1] (float or uint8/255):
-    zero mean and unit variance per channel over the whole pooled set, statistics in float64."""
-    pixels = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
+    zero mean and unit variance per channel over the whole pooled set.
+
+    The statistics are accumulated in float64 over chunks of samples (mean first, then the
+    squared deviations from it), so a large dataset needs no float64 copy of itself; the
+    output is float32 ``(pixels - mean) / std`` and never aliases ``pixels``.
+    """
     if pixels.dim() != 4:
         raise ValueError(f"images must be [N, C, H, W], got shape {tuple(pixels.shape)}")
-    flat = pixels.transpose(0, 1).reshape(pixels.shape[1], -1).double()
-    mean = flat.mean(1)
-    std = flat.std(1).clamp_min(1e-12)
-    out = (pixels - mean.float().reshape(-1, 1, 1)) / std.float().reshape(-1, 1, 1)
+    channels, count = pixels.shape[1], pixels.shape[0] * pixels.shape[2] * pixels.shape[3]
+    chunks = pixels.split(_NORMALIZE_CHUNK)
+    total = torch.zeros(channels, dtype=torch.float64)
+    for chunk in chunks:
+        total += _unit_scale(chunk).double().sum((0, 2, 3))
+    mean = total / max(count, 1)
+    squares = torch.zeros(channels, dtype=torch.float64)
+    for chunk in chunks:
+        squares += (_unit_scale(chunk).double() - mean.reshape(-1, 1, 1)).square().sum((0, 2, 3))
+    std = (squares / max(count - 1, 1)).sqrt().clamp_min(1e-12)
+    mean32, std32 = mean.float().reshape(-1, 1, 1), std.float().reshape(-1, 1, 1)
+    out = torch.cat([(_unit_scale(chunk) - mean32) / std32 for chunk in chunks])
     return out, tuple(mean.tolist()), tuple(std.tolist())
+
+
+_NORMALIZE_CHUNK = 2048
+
+
+def _unit_scale(pixels: Tensor) -> Tensor:
+    return pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
 
 
 @dataclass(frozen=True)
@@ -211,11 +245,105 @@ def load_synthetic_cifar(root=None, seed: int = 0, *, samples: int = 1024, num_c
     return ArrayDataset("synthetic-cifar", inputs, labels, int(num_classes))
 
 
-def _not_implemented(name: str) -> Callable[..., ArrayDataset]:
-    def loader(root=None, seed: int = 0, **options) -> ArrayDataset:
-        raise ValueError(f"dataset {name!r} needs files under a data root; its reader is not implemented yet")
-    loader.__doc__ = f"Placeholder for {name!r}: always raises ValueError (reader not implemented)."
+def from_raw(name: str, raw: RawData) -> ArrayDataset:
+    """The ArrayDataset of a reader's ``RawData``: images normalized by ``normalize_images``
+    (statistics over the pooled set), every other field carried over."""
+    inputs, mean, std = normalize_images(raw.pixels)
+    return ArrayDataset(name, inputs, raw.labels, raw.num_classes, domains=raw.domains, domain_names=raw.domain_names,
+                        coarse_labels=raw.coarse_labels, writers=raw.writers, writer_names=raw.writer_names,
+                        test_mask=raw.test_mask, mean=mean, std=std, class_names=raw.class_names,
+                        coarse_names=raw.coarse_names)
+
+
+def load_mnist(root=None, seed: int = 0, *, download: bool = False) -> ArrayDataset:
+    """MNIST: 60,000 train + 10,000 test digits, [70000, 1, 28, 28], 10 classes, ``test_mask``.
+    Files: ``<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte`` (or .gz).
+    ``download=True`` fetches them with torchvision.  ``seed`` is unused."""
+    return from_raw("mnist", readers.read_mnist(readers.data_root(root), download=download))
+
+
+def load_emnist(root=None, seed: int = 0, *, split: str = "balanced", download: bool = False) -> ArrayDataset:
+    """EMNIST ``split`` (byclass 62 classes, bymerge 47, balanced 47, letters 26, digits 10,
+    mnist 10), [N, 1, 28, 28] with images as stored in the files (transposed, as
+    torchvision's ``EMNIST.data``); ``letters`` labels shifted from 1..26 to 0..25.
+    Files: ``<root>/EMNIST/raw/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte`` (or .gz)."""
+    return from_raw("emnist", readers.read_emnist(readers.data_root(root), split=split, download=download))
+
+
+def load_femnist(root=None, seed: int = 0, *, max_writers: Optional[int] = None,
+                 download: bool = False) -> ArrayDataset:
+    """FEMNIST as LEAF splits it: [N, 1, 28, 28], 62 classes, ``writers``/``writer_names``
+    (writers sorted by LEAF id), ``test_mask`` from LEAF's test files.  ``max_writers`` keeps
+    the first n writers by sorted id.  Files: ``<root>/femnist/data/{train,test}/*.json``;
+    ``download=True`` raises (LEAF's own scripts make the files)."""
+    return from_raw("femnist", readers.read_femnist(readers.data_root(root), max_writers=max_writers,
+                                                    download=download))
+
+
+def load_cifar10(root=None, seed: int = 0, *, download: bool = False) -> ArrayDataset:
+    """CIFAR-10: 50,000 train + 10,000 test images, [60000, 3, 32, 32], 10 classes, ``test_mask``.
+    Files: ``<root>/cifar-10-batches-py/``.  ``seed`` is unused."""
+    return from_raw("cifar10", readers.read_cifar10(readers.data_root(root), download=download))
+
+
+def load_cifar100(root=None, seed: int = 0, *, download: bool = False) -> ArrayDataset:
+    """CIFAR-100: 50,000 train + 10,000 test images, [60000, 3, 32, 32], 100 classes with the
+    20 superclasses in ``coarse_labels``/``coarse_names``, ``test_mask``.
+    Files: ``<root>/cifar-100-python/``.  ``seed`` is unused."""
+    return from_raw("cifar100", readers.read_cifar100(readers.data_root(root), download=download))
+
+
+def load_svhn(root=None, seed: int = 0, *, extra: bool = False, download: bool = False) -> ArrayDataset:
+    """SVHN: 73,257 train (+ 531,131 extra with ``extra=True``) + 26,032 test images,
+    [N, 3, 32, 32], digits 0..9 (the files' 10 is 0), ``test_mask``.
+    Files: ``<root>/{train,test,extra}_32x32.mat`` (read with scipy).  ``seed`` is unused."""
+    return from_raw("svhn", readers.read_svhn(readers.data_root(root), extra=extra, download=download))
+
+
+def _image_folder_loader(layout: readers.ImageFolderLayout) -> Callable[..., ArrayDataset]:
+    def loader(root=None, seed: int = 0, *, domains: Union[None, str, Sequence[str]] = None, image_size: int = 64,
+               download: bool = False) -> ArrayDataset:
+        return from_raw(layout.dataset, readers.read_image_folder(readers.data_root(root), layout, domains=domains,
+                                                                   image_size=image_size, download=download))
+
+    loader.__name__ = loader.__qualname__ = f"load_{layout.dataset.replace('-', '_')}"
+    loader.__doc__ = (f"{layout.dataset}: the domains {', '.join(layout.domains)} (``domains`` picks a subset, "
+                      f"in the order given) as [N, 3, image_size, image_size] images, ``domains``/``domain_names`` "
+                      f"per sample, no official test split.  "
+                      f"Files: ``<root>/{layout.folder}/<domain>/<class>/<image>``.")
     return loader
+
+
+load_pacs = _image_folder_loader(readers.PACS)
+load_vlcs = _image_folder_loader(readers.VLCS)
+load_office_caltech = _image_folder_loader(readers.OFFICE_CALTECH)
+
+# The readers a mixture may combine (each with its default options).
+MIXABLE = {
+    "mnist": readers.read_mnist, "emnist": readers.read_emnist, "femnist": readers.read_femnist,
+    "cifar10": readers.read_cifar10, "cifar100": readers.read_cifar100, "svhn": readers.read_svhn,
+    "pacs": partial(readers.read_image_folder, layout=readers.PACS),
+    "vlcs": partial(readers.read_image_folder, layout=readers.VLCS),
+    "office-caltech": partial(readers.read_image_folder, layout=readers.OFFICE_CALTECH),
+}
+
+
+def load_mixed(root=None, seed: int = 0, *, datasets: Union[str, Sequence[str]] = ("mnist", "svhn", "cifar10"),
+               image_size: int = 32, channels: int = 3, download: bool = False) -> ArrayDataset:
+    """Several datasets side by side: each part read raw, brought to [channels, image_size,
+    image_size] (grey repeated to 3 channels or colour reduced to luma, antialiased bilinear
+    resize where the size differs), part d's class c relabelled ``offset_d + c`` so the parts'
+    classes are disjoint, ``domains`` = the part index, ``domain_names`` = the part names,
+    ``test_mask`` kept; normalized once over the mixture (see ``readers.mixed``).
+    ``datasets``: names of ``MIXABLE`` (a sequence or a comma-separated string)."""
+    names = readers.name_list(datasets)
+    unknown = [name for name in names if name not in MIXABLE]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ValueError(f"mixed: datasets must be distinct names among {sorted(MIXABLE)}, got {list(names)}")
+    readers.mixed.check_options(image_size, channels)  # before reading anything
+    directory = readers.data_root(root)
+    parts = {name: MIXABLE[name](directory, download=download) for name in names}
+    return from_raw("mixed", readers.mix(parts, image_size=image_size, channels=channels))
 
 
 def _spec(name: str, description: str, loader) -> DatasetSpec:
@@ -225,18 +353,6 @@ def _spec(name: str, description: str, loader) -> DatasetSpec:
     return DatasetSpec(name, description, loader, defaults)
 
 
-_FILE_BACKED = {
-    "mnist": "MNIST handwritten digits (28x28 grey, 10 classes)",
-    "emnist": "EMNIST handwritten characters (28x28 grey)",
-    "femnist": "FEMNIST, EMNIST split by writer (LEAF)",
-    "cifar10": "CIFAR-10 (32x32 colour, 10 classes)",
-    "cifar100": "CIFAR-100 (32x32 colour, 100 classes, 20 superclasses)",
-    "svhn": "SVHN street-view house numbers (32x32 colour, 10 classes)",
-    "pacs": "PACS, 4 domains x 7 classes",
-    "vlcs": "VLCS, 4 domains x 5 classes",
-    "office-caltech": "Office-Caltech-10, 4 domains x 10 classes",
-}
-
 DATASETS: dict[str, DatasetSpec] = {
     "digits": _spec("digits", "scikit-learn's 8x8 digits, 1,797 real images, 10 classes (no download)",
                     load_digits_dataset),
@@ -244,9 +360,20 @@ DATASETS: dict[str, DatasetSpec] = {
                               load_gaussian_mixture),
     "synthetic-cifar": _spec("synthetic-cifar", "random 3x32x32 tensors with random labels, for speed tests",
                              load_synthetic_cifar),
-    **{name: DatasetSpec(name, f"{text} (needs files; reader not implemented yet)", _not_implemented(name),
-                         available=False)
-       for name, text in _FILE_BACKED.items()},
+    "mnist": _spec("mnist", "MNIST handwritten digits (28x28 grey, 10 classes; IDX files)", load_mnist),
+    "emnist": _spec("emnist", "EMNIST handwritten characters (28x28 grey, 10 to 62 classes by split; IDX files)",
+                    load_emnist),
+    "femnist": _spec("femnist", "FEMNIST, EMNIST split by writer (28x28 grey, 62 classes; LEAF's JSON)", load_femnist),
+    "cifar10": _spec("cifar10", "CIFAR-10 (32x32 colour, 10 classes; python pickles)", load_cifar10),
+    "cifar100": _spec("cifar100", "CIFAR-100 (32x32 colour, 100 classes, 20 superclasses; python pickles)",
+                      load_cifar100),
+    "svhn": _spec("svhn", "SVHN street-view house numbers (32x32 colour, 10 classes; .mat files)", load_svhn),
+    "pacs": _spec("pacs", "PACS, 4 domains x 7 classes (image folders, resized)", load_pacs),
+    "vlcs": _spec("vlcs", "VLCS, 4 domains x 5 classes (image folders, resized)", load_vlcs),
+    "office-caltech": _spec("office-caltech", "Office-Caltech-10, 4 domains x 10 classes (image folders, resized)",
+                            load_office_caltech),
+    "mixed": _spec("mixed", "several datasets side by side, disjoint classes, one domain each "
+                            "(e.g. MNIST+SVHN+CIFAR-10)", load_mixed),
 }
 
 
@@ -255,13 +382,19 @@ def load_dataset(name: str, *, root=None, seed: int = 0, **options) -> ArrayData
 
     Args:
         name: a key of ``DATASETS``.
-        root: the data directory (only file-backed datasets read it).
+        root: the data root of the file-backed datasets (None: ``$PFL_DATA_ROOT``, else
+            ``./data``; see ``readers.data_root``).
         seed: seeds synthetic data; the same seed gives the same tensors.
         options: dataset options (see ``DATASETS[name].defaults``).
 
     Raises:
-        ValueError: an unknown name or option (the message lists the valid ones), or a
-            registered dataset whose reader is not implemented yet.
+        ValueError: an unknown name or option (the message lists the valid ones), a bad
+            option value, a corrupt file (the message names it), or ``download=True`` where
+            it cannot be honoured.
+        FileNotFoundError: a file the dataset needs is missing (the message names it, the
+            directory it was looked for in, and how to get it).
+        ImportError: a decoder the format needs (scipy for SVHN, Pillow for image folders)
+            is not installed.
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid datasets: {sorted(DATASETS)}")

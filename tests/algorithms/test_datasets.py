@@ -1,17 +1,39 @@
-"""Built-in datasets: shapes, normalization, determinism, the registry and its errors."""
+"""Built-in datasets: shapes, normalization, determinism, the registry and its errors.
+The file-backed readers have their own tests (test_readers_*.py)."""
 import pytest
 import torch
 
 from pfl_algorithms.data import DATASETS, ArrayDataset, load_dataset
 
-NAMES = {"digits", "mnist", "emnist", "femnist", "cifar10", "cifar100", "svhn", "pacs", "vlcs",
-         "office-caltech", "gaussian-mixture", "synthetic-cifar"}
+BUILT_IN = {"digits", "gaussian-mixture", "synthetic-cifar"}
+FILE_BACKED = {"mnist", "emnist", "femnist", "cifar10", "cifar100", "svhn", "pacs", "vlcs", "office-caltech", "mixed"}
 
 
 def test_registry_lists_every_name():
-    assert set(DATASETS) == NAMES
-    assert {n for n, s in DATASETS.items() if s.available} == {"digits", "gaussian-mixture", "synthetic-cifar"}
+    assert set(DATASETS) == BUILT_IN | FILE_BACKED
+    assert all(s.available for s in DATASETS.values())
     assert all(s.description and "\n" not in s.description for s in DATASETS.values())
+
+
+def test_file_backed_options():
+    assert {name: DATASETS[name].defaults for name in sorted(FILE_BACKED)} == {
+        "cifar10": {"download": False},
+        "cifar100": {"download": False},
+        "emnist": {"split": "balanced", "download": False},
+        "femnist": {"max_writers": None, "download": False},
+        "mixed": {"datasets": ("mnist", "svhn", "cifar10"), "image_size": 32, "channels": 3, "download": False},
+        "mnist": {"download": False},
+        "office-caltech": {"domains": None, "image_size": 64, "download": False},
+        "pacs": {"domains": None, "image_size": 64, "download": False},
+        "svhn": {"extra": False, "download": False},
+        "vlcs": {"domains": None, "image_size": 64, "download": False},
+    }
+
+
+@pytest.mark.parametrize("name", sorted(FILE_BACKED))
+def test_file_backed_names_say_which_file_is_missing(name, tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"not found in {tmp_path}.*PFL_DATA_ROOT"):
+        load_dataset(name, root=tmp_path)
 
 
 def test_digits():
@@ -62,12 +84,14 @@ def test_array_dataset_to_and_checks():
         ArrayDataset("x", torch.zeros(3, 2), torch.zeros(2, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match="domains"):
         ArrayDataset("x", torch.zeros(3, 2), torch.zeros(3, dtype=torch.int64), 2, torch.zeros(4, dtype=torch.int64))
-
-
-@pytest.mark.parametrize("name", sorted(NAMES - {"digits", "gaussian-mixture", "synthetic-cifar"}))
-def test_file_backed_names_raise_clearly(name):
-    with pytest.raises(ValueError, match=f"dataset '{name}' needs files under a data root; its reader is not implemented yet"):
-        load_dataset(name, root="/nonexistent")
+    labels = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="coarse_labels has id 2 but coarse_names names only 2"):
+        ArrayDataset("x", torch.zeros(3, 2), labels, 2, coarse_labels=torch.tensor([0, 1, 2]), coarse_names=("a", "b"))
+    with pytest.raises(ValueError, match="class_names names 3 classes but num_classes is 2"):
+        ArrayDataset("x", torch.zeros(3, 2), labels, 2, class_names=("a", "b", "c"))
+    coarse = ArrayDataset("x", torch.zeros(3, 2), labels, 2, coarse_labels=torch.tensor([0, 1, 1]),
+                          coarse_names=("a", "b"))
+    assert coarse.select(torch.tensor([2])).coarse_labels.tolist() == [1] and coarse.coarse_names == ("a", "b")
 
 
 def test_errors():

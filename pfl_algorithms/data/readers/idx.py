@@ -1,0 +1,156 @@
+"""MNIST and EMNIST: the IDX files, in torchvision's layout.
+
+    <root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte            (or the same + .gz)
+    <root>/EMNIST/raw/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte   (or + .gz)
+
+IDX (LeCun's format): a big-endian header, the magic number (two zero bytes, a type code
+(0x08 = uint8) and the number of dimensions), one uint32 per dimension, then the values
+row-major.  Images are [N, 28, 28] uint8, labels [N] uint8.
+
+EMNIST orientation: the EMNIST files store each character transposed (rows and columns
+swapped with respect to an upright image), and torchvision's ``EMNIST.data`` returns them as
+stored.  These readers do the same, so pixel [n, 0, i, j] is value (i, j) of image n in the
+file whichever path read it; transpose the last two dims to see upright characters.
+EMNIST ``letters`` labels are 1..26 in the files (torchvision keeps them, naming class 0
+"N/A"); here they are shifted to 0..25 with class names ``a``..``z``.
+"""
+from __future__ import annotations
+
+import gzip
+import string
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .common import RawData, check_download, check_labels, find_file, nchw_tensor, pool_splits, torchvision_datasets
+
+_IDX_TYPES = {0x08: np.dtype("u1"), 0x09: np.dtype("i1"), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+              0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+
+MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
+MNIST_HOW = (f"download train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz and "
+             f"t10k-labels-idx1-ubyte.gz from {MNIST_URL} (or http://yann.lecun.com/exdb/mnist/) into that "
+             f"directory, or pass download=True where torchvision is installed and a network is reachable")
+EMNIST_URL = "https://www.itl.nist.gov/iaui/vip/cs_links/EMNIST/gzip.zip"
+EMNIST_HOW = (f"download {EMNIST_URL} and put the emnist-<split>-*.gz files of its gzip/ folder into that "
+              f"directory, or pass download=True where torchvision is installed and a network is reachable")
+
+_MERGED = set("cijklmopsuvwxyz")  # lowercase letters EMNIST merges with their uppercase form
+EMNIST_CLASSES = {
+    "byclass": tuple(sorted(string.digits + string.ascii_letters)),
+    "bymerge": tuple(sorted(set(string.digits + string.ascii_letters) - _MERGED)),
+    "balanced": tuple(sorted(set(string.digits + string.ascii_letters) - _MERGED)),
+    "letters": tuple(string.ascii_lowercase),
+    "digits": tuple(string.digits),
+    "mnist": tuple(string.digits),
+}
+MNIST_CLASSES = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven",
+                 "8 - eight", "9 - nine")  # torchvision's names
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """The array stored in the IDX file ``path`` (gzip-compressed when the name ends in .gz),
+    in native byte order.
+
+    Raises:
+        ValueError: naming the file, for a bad magic number, a truncated header, or a size
+            that differs from what the header's dimensions need.
+    """
+    path = Path(path)
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as error:
+        raise ValueError(f"{path}: not a readable gzip file ({error})") from error
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES or data[3] == 0:
+        raise ValueError(f"{path}: not an IDX file: magic number {data[:4].hex() or 'missing'}, expected 0000 then "
+                         f"a type code ({', '.join(f'{t:02x}' for t in _IDX_TYPES)}) and the number of dimensions")
+    dtype, ndim = _IDX_TYPES[data[2]], data[3]
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{path}: truncated IDX header ({len(data)} bytes, {ndim} dimensions need {header})")
+    dims = struct.unpack(f">{ndim}I", data[4:header])
+    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(f"{path}: the header gives dimensions {list(dims)} ({expected} bytes) but the file "
+                         f"holds {len(data)} bytes")
+    return np.frombuffer(data, dtype=dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
+
+
+def _read_typed(path: Path, ndim: int) -> np.ndarray:
+    array = read_idx(path)
+    if array.dtype != np.uint8 or array.ndim != ndim:
+        raise ValueError(f"{path}: expected {ndim}-dimensional uint8 data, got {array.ndim}-dimensional {array.dtype}")
+    return array
+
+
+@dataclass(frozen=True)
+class IdxLayout:
+    """One IDX dataset: its registry name, its folder under the data root, the file prefixes
+    of its train and test splits, torchvision's class (and keyword arguments) for it, where
+    to get it, its class names and the shift that makes its labels start at 0."""
+
+    dataset: str
+    folder: str
+    prefixes: tuple
+    torchvision_class: str
+    torchvision_kwargs: tuple  # (name, value) pairs
+    how_to_get: str
+    class_names: tuple
+    label_shift: int = 0
+
+
+def _raw_split(layout: IdxLayout, images, labels, source: Path) -> RawData:
+    """The conversion both paths share: [N, H, W] uint8 images and [N] labels to RawData."""
+    images, labels = np.asarray(images), np.asarray(labels).astype(np.int64) - layout.label_shift
+    if len(images) != len(labels):
+        raise ValueError(f"{source}: {len(images)} images but {len(labels)} labels")
+    labels = check_labels(torch.from_numpy(labels), len(layout.class_names), source)
+    return RawData(nchw_tensor(images, "NHW"), labels, len(layout.class_names), class_names=layout.class_names)
+
+
+def read_idx_dataset(root: Path, layout: IdxLayout, *, download: bool = False) -> RawData:
+    """Train then test of an IDX dataset: through torchvision where it imports and either the
+    uncompressed files are there or ``download`` is set; else by parsing the files (the .gz
+    ones too, which torchvision only reads after downloading)."""
+    directory = Path(root) / layout.folder
+    check_download(download, layout.dataset, directory, layout.how_to_get)
+    stems = [(f"{p}-images-idx3-ubyte", f"{p}-labels-idx1-ubyte") for p in layout.prefixes]
+    tv = torchvision_datasets()
+    use_torchvision = tv is not None and (download or all((directory / n).is_file() for pair in stems for n in pair))
+    splits = []
+    for train, (images_stem, labels_stem) in zip((True, False), stems):
+        if use_torchvision:
+            ds = getattr(tv, layout.torchvision_class)(str(root), train=train, download=download,
+                                                       **dict(layout.torchvision_kwargs))
+            images, labels = ds.data.numpy(), ds.targets.numpy()
+        else:
+            images = _read_typed(find_file(directory, (images_stem, images_stem + ".gz"), layout.dataset,
+                                           layout.how_to_get), 3)
+            labels = _read_typed(find_file(directory, (labels_stem, labels_stem + ".gz"), layout.dataset,
+                                           layout.how_to_get), 1)
+        splits.append(_raw_split(layout, images, labels, directory / images_stem))
+    return pool_splits(*splits)
+
+
+MNIST = IdxLayout("mnist", "MNIST/raw", ("train", "t10k"), "MNIST", (), MNIST_HOW, MNIST_CLASSES)
+
+
+def read_mnist(root: Path, *, download: bool = False) -> RawData:
+    """MNIST's 60,000 train and 10,000 test digits: [70000, 1, 28, 28] uint8, labels 0..9,
+    test last.  ``root`` is the data root (files in ``<root>/MNIST/raw``)."""
+    return read_idx_dataset(root, MNIST, download=download)
+
+
+def read_emnist(root: Path, *, split: str = "balanced", download: bool = False) -> RawData:
+    """One EMNIST split (byclass 62 classes, bymerge 47, balanced 47, letters 26, digits 10,
+    mnist 10), train then test, images as stored (transposed; see the module docstring).
+    ``letters`` labels are shifted from 1..26 to 0..25.  Files in ``<root>/EMNIST/raw``."""
+    if split not in EMNIST_CLASSES:
+        raise ValueError(f"emnist: unknown split {split!r}; valid splits: {', '.join(EMNIST_CLASSES)}")
+    layout = IdxLayout("emnist", "EMNIST/raw", (f"emnist-{split}-train", f"emnist-{split}-test"), "EMNIST",
+                       (("split", split),), EMNIST_HOW, EMNIST_CLASSES[split], 1 if split == "letters" else 0)
+    return read_idx_dataset(root, layout, download=download)

@@ -1,0 +1,87 @@
+"""SVHN (cropped digits): the MATLAB files, in torchvision's layout.
+
+    <root>/train_32x32.mat, <root>/test_32x32.mat (and <root>/extra_32x32.mat with extra=True)
+
+Each file (MATLAB v5, read with ``scipy.io.loadmat``) holds ``X`` [32, 32, 3, N] uint8 and
+``y`` [N, 1] with labels 1..10, where 10 stands for the digit 0; as torchvision does, 10 is
+mapped to 0, so labels are the digits 0..9.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .common import RawData, check_download, check_labels, find_file, nchw_tensor, pool_splits, torchvision_datasets
+
+SVHN_URL = "http://ufldl.stanford.edu/housenumbers/"
+SVHN_HOW = (f"download train_32x32.mat and test_32x32.mat (and extra_32x32.mat for extra=True) from {SVHN_URL} "
+            f"into the data root, or pass download=True where torchvision is installed and a network is reachable")
+SVHN_CLASSES = tuple(str(d) for d in range(10))
+
+
+def read_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(X [32, 32, 3, N] uint8, y [N] int64 as stored) of one SVHN .mat file.
+
+    Raises:
+        ImportError: scipy is not installed.
+        ValueError: naming the file, when it is not a MATLAB file or lacks or misshapes X or y.
+    """
+    try:
+        from scipy.io import loadmat
+    except ImportError as error:
+        raise ImportError("svhn: reading the .mat files needs scipy: pip install scipy") from error
+    try:
+        mat = loadmat(str(path))
+    except Exception as error:  # noqa: BLE001  scipy raises several types for a damaged file
+        raise ValueError(f"{path}: not a readable MATLAB file ({type(error).__name__}: {error})") from error
+    missing = [key for key in ("X", "y") if key not in mat]
+    if missing:
+        present = sorted(key for key in mat if not key.startswith("__"))
+        raise ValueError(f"{path}: no {' and '.join(missing)} in the file (it has {present})")
+    images, labels = mat["X"], mat["y"]
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[:3] != (32, 32, 3):
+        raise ValueError(f"{path}: X must be [32, 32, 3, N] uint8, got {images.dtype} {list(images.shape)}")
+    if labels.size != images.shape[3]:
+        raise ValueError(f"{path}: {images.shape[3]} images in X but {labels.size} labels in y")
+    return images, labels.reshape(-1).astype(np.int64)
+
+
+def _raw_split(pixels: torch.Tensor, labels: np.ndarray, source) -> RawData:
+    """The conversion both paths share: labels 10 -> 0, checked to be digits."""
+    labels = torch.from_numpy(np.where(labels == 10, 0, labels).astype(np.int64))
+    return RawData(pixels, check_labels(labels, 10, source), 10, class_names=SVHN_CLASSES)
+
+
+def read_svhn(root: Path, *, extra: bool = False, download: bool = False) -> RawData:
+    """SVHN's train (73,257 images; with ``extra``, then the 531,131 extra ones) and test
+    (26,032) images: [N, 3, 32, 32] uint8, labels 0..9, test last.  ``root`` is the data root."""
+    root = Path(root)
+    check_download(download, "svhn", root, SVHN_HOW)
+    tv = torchvision_datasets()
+    train_names = ("train", "extra") if extra else ("train",)
+    splits = []
+    for names in (train_names, ("test",)):
+        parts = []
+        for name in names:
+            source = root / f"{name}_32x32.mat"
+            if tv is not None:
+                ds = _torchvision_split(tv, root, name, download)
+                parts.append(_raw_split(nchw_tensor(ds.data, "NCHW"),
+                                        np.asarray(ds.labels, dtype=np.int64).reshape(-1), source))
+            else:
+                images, labels = read_mat(find_file(root, (source.name,), "svhn", SVHN_HOW))
+                parts.append(_raw_split(nchw_tensor(images, "HWCN"), labels, source))
+        splits.append(parts[0] if len(parts) == 1 else RawData(
+            torch.cat([p.pixels for p in parts]), torch.cat([p.labels for p in parts]), 10, class_names=SVHN_CLASSES))
+    return pool_splits(*splits)
+
+
+def _torchvision_split(tv, root: Path, name: str, download: bool):
+    try:
+        return tv.SVHN(str(root), split=name, download=download)
+    except RuntimeError as error:  # torchvision found no file, or one with another checksum
+        find_file(root, (f"{name}_32x32.mat",), "svhn", SVHN_HOW)
+        raise ValueError(f"svhn: torchvision refused {root / f'{name}_32x32.mat'} ({error}); "
+                         f"set PFL_NO_TORCHVISION=1 to read it without its checksum test") from error

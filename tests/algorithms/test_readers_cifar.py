@@ -1,0 +1,117 @@
+"""CIFAR-10 and CIFAR-100 read back from tiny pickle batches (Python 2 style, as the real
+files are, and Python 3 with bytes keys), their errors, and the torchvision path."""
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from pfl_algorithms.data import load_dataset
+from tests.algorithms.fake_files import assert_normalized, assert_same_dataset, py2_pickle, write_cifar
+
+
+@pytest.fixture(autouse=True)
+def direct_reader(monkeypatch):
+    monkeypatch.setenv("PFL_NO_TORCHVISION", "1")
+
+
+def _pooled(written, key=1):
+    batches = written["train"] + written["test"]
+    pixels = np.concatenate([b[0] for b in batches]).reshape(-1, 3, 32, 32)
+    return pixels, torch.tensor([v for b in batches for v in b[key]])
+
+
+@pytest.mark.parametrize("py2", [True, False])
+def test_cifar10(tmp_path, py2):
+    written = write_cifar(tmp_path, "cifar10", (3, 4), np.random.default_rng(0), py2=py2)
+    data = load_dataset("cifar10", root=tmp_path)
+    pixels, labels = _pooled(written)
+    assert data.name == "cifar10" and data.num_classes == 10 and data.input_shape == (3, 32, 32) and len(data) == 19
+    assert_normalized(data, pixels)
+    assert torch.equal(data.labels, labels)
+    assert data.test_mask.tolist() == [False] * 15 + [True] * 4
+    assert data.class_names == tuple(written["names"])
+    assert data.coarse_labels is None and data.coarse_names is None
+
+
+def test_cifar10_plane_order(tmp_path):
+    # data rows are the R, G and B planes of 32x32 pixels, row-major.
+    written = write_cifar(tmp_path, "cifar10", (1, 1), np.random.default_rng(1))
+    data = load_dataset("cifar10", root=tmp_path)
+    row = written["train"][0][0][0]
+    pixels = data.to_pixels(data.inputs[0])
+    assert abs(float(pixels[1, 2, 3]) - row[1024 + 2 * 32 + 3] / 255) < 1e-5
+    assert abs(float(pixels[2, 31, 0]) - row[2048 + 31 * 32] / 255) < 1e-5
+
+
+@pytest.mark.parametrize("py2", [True, False])
+def test_cifar100(tmp_path, py2):
+    written = write_cifar(tmp_path, "cifar100", (6, 4), np.random.default_rng(2), py2=py2)
+    data = load_dataset("cifar100", root=tmp_path)
+    pixels, labels = _pooled(written)
+    assert data.num_classes == 100 and len(data) == 10
+    assert_normalized(data, pixels)
+    assert torch.equal(data.labels, labels)
+    assert torch.equal(data.coarse_labels, _pooled(written, key=2)[1])
+    assert data.class_names == tuple(written["fine_names"]) and data.coarse_names == tuple(written["coarse_names"])
+    assert data.test_mask.tolist() == [False] * 6 + [True] * 4
+
+
+def test_missing_file(tmp_path):
+    write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(3))
+    (tmp_path / "cifar-10-batches-py" / "data_batch_4").unlink()
+    with pytest.raises(FileNotFoundError) as error:
+        load_dataset("cifar10", root=tmp_path)
+    for part in ("'data_batch_4'", str(tmp_path / "cifar-10-batches-py"), "cifar-10-python.tar.gz", "PFL_DATA_ROOT"):
+        assert part in str(error.value)
+    with pytest.raises(FileNotFoundError, match=r"'train' not found in .*cifar-100-python.*cifar-100-python.tar.gz"):
+        load_dataset("cifar100", root=tmp_path)
+
+
+ZEROS = np.zeros((2, 3072), np.uint8)
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("data_batch_2", py2_pickle({"data": ZEROS}), r"no 'labels' in the pickle \(it has \['data'\]\)"),
+    ("test_batch", py2_pickle({"data": ZEROS[:, :100], "labels": [0, 1]}), r"'data' must be an \[n, 3072\] uint8"),
+    ("test_batch", py2_pickle({"data": ZEROS, "labels": [0]}), "2 images but 1 'labels'"),
+    ("test_batch", py2_pickle({"data": ZEROS, "labels": [0, 10]}), r"labels must lie in \[0, 10\)"),
+    ("batches.meta", py2_pickle({"num_vis": 3072}), "no 'label_names'"),
+    ("data_batch_1", b"garbage", "not a CIFAR python pickle"),
+    ("data_batch_1", pickle.dumps([1, 2]), "holds a list, not a dict"),
+    ("data_batch_1", pickle.dumps({"data": torch.nn.Identity()}), "refusing to load the global"),
+])
+def test_corrupt_files(tmp_path, file, content, message):
+    write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(4))
+    (tmp_path / "cifar-10-batches-py" / file).write_bytes(content)
+    with pytest.raises(ValueError, match=message) as error:
+        load_dataset("cifar10", root=tmp_path)
+    assert str(tmp_path / "cifar-10-batches-py") in str(error.value)
+
+
+def test_cifar100_bad_coarse_labels(tmp_path):
+    write_cifar(tmp_path, "cifar100", (2, 2), np.random.default_rng(5))
+    entry = {"data": np.zeros((2, 3072), np.uint8), "fine_labels": [0, 1], "coarse_labels": [0, 20]}
+    (tmp_path / "cifar-100-python" / "test").write_bytes(py2_pickle(entry))
+    with pytest.raises(ValueError, match=r"cifar-100-python/test: labels must lie in \[0, 20\)"):
+        load_dataset("cifar100", root=tmp_path)
+
+
+def test_download_needs_torchvision(tmp_path):
+    with pytest.raises(ValueError, match="download=True needs torchvision and a network.*cifar-10-python.tar.gz"):
+        load_dataset("cifar10", root=tmp_path, download=True)
+
+
+def test_torchvision_gives_the_same_tensors(tmp_path, monkeypatch):
+    torchvision = pytest.importorskip("torchvision")
+    rng = np.random.default_rng(6)
+    write_cifar(tmp_path, "cifar10", (3, 4), rng)
+    write_cifar(tmp_path, "cifar100", (6, 4), rng)
+    direct = [load_dataset(name, root=tmp_path) for name in ("cifar10", "cifar100")]
+    monkeypatch.delenv("PFL_NO_TORCHVISION")
+    # torchvision checks the real files' MD5 sums; these tiny files have others.
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
+    through = [load_dataset(name, root=tmp_path) for name in ("cifar10", "cifar100")]
+    for a, b in zip(direct, through):
+        assert_same_dataset(a, b)
