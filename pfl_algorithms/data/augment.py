@@ -61,7 +61,8 @@ __all__ = [
     "parse_augmentation_spec",
     "draw_crop_offsets", "draw_flips", "draw_resized_crop_boxes", "draw_jitter_params", "draw_grayscale",
     "random_crop", "crop_padded", "horizontal_flip", "random_resized_crop", "resized_crop", "color_jitter",
-    "apply_color_jitter", "random_grayscale", "rgb_to_grayscale", "rgb_to_hsv", "hsv_to_rgb",
+    "apply_color_jitter", "random_grayscale", "rgb_to_grayscale", "adjust_brightness", "adjust_contrast",
+    "adjust_saturation", "adjust_hue",
 ]
 
 # ITU-R 601-2 luma, as torchvision's tensor rgb_to_grayscale (and Pillow's "L" conversion).
@@ -179,24 +180,33 @@ def _channel_values(value: Fill, channels: int, like: Tensor, name: str) -> Tens
     return values.expand(channels).reshape(channels, 1, 1)
 
 
-def crop_padded(x: Tensor, top: Tensor, left: Tensor, *, padding: int, fill: Fill = 0.0) -> Tensor:
-    """Crop each image of ``x`` [B, C, H, W], padded by ``padding`` on every side with ``fill``,
-    back to H x W at its own (``top[b]``, ``left[b]``) in the padded image.
+def crop_padded(x: Tensor, top: Tensor, left: Tensor, *, padding: int, fill: Fill = 0.0,
+                flip: Optional[Tensor] = None) -> Tensor:
+    """Crop each image of ``x`` [B, C, H, W], padded by ``padding`` on every side with ``fill``
+    (a number or one per channel), back to H x W at its own (``top[b]``, ``left[b]``) in the
+    padded image.  ``flip``: optional bool [B], mirror those crops left-right (the same as a
+    flip after the crop, done in the same gather).
 
-    One gather: output pixel (i, j) of sample b reads input pixel (top[b] - padding + i,
-    left[b] - padding + j), or ``fill`` (a number or one per channel) where that lies outside.
+    The padded batch is built once, then one gather reads each sample's window: output pixel
+    (i, j) of sample b is padded pixel (top[b] + i, left[b] + j) (or left[b] + W - 1 - j when
+    flipped).  Pure data movement: the values are copied exactly.
     """
     _check_batch(x)
+    padding = _check_padding(padding)
     batch, channels, height, width = x.shape
+    padded_w = width + 2 * padding
+    padded = x.new_empty(batch, channels, height + 2 * padding, padded_w)
+    padded.copy_(_channel_values(fill, channels, x, "fill").expand_as(padded))
+    padded[:, :, padding:padding + height, padding:padding + width] = x
     offsets = torch.stack((top, left)).to(device=x.device, dtype=torch.int64)
-    rows = offsets[0, :, None] - padding + torch.arange(height, device=x.device)  # [B, H]
-    cols = offsets[1, :, None] - padding + torch.arange(width, device=x.device)  # [B, W]
-    inside = (((rows >= 0) & (rows < height))[:, :, None] & ((cols >= 0) & (cols < width))[:, None, :])
-    # Outside pixels read a clamped (valid) address and are then replaced by the fill.
-    flat = rows.clamp(0, height - 1)[:, :, None] * width + cols.clamp(0, width - 1)[:, None, :]
-    index = flat.reshape(batch, 1, height * width).expand(batch, channels, height * width)
-    out = x.reshape(batch, channels, height * width).gather(2, index).view(batch, channels, height, width)
-    return torch.where(inside[:, None], out, _channel_values(fill, channels, x, "fill"))
+    rows = offsets[0, :, None] + torch.arange(height, device=x.device)  # [B, H]
+    steps = torch.arange(width, device=x.device).expand(batch, width)
+    if flip is not None:
+        steps = torch.where(flip.to(x.device)[:, None], width - 1 - steps, steps)
+    cols = offsets[1, :, None] + steps  # [B, W]
+    flat = (rows[:, :, None] * padded_w + cols[:, None, :]).reshape(batch, 1, height * width)
+    out = padded.reshape(batch, channels, -1).gather(2, flat.expand(batch, channels, height * width))
+    return out.view(batch, channels, height, width)
 
 
 def random_crop(x: Tensor, generator: torch.Generator, *, padding: int = 4, fill: Fill = 0.0) -> Tensor:
@@ -320,7 +330,10 @@ def resized_crop(x: Tensor, top: Tensor, left: Tensor, box_h: Tensor, box_w: Ten
     boxes = torch.stack((top, left, box_h, box_w)).to(device=x.device, dtype=torch.int64)
     rows = _resize_weights(boxes[0], boxes[2], out_h, x.shape[2], wdtype).to(x.dtype)  # [B, out_h, H]
     cols = _resize_weights(boxes[1], boxes[3], out_w, x.shape[3], wdtype).to(x.dtype)  # [B, out_w, W]
-    return torch.matmul(rows[:, None], torch.matmul(x, cols.transpose(1, 2)[:, None]))
+    batch, channels, height, width = x.shape
+    # Columns first as one bmm over [B, C*H, W] (a broadcast matmul would expand cols C times).
+    resized_cols = torch.bmm(x.reshape(batch, channels * height, width), cols.transpose(1, 2))
+    return torch.matmul(rows[:, None], resized_cols.view(batch, channels, height, out_w))
 
 
 def random_resized_crop(x: Tensor, generator: torch.Generator, *, size=None, scale=(0.08, 1.0),
@@ -354,80 +367,75 @@ def rgb_to_grayscale(rgb: Tensor) -> Tensor:
     return (GRAY_WEIGHTS[0] * r + GRAY_WEIGHTS[1] * g + GRAY_WEIGHTS[2] * b).unsqueeze(-3)
 
 
-def rgb_to_hsv(rgb: Tensor) -> Tensor:
-    """RGB [..., 3, H, W] (pixels in [0, 1]) to HSV [..., 3, H, W], hue as a fraction of a turn.
-
-    Pillow's (and torchvision's tensor) conversion: v = max, s = (max - min) / max, and the
-    hue from the channel holding the max (red first, then green, when two tie); grey pixels
-    (max == min) get hue 0 and saturation 0.
-    """
-    r, g, b = rgb.unbind(-3)
-    value = torch.maximum(torch.maximum(r, g), b)
-    chroma = value - torch.minimum(torch.minimum(r, g), b)
-    grey = chroma == 0
-    # Grey pixels divide by 1 instead of 0: their hue terms are 0 / 1 = 0, no NaN to clean up.
-    safe_chroma = torch.where(grey, torch.ones_like(chroma), chroma)
-    saturation = chroma / torch.where(grey, torch.ones_like(value), value)
-    hue = torch.where(value == r, (g - b) / safe_chroma,
-                      torch.where(value == g, 2.0 + (b - r) / safe_chroma, 4.0 + (r - g) / safe_chroma))
-    hue = torch.fmod(hue / 6.0 + 1.0, 1.0)
-    return torch.stack((hue, saturation, value), dim=-3)
-
-
-# For each sixth of the hue circle, which of (v, p, q, t) becomes R, G and B.
-_HSV_SECTOR_SOURCES = ((0, 3, 1), (2, 0, 1), (1, 0, 3), (1, 2, 0), (3, 1, 0), (0, 1, 2))
-
-
-def hsv_to_rgb(hsv: Tensor) -> Tensor:
-    """HSV [..., 3, H, W] (as :func:`rgb_to_hsv` gives) back to RGB [..., 3, H, W].
-
-    The sector formula: with i = floor(6h) mod 6 and f = 6h - floor(6h), p = v (1 - s),
-    q = v (1 - s f), t = v (1 - s (1 - f)) (each clamped to [0, 1], as torchvision does), and
-    sector i picks (R, G, B) among v, p, q, t.
-    """
-    hue, saturation, value = hsv.unbind(-3)
-    sixths = hue * 6.0
-    sector = torch.floor(sixths)
-    frac = sixths - sector
-    p = (value * (1.0 - saturation)).clamp(0.0, 1.0)
-    q = (value * (1.0 - saturation * frac)).clamp(0.0, 1.0)
-    t = (value * (1.0 - saturation * (1.0 - frac))).clamp(0.0, 1.0)
-    candidates = torch.stack((value, p, q, t), dim=-3)
-    sources = torch.tensor(_HSV_SECTOR_SOURCES, device=hsv.device)[sector.to(torch.int64) % 6]  # [..., H, W, 3]
-    return candidates.gather(-3, sources.movedim(-1, -3))
-
-
-def _per_sample(factor: Tensor) -> Tensor:
+def _per_sample(factor: Tensor, img: Tensor) -> Tensor:
+    """One factor per sample, shaped [B, 1, 1, 1] to broadcast over an image, in img's dtype and device."""
+    factor = torch.as_tensor(factor, dtype=img.dtype).to(img.device)
+    if factor.dim() == 0:
+        return factor.expand(img.shape[0]).reshape(-1, 1, 1, 1)
+    if factor.shape != (img.shape[0],):
+        raise ValueError(f"factor must be a number or one per sample [{img.shape[0]}], got shape {tuple(factor.shape)}")
     return factor.reshape(-1, 1, 1, 1)
 
 
 def _blend(img: Tensor, other: Tensor, factor: Tensor) -> Tensor:
-    """torchvision's blend for float images: ``factor * img + (1 - factor) * other``, clamped to [0, 1]."""
-    factor = _per_sample(factor)
-    return (factor * img + (1.0 - factor) * other).clamp(0.0, 1.0)
+    """torchvision's blend for float images, ``factor * img + (1 - factor) * other``, clamped to [0, 1]
+    (computed as ``other + factor * (img - other)``: one ``lerp``)."""
+    return torch.lerp(other, img, factor).clamp_(0.0, 1.0)
 
 
-def _adjust_brightness(img: Tensor, factor: Tensor) -> Tensor:
-    return _blend(img, torch.zeros((), dtype=img.dtype, device=img.device), factor)
+def adjust_brightness(img: Tensor, factor) -> Tensor:
+    """``factor * img`` clamped to [0, 1] (torchvision: a blend with black), per sample.
+
+    ``img``: pixel-scale [B, C, H, W]; ``factor``: a number or [B], >= 0.  Likewise for the
+    other ``adjust_*`` functions.
+    """
+    return (img * _per_sample(factor, img)).clamp_(0.0, 1.0)
 
 
-def _adjust_contrast(img: Tensor, factor: Tensor) -> Tensor:
-    # Blend towards the mean luma of each image (the image's own mean when grey).
+def adjust_contrast(img: Tensor, factor) -> Tensor:
+    """Blend each image with its mean luma (its own mean when grey), clamped to [0, 1]."""
     luma = rgb_to_grayscale(img) if img.shape[1] == 3 else img
-    return _blend(img, luma.mean(dim=(1, 2, 3), keepdim=True), factor)
+    return _blend(img, luma.mean(dim=(1, 2, 3), keepdim=True), _per_sample(factor, img))
 
 
-def _adjust_saturation(img: Tensor, factor: Tensor) -> Tensor:
-    return _blend(img, rgb_to_grayscale(img), factor)
+def adjust_saturation(img: Tensor, factor) -> Tensor:
+    """Blend each RGB image with its luma image, clamped to [0, 1] (grey images: unchanged)."""
+    if img.shape[1] == 1:
+        return img
+    return _blend(img, rgb_to_grayscale(img), _per_sample(factor, img))
 
 
-def _adjust_hue(img: Tensor, shift: Tensor) -> Tensor:
-    hsv = rgb_to_hsv(img)
-    hue = torch.remainder(hsv[:, 0] + shift.reshape(-1, 1, 1), 1.0)
-    return hsv_to_rgb(torch.cat((hue[:, None], hsv[:, 1:]), dim=1))
+def adjust_hue(img: Tensor, shift) -> Tensor:
+    """Rotate the hue of each RGB image by ``shift`` (a fraction of a turn in [-0.5, 0.5]; a
+    number or [B]), keeping HSV's saturation and value (grey images: unchanged).
+
+    torchvision converts to HSV (Pillow's formulas: v = max, s = (max - min) / max, the hue
+    from the channel holding the max, red first, then green, on ties, 0 for grey pixels),
+    adds the shift modulo 1 and converts back with the sector formula.  Here the same map,
+    without building HSV: a hue rotation keeps each pixel's max and min, so with the hue in
+    sixths of a turn h6 (shifted, modulo 6) and the chroma c = max - min, channel n (5 for
+    red, 3 for green, 1 for blue) is ``max - c * clamp(min(k, 4 - k), 0, 1)`` with
+    k = (n + h6) mod 6, the sector formula written without its case split.  For pixels in
+    [0, 1] this equals torchvision's, whose clamps of p, q, t to [0, 1] then never act.
+    """
+    if img.shape[1] == 1:
+        return img
+    r, g, b = img.unbind(1)
+    top = torch.maximum(torch.maximum(r, g), b)
+    chroma = top - torch.minimum(torch.minimum(r, g), b)
+    # Grey pixels divide by 1 instead of 0: their hue terms are 0 / 1 = 0, no NaN to clean up.
+    inverse = torch.where(chroma == 0, 1.0, chroma).reciprocal_()
+    sixths = torch.where(top == r, (g - b) * inverse,
+                         torch.where(top == g, (b - r) * inverse + 2.0, (r - g) * inverse + 4.0))
+    sixths = torch.remainder(sixths + 6.0 * _per_sample(shift, img)[:, 0], 6.0)
+    channels = []
+    for n in (5.0, 3.0, 1.0):
+        k = torch.remainder(sixths + n, 6.0)
+        channels.append(top - chroma * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0))
+    return torch.stack(channels, dim=1)
 
 
-_ADJUST = (_adjust_brightness, _adjust_contrast, _adjust_saturation, _adjust_hue)
+_ADJUST = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
 
 
 @dataclass(frozen=True)
@@ -488,15 +496,16 @@ def apply_color_jitter(pixels: Tensor, params: JitterParams) -> Tensor:
     * brightness f: ``f * img`` (a blend with black);
     * contrast f: blend with the image's mean luma, ``f * img + (1 - f) * mean(gray(img))``;
     * saturation f: blend with the luma image, ``f * img + (1 - f) * gray(img)``;
-    * hue shift d: to HSV (:func:`rgb_to_hsv`), h <- (h + d) mod 1, back (:func:`hsv_to_rgb`).
+    * hue shift d: in HSV, h <- (h + d) mod 1 (:func:`adjust_hue`).
 
     Single-channel images get brightness and contrast only (saturation and hue are no-ops on
     grey, as in torchvision).  Samples without ``apply`` are returned unchanged.
 
     Batched by position: for each of the 4 positions and each adjustment, the samples that do
     that adjustment at that position are gathered (``index_select``), adjusted together and
-    written back, so the work is that of one pass per adjustment over the applied samples.
-    The sample lists are computed on the CPU from the CPU-drawn parameters: no device sync.
+    written back in place (``index_copy_``), so the work is that of one pass per adjustment
+    over the applied samples.  The sample lists are computed on the CPU from the CPU-drawn
+    parameters and reach the device in one copy: no device sync.
     """
     _check_batch(pixels, name="pixels")
     _check_colour_channels(pixels, "color jitter")
@@ -508,18 +517,19 @@ def apply_color_jitter(pixels: Tensor, params: JitterParams) -> Tensor:
     if pixels.shape[1] == 1:
         enabled[2] = enabled[3] = False
     apply, order = params.apply.cpu(), params.order.cpu()
+    # Which samples do which adjustment at each position, in application order; the lists
+    # travel to the device in one copy.
+    work = [(adjustment, (apply & (order[:, position] == adjustment)).nonzero().squeeze(1))
+            for position in range(4) for adjustment in range(4) if enabled[adjustment]]
+    work = [(adjustment, chosen) for adjustment, chosen in work if chosen.numel()]
+    out = pixels.clone()
+    if not work:
+        return out
     factors = params.factors.to(device=pixels.device, dtype=pixels.dtype)
-    out = pixels
-    for position in range(4):
-        for adjustment in range(4):
-            if not enabled[adjustment]:
-                continue
-            chosen = (apply & (order[:, position] == adjustment)).nonzero().squeeze(1)
-            if chosen.numel() == 0:
-                continue
-            chosen = chosen.to(pixels.device)
-            adjusted = _ADJUST[adjustment](out.index_select(0, chosen), factors[chosen, adjustment])
-            out = out.index_copy(0, chosen, adjusted)
+    indices = torch.cat([chosen for _, chosen in work]).to(pixels.device)
+    for (adjustment, _), chosen in zip(work, indices.split([len(c) for _, c in work])):
+        adjusted = _ADJUST[adjustment](out.index_select(0, chosen), factors[chosen, adjustment])
+        out.index_copy_(0, chosen, adjusted)
     return out
 
 
@@ -771,7 +781,10 @@ class Augmentation:
         work = x if x.dtype in (torch.float32, torch.float64) else x.float()
         normalized = self.mean is not None
         mean, std = self._mean_std(work) if normalized else (None, None)
-        for name, options in self.steps:
+        position = 0
+        while position < len(self.steps):
+            name, options = self.steps[position]
+            position += 1
             kwargs = dict(options)
             if AUGMENTATIONS[name].photometric and normalized:
                 work, normalized = work * std + mean, False
@@ -780,6 +793,13 @@ class Augmentation:
                 kwargs["fill"] = (_channel_values(kwargs["fill"], work.shape[1], work, "fill") - mean) / std
             if name == "resized-crop" and kwargs["size"] is None:
                 kwargs["size"] = self.image_size
+            if name == "crop" and position < len(self.steps) and self.steps[position][0] == "flip":
+                # crop then flip in one gather; the same draws in the same order as the two steps.
+                top, left = draw_crop_offsets(work.shape[0], kwargs["padding"], generator)
+                flip = draw_flips(work.shape[0], self.steps[position][1]["p"], generator)
+                work = crop_padded(work, top, left, padding=kwargs["padding"], fill=kwargs["fill"], flip=flip)
+                position += 1
+                continue
             work = _STEP_FUNCTIONS[name](work, generator, **kwargs)
         if self.mean is not None and not normalized:
             work = (work - mean) / std

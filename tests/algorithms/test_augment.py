@@ -299,15 +299,31 @@ def test_jitter_identity(dtype):
     assert torch.equal(color_jitter(x, gen(), p=0.0), x)
 
 
-def test_hsv_round_trip():
-    x = pixels((3, 3, 7, 9), torch.float64)
-    hsv = augment.rgb_to_hsv(x)
-    assert float(hsv.min()) >= 0 and float(hsv.max()) < 1
-    assert_close(augment.hsv_to_rgb(hsv), x, torch.float64, "hsv round trip")
-    expected = torch.tensor([colorsys.rgb_to_hsv(*x[0, :, 2, 3].tolist())], dtype=torch.float64)[0]
-    assert_close(hsv[0, :, 2, 3], expected, torch.float64, "one pixel against colorsys")
-    grey = x[:, :1].expand(3, 3, 7, 9)
-    assert torch.equal(augment.rgb_to_hsv(grey)[:, :2], torch.zeros(3, 2, 7, 9, dtype=torch.float64))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adjust_hue_matches_colorsys(dtype):
+    """Every hue sector, grey pixels, ties between channels, the shift's extremes."""
+    x = pixels((6, 3, 7, 9), torch.float64)
+    x[:, :, 0, :3] = 0.4  # grey
+    x[:, 0, 1, :] = x[:, 1, 1, :]  # red == green
+    x[:, 1, 2, :] = x[:, 2, 2, :]  # green == blue
+    x[:, 0, 3, :] = x[:, 2, 3, :]  # red == blue
+    x = x.to(dtype)
+    shifts = torch.tensor([-0.5, -0.1, 0.0, 0.05, 0.37, 0.5], dtype=torch.float64)
+    out = augment.adjust_hue(x, shifts)
+    expected = torch.stack([ref_hue(x[b].double(), float(shifts[b])) for b in range(6)])
+    assert_close(out, expected, dtype, "hue")
+    assert_close(augment.adjust_hue(x, 0.0), x.double(), dtype, "hue shift 0")
+    grey = pixels((2, 1, 3, 3), dtype)
+    assert torch.equal(augment.adjust_hue(grey, 0.3), grey) and torch.equal(augment.adjust_saturation(grey, 0.3), grey)
+
+
+def test_adjustments_take_a_number_or_one_factor_per_sample():
+    x = pixels((4, 3, 5, 5))
+    assert torch.equal(augment.adjust_brightness(x, 0.5), augment.adjust_brightness(x, torch.full((4,), 0.5)))
+    assert_close(augment.adjust_contrast(x, 1.0), x.double(), torch.float32, "contrast 1")
+    assert torch.equal(augment.adjust_saturation(x, 0.0), augment.rgb_to_grayscale(x).expand_as(x).clamp(0, 1))
+    with pytest.raises(ValueError, match=r"factor must be a number or one per sample \[4\]"):
+        augment.adjust_brightness(x, torch.ones(3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -531,3 +547,13 @@ def test_cuda_matches_cpu(spec):
     assert on_gpu.device.type == "cuda" and on_gpu.dtype == x.dtype
     assert torch.equal(torch.cuda.get_rng_state(), before)
     torch.testing.assert_close(on_gpu.cpu(), aug(x, gen()), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_crop_flip_equals_the_two_steps(dtype):
+    """The pipeline does crop then flip in one gather: the same draws, the same values, exactly."""
+    x, mean, std = normalized((9, 3, 7, 9), dtype)
+    out = make_augmentation("crop(padding=3),flip(p=0.5)", mean=mean, std=std)(x, gen())
+    g = gen()
+    black = -torch.tensor(mean, dtype=dtype) / torch.tensor(std, dtype=dtype)
+    assert torch.equal(out, horizontal_flip(random_crop(x, g, padding=3, fill=black), g, p=0.5))
