@@ -358,7 +358,7 @@ def random_resized_crop(x: Tensor, generator: torch.Generator, *, size=None, sca
 
 
 # --------------------------------------------------------------------------------------------
-# Colour: grayscale, HSV, the jitter's four adjustments (torchvision's tensor formulas).
+# Colour: grayscale and the jitter's four adjustments (torchvision's tensor formulas).
 
 
 def rgb_to_grayscale(rgb: Tensor) -> Tensor:
@@ -512,7 +512,8 @@ def apply_color_jitter(pixels: Tensor, params: JitterParams) -> Tensor:
     batch = pixels.shape[0]
     if params.order.shape != (batch, 4) or params.factors.shape != (batch, 4) or params.apply.shape != (batch,):
         raise ValueError(f"params were drawn for another batch size: apply {tuple(params.apply.shape)}, order "
-                         f"{tuple(params.order.shape)}, factors {tuple(params.factors.shape)}; pixels {tuple(pixels.shape)}")
+                         f"{tuple(params.order.shape)}, factors {tuple(params.factors.shape)}; "
+                         f"pixels {tuple(pixels.shape)}")
     enabled = list(params.enabled)
     if pixels.shape[1] == 1:
         enabled[2] = enabled[3] = False
@@ -603,7 +604,8 @@ AUGMENTATIONS: dict[str, AugmentationSpec] = {spec.name: spec for spec in (
     AugmentationSpec("grayscale", "luma on all channels with probability p (RandomGrayscale(0.2))", {"p": 0.2},
                      photometric=True),
     AugmentationSpec("factorized-fl", "the released Factorized-FL code's training transforms: "
-                     "resized-crop, flip, jitter, grayscale", {}, steps=("resized-crop", "flip", "jitter", "grayscale")),
+                     "resized-crop, flip, jitter, grayscale", {},
+                     steps=("resized-crop", "flip", "jitter", "grayscale")),
 )}
 
 _STEP_FUNCTIONS: dict[str, Callable[..., Tensor]] = {
@@ -673,7 +675,8 @@ def _parse_step(text: str, spec: str) -> list[tuple[str, dict]]:
             key, eq, value = item.partition("=")
             key = key.strip()
             if not eq or not key:
-                raise ValueError(f"malformed option {item!r} of {name!r} in augmentation spec {spec!r}: expected key=value")
+                raise ValueError(f"malformed option {item!r} of {name!r} in augmentation spec {spec!r}: "
+                                 "expected key=value")
             if key not in entry.defaults:
                 valid = ", ".join(entry.defaults) or "none (a preset takes no options)"
                 raise ValueError(f"unknown option {key!r} of augmentation {name!r}; its options: {valid}")
@@ -706,6 +709,8 @@ def parse_augmentation_spec(spec: Union[None, str, Sequence[str]]) -> list[tuple
     if all(part.lower() in _NONE for part in parts):
         return []
     for part in parts:
+        if not part:
+            raise ValueError(f"empty step in augmentation spec {spec!r} (two commas in a row, or a trailing comma)")
         if part.lower() in _NONE:
             raise ValueError(f"'none' cannot be combined with other augmentations (spec {spec!r})")
         steps.extend(_parse_step(part, str(spec)))
@@ -770,6 +775,9 @@ class Augmentation:
         return self._stats[key]
 
     def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        """The augmented batch: each step in order, geometric steps on the normalized values,
+        photometric ones on pixels (see the module docstring); a crop directly followed by a
+        flip runs as one gather (the same draws and values as the two steps)."""
         _check_batch(x)
         _check_generator(generator)
         if self.mean is not None and x.shape[1] != len(self.mean):

@@ -478,7 +478,8 @@ def test_specs():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("rotate", "unknown augmentation 'rotate'.*valid names: crop, flip, resized-crop, jitter, grayscale, factorized-fl"),
+    ("rotate", "unknown augmentation 'rotate'.*valid names: "
+               "crop, flip, resized-crop, jitter, grayscale, factorized-fl"),
     ("crop,blur", "unknown augmentation 'blur'"),
     ("crop(pad=2)", "unknown option 'pad' of augmentation 'crop'; its options: padding, fill"),
     ("factorized-fl(p=1)", "a preset takes no options"),
@@ -496,6 +497,8 @@ def test_specs():
     ("crop(padding=2", "unbalanced parentheses"),
     ("crop(padding)", "expected key=value"),
     ("none,crop", "'none' cannot be combined"),
+    ("crop,,flip", "empty step"),
+    ("crop,", "empty step"),
 ])
 def test_bad_specs(spec, message):
     with pytest.raises(ValueError, match=message):
