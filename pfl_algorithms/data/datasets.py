@@ -144,32 +144,52 @@ def normalize_images(pixels: Tensor) -> tuple[Tensor, tuple, tuple]:
     """(normalized images, mean, std) of [N, C, H, W] pixels in [0, 1] (float or uint8/255):
     zero mean and unit variance per channel over the whole pooled set.
 
-    The statistics are accumulated in float64 over chunks of samples (mean first, then the
-    squared deviations from it), so a large dataset needs no float64 copy of itself; the
-    output is float32 ``(pixels - mean) / std`` and never aliases ``pixels``.
+    The statistics are float64 (see ``channel_statistics``); the output is float32
+    ``(pixels - mean) / std``, written a chunk of samples at a time into one new tensor, so a
+    large dataset needs neither a float64 copy of itself nor float32 temporaries.
+    """
+    mean, std = channel_statistics(pixels)
+    mean32, std32 = mean.float().reshape(-1, 1, 1), std.float().reshape(-1, 1, 1)
+    out = torch.empty(pixels.shape, dtype=torch.float32)
+    for chunk, target in zip(pixels.split(_NORMALIZE_CHUNK), out.split(_NORMALIZE_CHUNK)):
+        target.copy_(chunk)
+        if pixels.dtype == torch.uint8:
+            target.div_(255.0)
+        target.sub_(mean32).div_(std32)
+    return out, tuple(mean.tolist()), tuple(std.tolist())
+
+
+def channel_statistics(pixels: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and standard deviation (unbiased, at least 1e-12) of [N, C, H, W]
+    pixels on the [0, 1] scale, float64 [C] each.
+
+    uint8 pixels are counted per value (a 256-bin histogram per channel), which is exact and
+    fast; float pixels are summed in float64 a chunk of samples at a time.
     """
     if pixels.dim() != 4:
         raise ValueError(f"images must be [N, C, H, W], got shape {tuple(pixels.shape)}")
     channels, count = pixels.shape[1], pixels.shape[0] * pixels.shape[2] * pixels.shape[3]
-    chunks = pixels.split(_NORMALIZE_CHUNK)
-    total = torch.zeros(channels, dtype=torch.float64)
-    for chunk in chunks:
-        total += _unit_scale(chunk).double().sum((0, 2, 3))
-    mean = total / max(count, 1)
-    squares = torch.zeros(channels, dtype=torch.float64)
-    for chunk in chunks:
-        squares += (_unit_scale(chunk).double() - mean.reshape(-1, 1, 1)).square().sum((0, 2, 3))
+    if pixels.dtype == torch.uint8:
+        values = torch.arange(256, dtype=torch.float64) / 255.0
+        counts = torch.stack([torch.bincount(pixels[:, c].reshape(-1), minlength=256) for c in range(channels)])
+        counts = counts.double()
+        mean = counts @ values / max(count, 1)
+        squares = (counts * (values - mean.reshape(-1, 1)).square()).sum(1)
+    else:
+        total = torch.zeros(channels, dtype=torch.float64)
+        total_squares = torch.zeros(channels, dtype=torch.float64)
+        for chunk in pixels.split(_NORMALIZE_CHUNK):
+            x = chunk.double()
+            total += x.sum((0, 2, 3))
+            total_squares += x.square().sum((0, 2, 3))
+        mean = total / max(count, 1)
+        # float64 sums of values in [0, 1]: the cancellation costs ~1e-15 relative, no second pass needed
+        squares = (total_squares - count * mean.square()).clamp_min(0)
     std = (squares / max(count - 1, 1)).sqrt().clamp_min(1e-12)
-    mean32, std32 = mean.float().reshape(-1, 1, 1), std.float().reshape(-1, 1, 1)
-    out = torch.cat([(_unit_scale(chunk) - mean32) / std32 for chunk in chunks])
-    return out, tuple(mean.tolist()), tuple(std.tolist())
+    return mean, std
 
 
 _NORMALIZE_CHUNK = 2048
-
-
-def _unit_scale(pixels: Tensor) -> Tensor:
-    return pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
 
 
 @dataclass(frozen=True)
