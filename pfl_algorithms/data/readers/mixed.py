@@ -14,6 +14,8 @@ dropped.  Samples are ordered part by part, each part as its reader gives it.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,12 +26,17 @@ LUMA = (0.299, 0.587, 0.114)
 _CHUNK = 4096  # samples resized at once: bounds the temporaries of large parts
 
 
-def to_shape(pixels: Tensor, image_size: int, channels: int) -> Tensor:
+def to_shape(pixels: Tensor, image_size: int, channels: int, out: Optional[Tensor] = None) -> Tensor:
     """[N, C, H, W] pixels (uint8 or float in [0, 1]) as float32 [N, channels, image_size,
-    image_size] in [0, 1], converted a chunk of samples at a time (each sample on its own)."""
+    image_size] in [0, 1], converted a chunk of samples at a time (each sample on its own),
+    written into ``out`` when given."""
     if pixels.shape[1] not in (1, 3):
         raise ValueError(f"mixed: parts must have 1 or 3 channels, got {pixels.shape[1]}")
-    return torch.cat([_chunk_to_shape(chunk, image_size, channels) for chunk in pixels.split(_CHUNK)])
+    if out is None:
+        out = torch.empty(len(pixels), channels, image_size, image_size)
+    for chunk, target in zip(pixels.split(_CHUNK), out.split(_CHUNK)):
+        target.copy_(_chunk_to_shape(chunk, image_size, channels))
+    return out
 
 
 def _chunk_to_shape(pixels: Tensor, image_size: int, channels: int) -> Tensor:
@@ -54,15 +61,18 @@ def mix(parts: dict[str, RawData], *, image_size: int = 32, channels: int = 3) -
     check_options(image_size, channels)
     if not parts:
         raise ValueError("mixed: needs at least one dataset")
-    pixels, labels, domains, masks, class_names = [], [], [], [], []
-    offset = 0
+    # One buffer for the whole mixture: the parts are converted straight into it.
+    pixels = torch.empty(sum(len(raw) for raw in parts.values()), channels, image_size, image_size)
+    labels, domains, masks, class_names = [], [], [], []
+    offset = start = 0
     for index, (name, raw) in enumerate(parts.items()):
-        pixels.append(to_shape(raw.pixels, image_size, channels))
+        to_shape(raw.pixels, image_size, channels, out=pixels[start:start + len(raw)])
+        start += len(raw)
         labels.append(raw.labels + offset)
         domains.append(torch.full((len(raw),), index, dtype=torch.int64))
         masks.append(raw.test_mask if raw.test_mask is not None else torch.zeros(len(raw), dtype=torch.bool))
         names = raw.class_names or tuple(str(c) for c in range(raw.num_classes))
         class_names += [f"{name}:{c}" for c in names]
         offset += raw.num_classes
-    return RawData(torch.cat(pixels), torch.cat(labels), offset, test_mask=torch.cat(masks),
+    return RawData(pixels, torch.cat(labels), offset, test_mask=torch.cat(masks),
                    class_names=tuple(class_names), domains=torch.cat(domains), domain_names=tuple(parts))
