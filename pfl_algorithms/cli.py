@@ -88,7 +88,7 @@ def _cmd_run(args) -> int:
 
 def _cmd_list(args) -> int:
     from .algorithms import ALGORITHMS
-    from .data import DATASETS, SCENARIOS
+    from .data import AUGMENTATIONS, DATASETS, SCENARIOS
     from .models import MODELS
 
     for title, registry, describe in (
@@ -96,6 +96,7 @@ def _cmd_list(args) -> int:
         ("scenarios", SCENARIOS, lambda s: s.description),
         ("datasets", DATASETS, lambda s: s.description),
         ("models", MODELS, lambda s: s.description),
+        ("augmentations (--augment, comma-separated)", AUGMENTATIONS, lambda s: s.description),
     ):
         print(f"{title}:")
         width = max(map(len, registry))

@@ -187,9 +187,9 @@ def check(config: RunConfig) -> RunConfig:
         for entry in [architectures] if isinstance(architectures, str) else list(architectures):
             parse_architecture(entry)
     if config.augment is not None:
-        from .data.augment import parse_augmentation
+        from .data.augment import make_augmentation
 
-        parse_augmentation(config.augment)
+        make_augmentation(config.augment, mean=None, std=None)  # raises on a bad spec
     if config.device.startswith("cuda"):
         import torch
 

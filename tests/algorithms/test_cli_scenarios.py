@@ -69,3 +69,20 @@ def test_clear_errors(argv, message, capsys, tmp_path):
             "--out", str(tmp_path / "r")]
     assert main([*base, *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_augmentation_is_applied_and_reproducible(tmp_path):
+    """--augment changes training, and two runs with it give the same numbers (the draws come
+    from each client's seeded generator)."""
+    args = ["run", "local", *SMALL, "--scenario", "iid", "--clients", "3", "--samples-per-client", "30"]
+    for name, extra in (("a", ["--augment", "crop(padding=2),flip"]), ("b", ["--augment", "crop(padding=2),flip"]),
+                        ("plain", [])):
+        assert main([*args, *extra, "--out", str(tmp_path / name)]) == 0
+    loss = lambda name: [json.loads(line)["train_loss"] for line in (tmp_path / name / "metrics.jsonl").open()]
+    assert loss("a") == loss("b") and loss("a") != loss("plain")
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["augment"] == "crop(padding=2),flip"
+
+
+def test_bad_augmentation_is_a_clear_error(tmp_path, capsys):
+    assert main(["run", "local", *SMALL, "--augment", "crop,spin", "--out", str(tmp_path / "r")]) == 2
+    assert "spin" in capsys.readouterr().err
