@@ -128,6 +128,8 @@ def _via_torchvision(tv, root: Path, layout: CifarLayout, download: bool):
         parts = [getattr(tv, layout.torchvision_class)(str(root), train=train, download=download)
                  for train in (True, False)]
     except RuntimeError as error:  # torchvision found no files, or files with other checksums
+        if download:
+            raise
         for name in layout.files:
             find_file(directory, (name,), layout.dataset, layout.how_to_get)
         raise ValueError(f"{layout.dataset}: torchvision refused the files in {directory} ({error}); "

@@ -78,8 +78,8 @@ def read_femnist(root: Path, *, max_writers: Optional[int] = None, download: boo
     """FEMNIST as LEAF splits it: [N, 1, 28, 28] float32 images in [0, 1], labels 0..61,
     ``writers``/``writer_names`` (see the module docstring for the order), train then test.
 
-    ``max_writers``: keep only the first n writers by sorted id (a CPU-sized subset; the
-    others' samples are never converted).  ``download=True`` raises: LEAF's data come from
+    ``max_writers``: keep only the first n writers by sorted id (a CPU-sized subset; a writer
+    already known to fall outside them is skipped before its samples are converted).  ``download=True`` raises: LEAF's data come from
     its own preprocessing scripts.
     """
     directory = Path(root) / "femnist" / "data"

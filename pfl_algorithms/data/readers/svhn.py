@@ -60,28 +60,25 @@ def read_svhn(root: Path, *, extra: bool = False, download: bool = False) -> Raw
     root = Path(root)
     check_download(download, "svhn", root, SVHN_HOW)
     tv = torchvision_datasets()
-    train_names = ("train", "extra") if extra else ("train",)
-    splits = []
-    for names in (train_names, ("test",)):
-        parts = []
-        for name in names:
-            source = root / f"{name}_32x32.mat"
-            if tv is not None:
-                ds = _torchvision_split(tv, root, name, download)
-                parts.append(_raw_split(nchw_tensor(ds.data, "NCHW"),
-                                        np.asarray(ds.labels, dtype=np.int64).reshape(-1), source))
-            else:
-                images, labels = read_mat(find_file(root, (source.name,), "svhn", SVHN_HOW))
-                parts.append(_raw_split(nchw_tensor(images, "HWCN"), labels, source))
-        splits.append(parts[0] if len(parts) == 1 else RawData(
-            torch.cat([p.pixels for p in parts]), torch.cat([p.labels for p in parts]), 10, class_names=SVHN_CLASSES))
-    return pool_splits(*splits)
+    train = [_read_file(tv, root, name, download) for name in (("train", "extra") if extra else ("train",))]
+    if len(train) > 1:
+        train = [RawData(torch.cat([p.pixels for p in train]), torch.cat([p.labels for p in train]), 10,
+                         class_names=SVHN_CLASSES)]
+    return pool_splits(train[0], _read_file(tv, root, "test", download))
 
 
-def _torchvision_split(tv, root: Path, name: str, download: bool):
+def _read_file(tv, root: Path, name: str, download: bool) -> RawData:
+    """``<root>/<name>_32x32.mat`` through torchvision (``tv`` not None) or scipy."""
+    source = root / f"{name}_32x32.mat"
+    if tv is None:
+        images, labels = read_mat(find_file(root, (source.name,), "svhn", SVHN_HOW))
+        return _raw_split(nchw_tensor(images, "HWCN"), labels, source)
     try:
-        return tv.SVHN(str(root), split=name, download=download)
+        ds = tv.SVHN(str(root), split=name, download=download)
     except RuntimeError as error:  # torchvision found no file, or one with another checksum
-        find_file(root, (f"{name}_32x32.mat",), "svhn", SVHN_HOW)
-        raise ValueError(f"svhn: torchvision refused {root / f'{name}_32x32.mat'} ({error}); "
+        if download:
+            raise
+        find_file(root, (source.name,), "svhn", SVHN_HOW)
+        raise ValueError(f"svhn: torchvision refused {source} ({error}); "
                          f"set PFL_NO_TORCHVISION=1 to read it without its checksum test") from error
+    return _raw_split(nchw_tensor(ds.data, "NCHW"), np.asarray(ds.labels, dtype=np.int64).reshape(-1), source)
