@@ -63,6 +63,7 @@ def test_the_run_trains_on_the_shifted_inputs(tmp_path):
     (["--scenario", "iid", "--set", "architectures=['digits-cnn','resnet10']"], "unknown model 'resnet10'"),
     (["--scenario", "iid", "--set", "architectures=['digits-cnn','mlp']"], "same embedding size"),
     (["--scenario", "iid", "--set", "architectures=['digits-cnn','mlp(hidden=(64,))']"], "one architecture for all"),
+    (["--dataset", "mnist", "--data-root", "/nonexistent-pfl-root"], "nonexistent-pfl-root"),
 ])
 def test_clear_errors(argv, message, capsys, tmp_path):
     base = ["run", "local", "--dataset", "digits", "--clients", "5", "--rounds", "1", "--quiet",
@@ -86,3 +87,58 @@ def test_augmentation_is_applied_and_reproducible(tmp_path):
 def test_bad_augmentation_is_a_clear_error(tmp_path, capsys):
     assert main(["run", "local", *SMALL, "--augment", "crop,spin", "--out", str(tmp_path / "r")]) == 2
     assert "spin" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ real formats, end to end
+
+def test_femnist_natural_split_with_partial_participation(tmp_path):
+    import numpy as np
+
+    from tests.algorithms.fake_files import write_leaf
+
+    rng = np.random.default_rng(0)
+    users = {f"f{u:04d}_{u:02d}": 16 for u in range(6)}
+    write_leaf(tmp_path / "data", {"train/part_0.json": users,
+                                   "test/part_0.json": {u: 4 for u in users}}, rng)
+    out = tmp_path / "run"
+    assert main(["run", "fedavg", "--dataset", "femnist", "--data-root", str(tmp_path / "data"), "--scenario",
+                 "natural", "--model", "fedgen-cnn", "--clients", "4", "--sample", "0.5", "--rounds", "3",
+                 "--set", "min_samples=5", "--batch-size", "8", "--quiet", "--out", str(out)]) == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert all(len(m["clients"]) == 2 for m in metrics)  # half of the clients each round
+    partition = Partition.load(out / "partition.json")
+    assert len(partition.info["writers"]) == 4 and all(c.test.numel() == 4 for c in partition.clients)
+
+
+def test_mixed_datasets_multi_domain(tmp_path):
+    import numpy as np
+
+    from tests.algorithms.fake_files import write_cifar, write_idx_pairs, write_svhn
+
+    rng = np.random.default_rng(1)
+    write_idx_pairs(tmp_path / "MNIST" / "raw", ("train", "t10k"), (20, 10), 10, rng)
+    write_svhn(tmp_path, {"train": 20, "test": 10}, rng)
+    write_cifar(tmp_path, "cifar10", (4, 10), rng)
+    out = tmp_path / "run"
+    assert main(["run", "fedavg", "--dataset", "mixed", "--data-root", str(tmp_path), "--scenario", "multi-domain",
+                 "--model", "digits-cnn", "--clients", "3", "--rounds", "1", "--batch-size", "8", "--quiet",
+                 "--out", str(out)]) == 0
+    partition = Partition.load(out / "partition.json")
+    assert partition.domain_names == ["mnist", "svhn", "cifar10"] and partition.output_classes == 10
+    assert [c.domain for c in partition.clients] == [0, 1, 2]
+
+
+def test_pacs_real_shift_fda(tmp_path):
+    import numpy as np
+
+    from tests.algorithms.fake_files import write_image_folder
+
+    domains = ("art_painting", "cartoon", "photo", "sketch")
+    write_image_folder(tmp_path, "PACS", domains, ("dog", "horse"), 4, np.random.default_rng(2))
+    out = tmp_path / "run"
+    assert main(["run", "local", "--dataset", "pacs", "--data-root", str(tmp_path), "--scenario", "fda",
+                 "--set", "target_domain=sketch", "--set", "image_size=16", "--model", "digits-cnn",
+                 "--clients", "4", "--rounds", "1", "--batch-size", "4", "--quiet", "--out", str(out)]) == 0
+    partition = Partition.load(out / "partition.json")
+    assert [c.domain for c in partition.clients] == [0, 1, 2, 3] and partition.info["target_client"] == 3
+    assert (partition.clients[3].train.numel(), partition.clients[3].test.numel()) == (2, 6)
