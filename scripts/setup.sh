@@ -32,7 +32,7 @@ fi
 missing=()
 for spec in "triton:triton" "pytest:pytest" "pytest_benchmark:pytest-benchmark" "numpy:numpy" \
             "ninja:ninja" "setuptools:setuptools" "expecttest:expecttest" "sklearn:scikit-learn" \
-            "matplotlib:matplotlib"; do
+            "matplotlib:matplotlib" "scipy:scipy" "PIL:pillow"; do
   "$PY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then
