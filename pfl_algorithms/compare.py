@@ -28,7 +28,8 @@ def find_summaries(paths: list[str]) -> list[dict]:
 
 
 def comparison_rows(summaries: list[dict]) -> list[dict]:
-    """One row per (algorithm, scenario, dataset, model): accuracy mean ± std over seeds, Gb."""
+    """One row per (algorithm, scenario, dataset, model): accuracy mean ± std over seeds, Gb;
+    in the fda scenario also the target client's best accuracy over rounds (FedDAF's metric)."""
     groups = defaultdict(list)
     for s in summaries:
         groups[(s["algorithm"], s["scenario"], s["dataset"], s["model"])].append(s)
@@ -42,6 +43,8 @@ def comparison_rows(summaries: list[dict]) -> list[dict]:
             "seeds": sorted(r["seed"] for r in runs),
             "final_accuracy": _mean_std(final) if final else None,
             "best_accuracy": _mean_std(best) if best else None,
+            "target_best_accuracy": _mean_std(target) if (target := [
+                100 * r["target_best_accuracy"] for r in runs if r.get("target_best_accuracy") is not None]) else None,
             "comm_gb": _mean_std(comm),
             "wall_s": _mean_std([r["train_wall_s_total"] for r in runs]),
         })
@@ -53,10 +56,12 @@ def format_table(rows: list[dict]) -> str:
     def pm(pair, digits=2):
         return "-" if pair is None else f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
+    with_target = any(r.get("target_best_accuracy") is not None for r in rows)
     header = ["algorithm", "scenario", "dataset", "model", "seeds", "final acc (%)", "best acc (%)",
-              "comm (Gb)", "train time (s)"]
+              *(["target best (%)"] if with_target else []), "comm (Gb)", "train time (s)"]
     body = [[r["algorithm"], r["scenario"], r["dataset"], r["model"], str(len(r["seeds"])),
-             pm(r["final_accuracy"]), pm(r["best_accuracy"]), pm(r["comm_gb"], 4), pm(r["wall_s"], 1)]
+             pm(r["final_accuracy"]), pm(r["best_accuracy"]),
+             *([pm(r.get("target_best_accuracy"))] if with_target else []), pm(r["comm_gb"], 4), pm(r["wall_s"], 1)]
             for r in rows]
     widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in [header] + body]

@@ -42,6 +42,17 @@ def test_fda_runs_and_reports_the_target(algorithm, tmp_path):
     assert partition.info["target_client"] == 4 and partition.transforms[0]["shift"] == "noise-0.3"
 
 
+def test_compare_shows_the_fda_target(tmp_path, capsys):
+    out = tmp_path / "fedavg"
+    assert main(["run", "fedavg", *SMALL, "--scenario", "fda", "--clients", "4", "--set", "scenario.min_samples=5",
+                 "--out", str(out)]) == 0
+    best = json.loads((out / "summary.json").read_text())["target_best_accuracy"]
+    capsys.readouterr()
+    assert main(["compare", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "target best (%)" in table and f"{100 * best:.2f} ± 0.00" in table
+
+
 def test_the_run_trains_on_the_shifted_inputs(tmp_path):
     """The federation sees the partition's transformed inputs, not the raw ones."""
     from pfl_algorithms.config import RunConfig, check
