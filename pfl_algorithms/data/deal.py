@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 
@@ -65,8 +64,3 @@ def subset_deal(indices: Tensor, positions: list[Tensor]) -> list[Tensor]:
     """Map per-client positions into ``indices`` (a partitioner's output on a subset) back
     to dataset indices."""
     return [indices[p] for p in positions]
-
-
-def empty_indices() -> Tensor:
-    """An empty int64 index tensor."""
-    return torch.empty(0, dtype=torch.int64)

@@ -64,7 +64,7 @@ def _sample_domains(dataset: ArrayDataset, mode: str, shifts, gen: torch.Generat
             raise ValueError(f"multi-domain with domains={mode!r} needs superclass labels (cifar100); "
                              f"{dataset.name!r} has none")
         coarse = dataset.coarse_labels.cpu().to(torch.int64)
-        names = getattr(dataset, "coarse_names", None) or [f"superclass-{c}" for c in range(int(coarse.max()) + 1)]
+        names = dataset.coarse_names or [f"superclass-{c}" for c in range(int(coarse.max()) + 1)]
         if mode == "superclass":
             return coarse, list(names)
         if int(coarse.max()) != 19:
