@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from torch import Tensor
+
+from .label_skew import dirichlet, iid
 
 
 @dataclass
@@ -64,3 +67,29 @@ def subset_deal(indices: Tensor, positions: list[Tensor]) -> list[Tensor]:
     """Map per-client positions into ``indices`` (a partitioner's output on a subset) back
     to dataset indices."""
     return [indices[p] for p in positions]
+
+
+def deal_by_domain(labels: Tensor, num_classes: int, members: list[Tensor], num_clients: int,
+                   gen: torch.Generator, *, alpha=None, min_samples: int = 1,
+                   names=None) -> tuple[list[range], list[Tensor]]:
+    """Spread ``num_clients`` over the domains in contiguous blocks and deal each domain's
+    samples (``members[d]``, dataset indices) over its block's clients by class: evenly
+    (``alpha`` None, ``label_skew.iid``) or with Dirichlet(alpha) shares.
+
+    Returns:
+        (the blocks of client ids, one per domain; each client's share, in client order).
+
+    Raises:
+        ValueError: a domain with fewer samples than clients (named by ``names`` if given).
+    """
+    blocks = contiguous_blocks(num_clients, len(members))
+    shares: list[Tensor] = []
+    for domain, (idx, block) in enumerate(zip(members, blocks)):
+        if idx.numel() < len(block):
+            name = names[domain] if names else domain
+            raise ValueError(f"domain {name!r} has {idx.numel()} samples for {len(block)} clients")
+        sub = labels[idx]
+        positions = (iid(sub, num_classes, len(block), gen) if alpha is None else
+                     dirichlet(sub, num_classes, len(block), gen, alpha=float(alpha), min_samples=min_samples))
+        shares += subset_deal(idx, positions)
+    return blocks, shares

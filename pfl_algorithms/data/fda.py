@@ -24,8 +24,8 @@ import math
 import torch
 
 from .datasets import ArrayDataset
-from .deal import ClientDeal, Deal, contiguous_blocks, subset_deal
-from .label_skew import dirichlet, iid, shuffle
+from .deal import ClientDeal, Deal, deal_by_domain, subset_deal
+from .label_skew import dirichlet, shuffle
 
 CIFAR10_TARGET_SHARE = 10_000 / 60_000
 
@@ -65,10 +65,11 @@ def fda(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, *, alpha:
         if sources < len(source_domains):
             raise ValueError(f"fda with target_domain={target_domain!r} has {len(source_domains)} source domains and "
                              f"needs at least one source client each: num_clients >= {len(source_domains) + 1}")
-        for domain, block in zip(source_domains, contiguous_blocks(sources, len(source_domains))):
-            idx = everything[domains == domain]
-            for share in subset_deal(idx, iid(labels[idx], dataset.num_classes, len(block), gen)):
-                clients.append(ClientDeal(share, domain=domain))
+        members = [everything[domains == domain] for domain in source_domains]
+        blocks, shares = deal_by_domain(labels, dataset.num_classes, members, sources, gen,
+                                        names=[dataset.domain_names[d] if dataset.domain_names else d
+                                               for d in source_domains])
+        clients += [ClientDeal(shares[c], domain=domain) for domain, block in zip(source_domains, blocks) for c in block]
         target_pool, target_id = everything[domains == target], target
     else:
         if target_share is None and dataset.test_mask is not None:

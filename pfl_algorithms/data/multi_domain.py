@@ -13,7 +13,7 @@ What a domain is (option ``domains``):
   (see ``shifts.py``), each domain's inputs shifted: rotations, inversion, blur, noise.
 
 Clients are spread over the domains in contiguous blocks (clients 0..c-1 on domain 0, ...;
-see ``contiguous_blocks``), so ``num_clients`` must be at least the number of domains.
+see ``deal.deal_by_domain``), so ``num_clients`` must be at least the number of domains.
 Within a domain its samples are dealt over its clients by class, evenly (``alpha=None``) or
 with Dirichlet(alpha) shares.
 
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from .datasets import ArrayDataset
-from .deal import ClientDeal, Deal, contiguous_blocks, subset_deal
-from .label_skew import dirichlet, iid
+from .deal import ClientDeal, Deal, deal_by_domain
+from .label_skew import iid
 from .shifts import parse_shift
 
 DOMAIN_MODES = ("dataset", "superclass", "superclass-groups", "feature-shift")
@@ -104,16 +104,8 @@ def multi_domain(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, 
     classes = [labels[m].unique() for m in members]
     if relabel is None:
         relabel = int(sum(c.numel() for c in classes)) == int(torch.cat(classes).unique().numel())
-    blocks = contiguous_blocks(num_clients, count)
-    shares: list = [None] * num_clients
-    for domain, (idx, block) in enumerate(zip(members, blocks)):
-        if idx.numel() < len(block):
-            raise ValueError(f"domain {names[domain]!r} has {idx.numel()} samples for {len(block)} clients")
-        sub = labels[idx]
-        positions = (iid(sub, dataset.num_classes, len(block), gen) if alpha is None else
-                     dirichlet(sub, dataset.num_classes, len(block), gen, alpha=float(alpha), min_samples=min_samples))
-        for client, share in zip(block, subset_deal(idx, positions)):
-            shares[client] = share
+    blocks, shares = deal_by_domain(labels, dataset.num_classes, members, num_clients, gen, alpha=alpha,
+                                    min_samples=min_samples, names=names)
     clients = []
     for domain, block in enumerate(blocks):
         for client in block:

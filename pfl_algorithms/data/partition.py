@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..atomic_io import atomic_write_json
 from .datasets import ArrayDataset
+from .shifts import apply_transform
 
 MANIFEST_FORMAT = 2
 PARTS = ("train", "val", "test")
@@ -117,8 +118,6 @@ class Partition:
         result depends only on the manifest (the noise seeds are recorded in it)."""
         if not self.transforms:
             return dataset
-        from .shifts import apply_transform
-
         self.validate(dataset)
         inputs = dataset.inputs.clone()
         for transform in self.transforms:
