@@ -1,12 +1,22 @@
 """Triton kernels for CUDA devices.  Triton is optional: without it, CUDA tensors use the
 plain-PyTorch reference and ``REASON`` says why.  ``PFL_KERNELS_DISABLE_TRITON=1`` skips them.
+
+Each kernel module registers its launchers with ``register_cuda``, which also records them
+in ``LAUNCHERS``; ``launchers_on_cpu`` runs them for CPU tensors instead, which is how the
+Triton interpreter (``TRITON_INTERPRET=1``) exercises them without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from typing import Callable, Iterator, Mapping, Optional
 
 AVAILABLE = False
 REASON = ""
+
+# op name in the pfl namespace (e.g. "weighted_average.out") -> its Triton launcher
+LAUNCHERS: dict[str, Callable] = {}
 
 if os.environ.get("PFL_KERNELS_DISABLE_TRITON", "0") not in ("", "0"):
     REASON = "disabled by PFL_KERNELS_DISABLE_TRITON"
@@ -26,3 +36,31 @@ def register_all() -> None:
         return
     # Each module registers its kernels on import.
     from . import aggregate, branch, branch_aggregate, class_means, factorized, similarity  # noqa: F401
+
+
+def register_cuda(op: str, launcher: Callable) -> None:
+    """Register ``launcher`` as the CUDA kernel of ``pfl::<op>`` and record it in ``LAUNCHERS``."""
+    from ..ops._library import LIB
+
+    LIB.impl(op, launcher, "CUDA")
+    LAUNCHERS[op] = launcher
+
+
+@contextlib.contextmanager
+def launchers_on_cpu(launchers: Optional[Mapping[str, Callable]] = None) -> Iterator[None]:
+    """Within the block, ``pfl::<op>`` runs ``launchers[op]`` (default: every registered
+    Triton launcher) for CPU tensors, through the ops' Python wrappers and autograd as on a
+    GPU.  Meant for the Triton interpreter (``TRITON_INTERPRET=1``); registered in a scoped
+    library, so the C++ CPU kernels are back at exit."""
+    import torch
+
+    if launchers is None:
+        register_all()
+        launchers = LAUNCHERS
+    with torch.library._scoped_library("pfl", "IMPL") as lib:
+        with warnings.catch_warnings():
+            # Overriding the C++ CPU kernel is the point here, not a mistake to warn about.
+            warnings.filterwarnings("ignore", "Warning only once", UserWarning)
+            for op, launcher in launchers.items():
+                lib.impl(op, launcher, "CPU")
+        yield

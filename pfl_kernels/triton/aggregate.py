@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..ops import aggregate as _ops  # noqa: F401  (defines the schemas implemented here)
-from ..ops._library import LIB
+from . import register_cuda
 from ..ops.aggregate import _check_op_args
 from ..reference import aggregate as _ref
 from .factorized import _check_devices, _device_guard, _launch
@@ -228,5 +228,5 @@ def weighted_average_out_triton(weights: torch.Tensor, params: torch.Tensor, *, 
     return out
 
 
-LIB.impl("weighted_average", weighted_average_triton, "CUDA")
-LIB.impl("weighted_average.out", weighted_average_out_triton, "CUDA")
+register_cuda("weighted_average", weighted_average_triton)
+register_cuda("weighted_average.out", weighted_average_out_triton)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..ops import branch as _ops  # noqa: F401  (defines the schemas implemented here)
-from ..ops._library import LIB
+from . import register_cuda
 from ..ops.branch import _check_op_args
 from ..reference import branch as _ref
 from .factorized import _acc_dtype, _check_devices, _device_guard, _launch
@@ -355,6 +355,6 @@ def project_simplex_triton_(x: torch.Tensor) -> None:
         )
 
 
-LIB.impl("branch_combine", branch_combine_triton, "CUDA")
-LIB.impl("branch_combine_backward", branch_combine_backward_triton, "CUDA")
-LIB.impl("project_simplex_", project_simplex_triton_, "CUDA")
+register_cuda("branch_combine", branch_combine_triton)
+register_cuda("branch_combine_backward", branch_combine_backward_triton)
+register_cuda("project_simplex_", project_simplex_triton_)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..ops import branch_aggregate as _ops  # noqa: F401  (defines the schema implemented here)
-from ..ops._library import LIB
+from . import register_cuda
 from ..ops.branch_aggregate import _check_op_args
 from ..reference import branch_aggregate as _ref
 from .factorized import _check_devices, _device_guard, _launch
@@ -94,4 +94,4 @@ def branch_aggregate_triton(branch_params: torch.Tensor, alpha: torch.Tensor, co
     return out
 
 
-LIB.impl("branch_aggregate", branch_aggregate_triton, "CUDA")
+register_cuda("branch_aggregate", branch_aggregate_triton)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..ops import class_means as _ops  # noqa: F401  (defines the schema implemented here)
-from ..ops._library import LIB
+from . import register_cuda
 from ..ops.class_means import _check_op_args
 from ..reference import class_means as _ref
 from .factorized import _check_devices, _device_guard, _launch
@@ -81,4 +81,4 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
     return means, counts.reshape(counts_shape)
 
 
-LIB.impl("class_means", class_means_triton, "CUDA")
+register_cuda("class_means", class_means_triton)

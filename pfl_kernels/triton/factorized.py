@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .._layout import layout_geometry
 from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
-from ..ops._library import LIB
+from . import register_cuda
 from ..ops.factorized import _check_op_args
 
 try:  # torch >= 2.6: launches that make_fx / torch.export can trace
@@ -396,6 +396,6 @@ def soft_threshold_triton_(mu: torch.Tensor, threshold: float) -> None:
         )
 
 
-LIB.impl("factorized_weight", factorized_weight_triton, "CUDA")
-LIB.impl("factorized_weight_backward", factorized_weight_backward_triton, "CUDA")
-LIB.impl("soft_threshold_", soft_threshold_triton_, "CUDA")
+register_cuda("factorized_weight", factorized_weight_triton)
+register_cuda("factorized_weight_backward", factorized_weight_backward_triton)
+register_cuda("soft_threshold_", soft_threshold_triton_)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..ops import similarity as _ops  # noqa: F401  (defines the schemas implemented here)
-from ..ops._library import LIB
+from . import register_cuda
 from ..ops.similarity import _check_pair, _check_weights_args
 from ..reference import similarity as _ref
 from .branch import _sm_count
@@ -247,6 +247,6 @@ def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_k
     return out
 
 
-LIB.impl("pairwise_cosine", pairwise_cosine_triton, "CUDA")
-LIB.impl("pairwise_sqdist", pairwise_sqdist_triton, "CUDA")
-LIB.impl("similarity_weights", similarity_weights_triton, "CUDA")
+register_cuda("pairwise_cosine", pairwise_cosine_triton)
+register_cuda("pairwise_sqdist", pairwise_sqdist_triton)
+register_cuda("similarity_weights", similarity_weights_triton)

@@ -8,11 +8,9 @@ when triton is not installed.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import warnings
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import pytest
 import torch
@@ -54,17 +52,12 @@ def assert_registered_for_cuda(ops) -> None:
         assert has_kernel(f"pfl::{op}", "CUDA"), op
 
 
-@contextlib.contextmanager
-def launchers_as_cpu_kernels(launchers: Mapping[str, Callable]) -> Iterator[None]:
+def launchers_as_cpu_kernels(launchers: Mapping[str, Callable]):
     """Run each launcher as the CPU kernel of ``pfl::<op>`` (in a scoped library, undone at
     exit), so that the ops' Python wrappers and autograd call it in the interpreter."""
-    with torch.library._scoped_library("pfl", "IMPL") as lib:
-        with warnings.catch_warnings():
-            # Overriding the C++ CPU kernel is the point here, not a mistake to warn about.
-            warnings.filterwarnings("ignore", "Warning only once", UserWarning)
-            for op, launcher in launchers.items():
-                lib.impl(op, launcher, "CPU")
-        yield
+    from pfl_kernels.triton import launchers_on_cpu
+
+    return launchers_on_cpu(launchers)
 
 
 def assert_rejects_overlap(inplace_op, *args) -> None:
