@@ -1,17 +1,28 @@
-"""What the GPU benchmarks (``gpu_factorized.py``, ``gpu_branch.py``) share.
+"""What the GPU benchmarks (``benchmarks/gpu_*.py``) share.
 
 The check against the float64 reference, the timing of a fused op, the eager code it
 replaces and a device copy of the same bytes, the derived numbers of a measured row, the
 command line, and the JSON they write.  Importable without CUDA or triton (both are imported
 where they are needed).
+
+Each script runs on a CUDA device, or with ``--dry-run`` on the CPU: tiny shapes, the Triton
+launchers run in the interpreter (``TRITON_INTERPRET=1``) as the ops' CPU kernels, a
+wall-clock timer instead of ``do_bench``, JSON to a temporary folder.  Its timings mean
+nothing; it checks that a script runs from end to end (its correctness checks included)
+before a GPU is spent on it.  ``tests/kernels/test_gpu_benchmarks.py`` runs every script so.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import re
+import statistics
 import sys
+import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -20,10 +31,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+DRY_RUN_RESULTS = Path(tempfile.gettempdir()) / "pfl_gpu_dry_run"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIMING = "triton.testing.do_bench median, L2 flushed"
 BYTES = "each input read once, each output written once (op_bytes)"
+DRY_RUN_NAME = "dry run (Triton interpreter on CPU)"
 
 
 def sanitize(name: str) -> str:
@@ -41,21 +54,93 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float
     return err.max().item()
 
 
-def time_against_copy(fused: Callable[[], object], eager: Callable[[], object], nbytes: int,
-                      device: str) -> tuple[float, float, float]:
-    """Median ms of ``fused``, ``eager`` and a device-to-device copy moving ``nbytes``
-    (``triton.testing.do_bench``, L2 flushed before each call)."""
-    import triton.testing
+class Runtime:
+    """Where a script measures: ``device`` ('cuda', or 'cpu' in a dry run), the device's
+    ``name`` for the report, and the timer.  ``with runtime:`` holds what the run needs (in
+    a dry run: the Triton launchers as the ops' CPU kernels)."""
 
-    # a copy reads and writes its size: half the bytes each way
-    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    timing = dict(warmup=25, rep=100, return_mode="median")
-    fused_ms = triton.testing.do_bench(fused, **timing)
-    eager_ms = triton.testing.do_bench(eager, **timing)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), **timing)
-    del src, dst
-    return fused_ms, eager_ms, copy_ms
+    def __init__(self, dry_run: bool):
+        self.dry_run = dry_run
+        self.device = "cpu" if dry_run else "cuda"
+        self.name = DRY_RUN_NAME if dry_run else torch.cuda.get_device_name()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "Runtime":
+        if self.dry_run:
+            from pfl_kernels.triton import launchers_on_cpu
+
+            self._stack.enter_context(launchers_on_cpu())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def time(self, fn: Callable[[], object]) -> float:
+        """Median ms of ``fn``: ``triton.testing.do_bench`` (L2 flushed before each call), or
+        in a dry run the median of a few wall-clock calls."""
+        if self.dry_run:
+            fn()
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times)
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def time_against_copy(self, fused: Callable[[], object], eager: Callable[[], object],
+                          nbytes: int) -> tuple[float, float, float]:
+        """Median ms of ``fused``, ``eager`` and a device-to-device copy moving ``nbytes``."""
+        # a copy reads and writes its size: half the bytes each way
+        src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        fused_ms, eager_ms = self.time(fused), self.time(eager)
+        copy_ms = self.time(lambda: dst.copy_(src))
+        del src, dst
+        return fused_ms, eager_ms, copy_ms
+
+    def free_bytes(self) -> int:
+        """Free device memory (a dry run: 1 GiB, more than its shapes need)."""
+        return 1 << 30 if self.dry_run else torch.cuda.mem_get_info()[0]
+
+    def empty_cache(self) -> None:
+        """Give cached blocks back, so that the next shape's allocations fit."""
+        if not self.dry_run:
+            torch.cuda.empty_cache()
+
+    def json_path(self, given: Optional[Path], stem: str) -> Path:
+        """``given``, else ``benchmarks/results/<stem>_<device>.json`` (a dry run: a temporary folder)."""
+        if given is not None:
+            return given
+        folder = DRY_RUN_RESULTS if self.dry_run else RESULTS
+        return folder / f"{stem}_{sanitize(self.name)}.json"
+
+
+def start(args: argparse.Namespace, script: str, op: str) -> Optional[Runtime]:
+    """The script's Runtime, or None (after saying why on stderr) where it cannot measure:
+    no CUDA device without ``--dry-run``, or ``--dry-run`` without the Triton interpreter.
+
+    Imports triton (where it is missing the script stops here, before measuring) and warns
+    when ``op``'s CUDA kernel is not the Triton one.
+    """
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print(f"{script} --dry-run needs TRITON_INTERPRET=1 in the environment (set before triton is "
+                  "imported)", file=sys.stderr)
+            return None
+    elif not torch.cuda.is_available():
+        print(f"{script} needs a CUDA device (none found; --dry-run checks the script on the CPU): "
+              "nothing measured", file=sys.stderr)
+        return None
+    import triton  # noqa: F401
+
+    import pfl_kernels
+    impl = {name: entry["cuda"]["implementation"] for name, entry in pfl_kernels.backend_info().items()}
+    if impl.get(op) != "triton":
+        print(f"warning: the CUDA ops are not the Triton kernels: {impl}", file=sys.stderr)
+    return Runtime(args.dry_run)
 
 
 class Measured:
@@ -85,50 +170,38 @@ def print_rows(rows: Sequence, format_table: Callable[[Sequence], str]) -> None:
 
 def parse_args(doc: str, argv: Optional[Sequence[str]], quick_help: str,
                flags: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
-    """--dtype, --quick (``quick_help``), the script's own on/off ``flags`` (name -> help),
-    then --json."""
+    """--dtype, --quick (``quick_help``), --dry-run, the script's own on/off ``flags``
+    (name -> help), then --json."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny shapes on the CPU through the Triton interpreter (needs TRITON_INTERPRET=1): "
+                             "checks the script, its timings mean nothing")
     for flag, help_text in (flags or {}).items():
         parser.add_argument(flag, action="store_true", help=help_text)
-    parser.add_argument("--json", type=Path, default=None, help="output path (default: by device name)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="output path (default: benchmarks/results/<suite>_<device>.json)")
     return parser.parse_args(argv)
 
 
-def cuda_or_explain(message: str) -> bool:
-    """Whether a CUDA device is there; if not, print ``message`` to stderr."""
-    if torch.cuda.is_available():
-        return True
-    print(message, file=sys.stderr)
-    return False
+def geomean(values: Sequence[float]) -> float:
+    """The geometric mean of positive ``values``."""
+    return statistics.geometric_mean(values)
 
 
-def backend_info(op: str) -> dict:
-    """``pfl_kernels.backend_info()``, warning when ``op``'s CUDA kernel is not the Triton one.
-
-    Imports triton first: where it is missing, the script stops here, before measuring.
-    """
-    import triton  # noqa: F401
-
-    import pfl_kernels
-    info = pfl_kernels.backend_info()
-    impl = {name: entry["cuda"]["implementation"] for name, entry in info.items()}
-    if impl.get(op) != "triton":
-        print(f"warning: the CUDA ops are not the Triton kernels: {impl}", file=sys.stderr)
-    return info
-
-
-def write_json(path: Path, suite: str, device_name: str, info: dict, results: dict) -> None:
+def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
     """Write ``{"suite", "machine", **results}`` to ``path`` and say where."""
     import triton
+
+    import pfl_kernels
 
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "suite": suite,
-        "machine": {"device": device_name, "torch_version": torch.__version__,
+        "machine": {"device": runtime.name, "dry_run": runtime.dry_run, "torch_version": torch.__version__,
                     "triton_version": triton.__version__, "cuda": torch.version.cuda,
-                    "platform": platform.platform(), "backend_info": info},
+                    "platform": platform.platform(), "backend_info": pfl_kernels.backend_info()},
         **results,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")

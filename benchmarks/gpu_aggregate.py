@@ -1,6 +1,7 @@
 """GPU benchmark of the Triton weighted_average kernels (needs CUDA, torch >= 2.11, triton >= 3.6).
 
     python benchmarks/gpu_aggregate.py [--dtype float32|bfloat16|float16] [--quick]
+    TRITON_INTERPRET=1 python benchmarks/gpu_aggregate.py --dry-run   # check the script on a CPU
 
 For every K (= M clients) in ``CLIENTS`` and P in ``PARAMS`` that fits in ``MAX_BYTES`` of
 params + out, with dense softmax weights and with weights thresholded to ``SPARSE_DENSITY``
@@ -24,7 +25,6 @@ Prints a table and writes JSON to ``benchmarks/results/aggregate_gpu_<device>.js
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ MAX_BYTES = 48 << 30  # params + out, so that an 80 GB GPU holds them and the co
 TARGET = 1.2  # time / floor, on the dense cases at TARGET_P
 TARGET_P = 10**7
 CHECK_COLS = 4096  # columns compared with the float64 reference
+DRY_RUN_GRID = ([3, 20], [1000, 4099])  # (clients, params) of --dry-run
 
 
 def op_bytes(clients: int, p: int, elem: int, nnz: Optional[int] = None) -> int:
@@ -111,8 +112,8 @@ def summarize(rows: Sequence[Row]) -> dict:
             "cases": len(sel), "met": sum(r.floor_ratio <= TARGET for r in sel),
             "worst_floor_ratio": worst.floor_ratio,
             "worst_case": {"clients": worst.clients, "params": worst.params},
-            "geomean_floor_ratio": math.exp(sum(math.log(r.floor_ratio) for r in sel) / len(sel)),
-            "geomean_speedup_vs_mm": math.exp(sum(math.log(r.speedup) for r in sel) / len(sel)),
+            "geomean_floor_ratio": common.geomean([r.floor_ratio for r in sel]),
+            "geomean_speedup_vs_mm": common.geomean([r.speedup for r in sel]),
         }
     return out
 
@@ -125,9 +126,10 @@ def make_weights(k: int, density: float, gen: torch.Generator, device: str) -> t
     return w
 
 
-def bench_case(k: int, p: int, density: float, dtype: torch.dtype, device: str = "cuda") -> Row:
+def bench_case(rt: common.Runtime, k: int, p: int, density: float, dtype: torch.dtype) -> Row:
     from pfl_kernels.reference import aggregate as ref
 
+    device = rt.device
     gen = torch.Generator(device=device).manual_seed(0)
     w = make_weights(k, density, gen, device)
     params = torch.randn(k, p, device=device, generator=gen).to(dtype)
@@ -148,39 +150,47 @@ def bench_case(k: int, p: int, density: float, dtype: torch.dtype, device: str =
     elem = params.element_size()
     nnz = int((w != 0).sum()) if density < 1 else None
     nbytes = op_bytes(k, p, elem, nnz)
-    fused_ms, eager_ms, copy_ms = common.time_against_copy(fused, eager, nbytes, device)
+    fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
     del params, out
-    torch.cuda.empty_cache()
+    rt.empty_cache()
     return Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = common.parse_args(__doc__, argv, quick_help="K=20 and 100 at P=10^6 and 10^7 only")
-    if not common.cuda_or_explain("gpu_aggregate.py needs a CUDA device (none found): nothing measured"):
-        return 2
-    info = common.backend_info("pfl::weighted_average")
+def measure(rt: common.Runtime, args) -> list[Row]:
+    """Every case of the grid (``--quick``: its subset; ``--dry-run``: tiny shapes) that fits."""
     dtype = common.DTYPES[args.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
-    device_name = torch.cuda.get_device_name()
-    budget = min(MAX_BYTES, torch.cuda.mem_get_info()[0] // 2)
-    clients = [20, 100] if args.quick else CLIENTS
-    sizes = [10**6, 10**7] if args.quick else PARAMS
+    budget = min(MAX_BYTES, rt.free_bytes() // 2)
+    if args.dry_run:
+        clients, sizes = DRY_RUN_GRID
+    else:
+        clients = [20, 100] if args.quick else CLIENTS
+        sizes = [10**6, 10**7] if args.quick else PARAMS
     rows = []
     for k in clients:
         for p in sizes:
             if 2 * k * p * elem > budget:
                 continue
             for density in (1.0, SPARSE_DENSITY):
-                rows.append(bench_case(k, p, density, dtype))
+                rows.append(bench_case(rt, k, p, density, dtype))
                 common.print_rows(rows[-1:], format_table)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = common.parse_args(__doc__, argv, quick_help="K=20 and 100 at P=10^6 and 10^7 only")
+    rt = common.start(args, "gpu_aggregate.py", "pfl::weighted_average")
+    if rt is None:
+        return 2
+    with rt:
+        rows = measure(rt, args)
     print("\n" + format_table(rows))
     summary = summarize(rows)
     s = summary["dense_target"]
     if s["cases"]:
         print(f"dense at P={TARGET_P}: {s['met']}/{s['cases']} cases within {TARGET}x of the floor "
               f"(worst {s['worst_floor_ratio']:.2f}x at {s['worst_case']})")
-    path = args.json or common.RESULTS / f"aggregate_gpu_{common.sanitize(device_name)}.json"
-    common.write_json(path, "benchmarks/gpu_aggregate.py", device_name, info, {
+    common.write_json(rt.json_path(args.json, "aggregate_gpu"), "benchmarks/gpu_aggregate.py", rt, {
         "config": {"dtype": args.dtype, "weights": "softmax, float32; sparse: top-5% random kept per row",
                    "timing": common.TIMING, "bytes": "params (sparse: nnz rows) and weights read once, out "
                    "written once (op_bytes)",

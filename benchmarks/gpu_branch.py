@@ -18,6 +18,8 @@ in ``BRANCHES`` and client count K in ``CLIENTS`` it
 Weights are per client ([K, B, *shape]); ``--shared`` passes branches shared by all clients
 as ``weights.expand(K, ...)`` instead (read once: fewer bytes).
 
+``TRITON_INTERPRET=1 python benchmarks/gpu_branch.py --dry-run`` checks the script on a CPU.
+
 Prints a table and writes JSON to ``benchmarks/results/branch_gpu_<device>.json``.
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ BRANCHES = [2, 5, 10]
 CLIENTS = [1, 20]
 TARGET = 1.2  # fused time / floor (copy) time, on the cases that move at least BIG_BYTES
 BIG_BYTES = 16 << 20  # below this, launch latency dominates both the op and the copy
+DRY_RUN_GRID = ([1, 3], [2], [(6, 3, 5, 5), (10, 84)])  # (clients, branches, shapes) of --dry-run
 
 
 def op_bytes(direction: str, clients: int, branches: int, n: int, elem: int, shared: bool = False) -> int:
@@ -121,17 +124,17 @@ def summarize(rows: Sequence[Row]) -> dict:
             "cases": len(big), "met": sum(r.floor_ratio <= TARGET for r in big),
             "worst_floor_ratio": worst.floor_ratio,
             "worst_case": {"shape": worst.shape, "branches": worst.branches, "clients": worst.clients},
-            "geomean_floor_ratio": math.exp(sum(math.log(r.floor_ratio) for r in big) / len(big)),
-            "geomean_speedup_vs_eager": math.exp(sum(math.log(r.speedup) for r in big) / len(big)),
+            "geomean_floor_ratio": common.geomean([r.floor_ratio for r in big]),
+            "geomean_speedup_vs_eager": common.geomean([r.speedup for r in big]),
         }
     return out
 
 
-def bench_case(shape, branches, clients, dtype, shared=False, device="cuda") -> list[Row]:
-    """Check then time the forward and backward of one (shape, B, K) on ``device``."""
+def bench_case(rt: common.Runtime, shape, branches, clients, dtype, shared=False) -> list[Row]:
+    """Check then time the forward and backward of one (shape, B, K)."""
     from pfl_kernels.reference import branch as ref
 
-    dev = device
+    dev = rt.device
     n = math.prod(shape)
     gen = torch.Generator(device=dev).manual_seed(0)
     if shared:
@@ -188,26 +191,38 @@ def bench_case(shape, branches, clients, dtype, shared=False, device="cuda") -> 
     for direction, fused, eager, err in (("forward", fused_fwd, eager_fwd, err_f),
                                          ("backward", fused_bwd, eager_bwd, err_b)):
         nbytes = op_bytes(direction, clients, branches, n, elem, shared)
-        fused_ms, eager_ms, copy_ms = common.time_against_copy(fused, eager, nbytes, dev)
+        fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
         out.append(Row(list(shape), branches, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err))
     return out
+
+
+def measure(rt: common.Runtime, args) -> list[Row]:
+    """Forward and backward rows of every (K, B, shape) (``--quick``: K = 20, B = 5;
+    ``--dry-run``: ``DRY_RUN_GRID``)."""
+    dtype = common.DTYPES[args.dtype]
+    if args.dry_run:
+        clients, branch_counts, shapes = DRY_RUN_GRID
+    else:
+        clients = [20] if args.quick else CLIENTS
+        branch_counts = [5] if args.quick else BRANCHES
+        shapes = SHAPES
+    rows = []
+    for k in clients:
+        for branches in branch_counts:
+            for shape in shapes:
+                rows.extend(bench_case(rt, shape, branches, k, dtype, args.shared))
+                common.print_rows(rows[-2:], format_table)
+    return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = common.parse_args(__doc__, argv, quick_help="K=20 and B=5 only",
                              flags={"--shared": "branches shared by all clients (expanded)"})
-    if not common.cuda_or_explain("gpu_branch.py needs a CUDA device (none found): nothing measured"):
+    rt = common.start(args, "gpu_branch.py", "pfl::branch_combine")
+    if rt is None:
         return 2
-    info = common.backend_info("pfl::branch_combine")
-
-    dtype = common.DTYPES[args.dtype]
-    device_name = torch.cuda.get_device_name()
-    rows = []
-    for clients in ([20] if args.quick else CLIENTS):
-        for branches in ([5] if args.quick else BRANCHES):
-            for shape in SHAPES:
-                rows.extend(bench_case(shape, branches, clients, dtype, args.shared))
-                common.print_rows(rows[-2:], format_table)
+    with rt:
+        rows = measure(rt, args)
     print("\n" + format_table(rows))
     summary = summarize(rows)
     for direction, s in summary.items():
@@ -218,8 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{s['geomean_speedup_vs_eager']:.2f}x faster than eager)")
 
     suffix = "_shared" if args.shared else ""
-    path = args.json or common.RESULTS / f"branch_gpu_{common.sanitize(device_name)}{suffix}.json"
-    common.write_json(path, "benchmarks/gpu_branch.py", device_name, info, {
+    common.write_json(rt.json_path(args.json, f"branch_gpu{suffix}"), "benchmarks/gpu_branch.py", rt, {
         "config": {"dtype": args.dtype, "shared_weights": args.shared, "output_mask": [True, True],
                    "timing": common.TIMING, "bytes": common.BYTES,
                    "floor": "device-to-device copy of the same bytes",

@@ -2,6 +2,7 @@
 triton >= 3.6).
 
     python benchmarks/gpu_branch_aggregate.py [--dtype float32|bfloat16|float16] [--quick]
+    TRITON_INTERPRET=1 python benchmarks/gpu_branch_aggregate.py --dry-run   # check the script on a CPU
 
 1. branch_aggregate (pFedMB Eq. 5) at K ∈ {20, 100, 1000}, B = 5, P ∈ {65536, 10^5, 10^6,
    10^7}, skipping shapes whose params exceed ``MAX_BYTES`` (16 GB: K = 1000 at P = 10^7;
@@ -18,7 +19,6 @@ Prints a table and writes JSON to ``benchmarks/results/branch_aggregate_gpu_<dev
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +41,8 @@ DIMS = [256, 512]
 CLASSES = [10, 100]
 TARGET = 1.2  # op time / floor (copy) time, branch_aggregate at P = 10^7
 TARGET_P = 10 ** 7
+# --dry-run: (K, P) of branch_aggregate and (N, D, C) of class_means
+DRY_RUN_GRID = ([(3, 1000), (20, 4099)], [(1000, 33, 10), (2049, 48, 7)])
 
 
 def op_bytes(op: str, shape: tuple, elem: int) -> int:
@@ -92,9 +94,10 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def bench_aggregate(k: int, b: int, p: int, dtype: torch.dtype, dev: str = "cuda") -> Row:
+def bench_aggregate(rt: common.Runtime, k: int, b: int, p: int, dtype: torch.dtype) -> Row:
     from pfl_kernels.reference import branch_aggregate as ref
 
+    dev = rt.device
     gen = torch.Generator(device=dev).manual_seed(0)
     params = torch.randn(k, b, p, device=dev, generator=gen, dtype=torch.float32).to(dtype)
     alpha = torch.rand(k, b, device=dev, generator=gen) + 0.05
@@ -114,14 +117,15 @@ def bench_aggregate(k: int, b: int, p: int, dtype: torch.dtype, dev: str = "cuda
     err = common.check(f"aggregate K={k} B={b} P={p}", fused()[:, cols], want, tol)
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = op_bytes("aggregate", (k, b, p), elem)
-    fused_ms, eager_ms, copy_ms = common.time_against_copy(fused, eager, nbytes, dev)
+    fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
     del params
     return Row("aggregate", [k, b, p], nbytes, fused_ms, eager_ms, copy_ms, err)
 
 
-def bench_class_means(n: int, d: int, c: int, dtype: torch.dtype, dev: str = "cuda") -> Row:
+def bench_class_means(rt: common.Runtime, n: int, d: int, c: int, dtype: torch.dtype) -> Row:
     from pfl_kernels.reference import class_means as ref
 
+    dev = rt.device
     gen = torch.Generator(device=dev).manual_seed(0)
     features = torch.randn(n, d, device=dev, generator=gen, dtype=torch.float32).to(dtype)
     labels = torch.randint(0, c, (n,), device=dev, generator=gen)
@@ -141,32 +145,43 @@ def bench_class_means(n: int, d: int, c: int, dtype: torch.dtype, dev: str = "cu
     err = common.check(f"class_means N={n} D={d} C={c}", means, want_means, 1e-5)
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = op_bytes("class_means", (n, d, c), elem)
-    fused_ms, eager_ms, copy_ms = common.time_against_copy(fused, eager, nbytes, dev)
+    fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
     return Row("class_means", [n, d, c], nbytes, fused_ms, eager_ms, copy_ms, err)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = common.parse_args(__doc__, argv, quick_help="K=20 and P in {10^6, 10^7}; N=10^5, D=256 only")
-    if not common.cuda_or_explain("gpu_branch_aggregate.py needs a CUDA device (none found): nothing measured"):
-        return 2
-    info = common.backend_info("pfl::branch_aggregate")
+def measure(rt: common.Runtime, args) -> list[Row]:
+    """branch_aggregate then class_means over their grids (``--quick``: subsets; ``--dry-run``:
+    tiny shapes), skipping params over ``MAX_BYTES``."""
     dtype = common.DTYPES[args.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
-    device_name = torch.cuda.get_device_name()
+    if args.dry_run:
+        grid, cm_grid = DRY_RUN_GRID
+    elif args.quick:
+        grid, cm_grid = [(20, p) for p in (10 ** 6, 10 ** 7)], [(10 ** 5, 256, c) for c in CLASSES]
+    else:
+        grid = [(k, p) for k in CLIENTS for p in PARAMS]
+        cm_grid = [(n, d, c) for n in SAMPLES for d in DIMS for c in CLASSES]
     rows: list[Row] = []
-    grid = [(20, p) for p in (10 ** 6, 10 ** 7)] if args.quick else [(k, p) for k in CLIENTS for p in PARAMS]
     for k, p in grid:
         if k * BRANCHES * p * elem > MAX_BYTES:
             print(f"skip aggregate K={k} B={BRANCHES} P={p}: params exceed {MAX_BYTES >> 30} GiB")
             continue
-        rows.append(bench_aggregate(k, BRANCHES, p, dtype))
+        rows.append(bench_aggregate(rt, k, BRANCHES, p, dtype))
         common.print_rows(rows[-1:], format_table)
-        torch.cuda.empty_cache()
-    cm_grid = [(10 ** 5, 256, c) for c in CLASSES] if args.quick else \
-        [(n, d, c) for n in SAMPLES for d in DIMS for c in CLASSES]
+        rt.empty_cache()
     for n, d, c in cm_grid:
-        rows.append(bench_class_means(n, d, c, dtype))
+        rows.append(bench_class_means(rt, n, d, c, dtype))
         common.print_rows(rows[-1:], format_table)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = common.parse_args(__doc__, argv, quick_help="K=20 and P in {10^6, 10^7}; N=10^5, D=256 only")
+    rt = common.start(args, "gpu_branch_aggregate.py", "pfl::branch_aggregate")
+    if rt is None:
+        return 2
+    with rt:
+        rows = measure(rt, args)
     print("\n" + format_table(rows))
     targeted = [r for r in rows if r.targeted]
     summary = {"aggregate_at_target_p": {
@@ -176,11 +191,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sel = [r for r in rows if r.op == op]
         if sel:
             summary[op] = {"cases": len(sel),
-                           "geomean_floor_ratio": math.exp(sum(math.log(r.floor_ratio) for r in sel) / len(sel)),
-                           "geomean_speedup_vs_eager": math.exp(sum(math.log(r.speedup) for r in sel) / len(sel))}
+                           "geomean_floor_ratio": common.geomean([r.floor_ratio for r in sel]),
+                           "geomean_speedup_vs_eager": common.geomean([r.speedup for r in sel])}
     print(summary)
-    path = args.json or common.RESULTS / f"branch_aggregate_gpu_{common.sanitize(device_name)}.json"
-    common.write_json(path, "benchmarks/gpu_branch_aggregate.py", device_name, info, {
+    common.write_json(rt.json_path(args.json, "branch_aggregate_gpu"), "benchmarks/gpu_branch_aggregate.py", rt, {
         "config": {"dtype": args.dtype, "branches": BRANCHES, "timing": common.TIMING, "bytes": common.BYTES,
                    "floor": "device-to-device copy of the same bytes", "floor_ratio": "fused time / copy time",
                    "target": TARGET, "target_params": TARGET_P,

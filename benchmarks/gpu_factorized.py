@@ -15,6 +15,8 @@ mu and mask) and client count K in ``CLIENTS`` it
    see ``op_bytes``), the achieved bandwidth and its share of the copy's bandwidth
    (``copy time / fused time``; target >= 70% at the largest shape).
 
+``TRITON_INTERPRET=1 python benchmarks/gpu_factorized.py --dry-run`` checks the script on a CPU.
+
 Prints a table and writes JSON to ``benchmarks/results/factorized_gpu_<device>.json``.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ CLIENTS = [1, 20, 100]
 RANK = 1
 OUTPUT_MASK = (True, True, True, True)  # grads of u, v, mu and mask
 TARGET = 0.70  # share of copy bandwidth at the largest shape
+DRY_RUN_GRID = ([1, 3], [((6, 3, 5, 5), "spatial"), ((84, 120), "linear")])  # (clients, shapes) of --dry-run
 
 
 def geometry(shape: Sequence[int], layout: str) -> tuple[int, int]:
@@ -123,11 +126,11 @@ def largest(rows: Sequence[Row]) -> list[Row]:
     return [r for r in rows if r.shape == top.shape and r.clients == top.clients]
 
 
-def bench_case(shape, layout, clients, dtype, rank=RANK, output_mask=OUTPUT_MASK) -> list[Row]:
+def bench_case(rt: common.Runtime, shape, layout, clients, dtype, rank=RANK, output_mask=OUTPUT_MASK) -> list[Row]:
     """Check then time the forward and backward of one (shape, layout, K)."""
     from pfl_kernels.reference import factorized as ref
 
-    dev = "cuda"
+    dev = rt.device
     rows, cols = geometry(shape, layout)
     gen = torch.Generator(device=dev).manual_seed(0)
     u = torch.randn(clients, rows, rank, device=dev, generator=gen).to(dtype)
@@ -165,24 +168,34 @@ def bench_case(shape, layout, clients, dtype, rank=RANK, output_mask=OUTPUT_MASK
     for direction, fused, eager, err in (("forward", fused_fwd, eager_fwd, err_f),
                                          ("backward", fused_bwd, eager_bwd, err_b)):
         nbytes = op_bytes(direction, clients, rows, cols, rank, elem, output_mask)
-        fused_ms, eager_ms, copy_ms = common.time_against_copy(fused, eager, nbytes, dev)
+        fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
         out.append(Row(list(shape), layout, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err))
     return out
 
 
+def measure(rt: common.Runtime, args) -> list[Row]:
+    """Forward and backward rows of every (K, shape) (``--quick``: K = 100; ``--dry-run``:
+    ``DRY_RUN_GRID``)."""
+    dtype = common.DTYPES[args.dtype]
+    if args.dry_run:
+        clients, shapes = DRY_RUN_GRID
+    else:
+        clients, shapes = ([100] if args.quick else CLIENTS), SHAPES
+    rows = []
+    for k in clients:
+        for shape, layout in shapes:
+            rows.extend(bench_case(rt, shape, layout, k, dtype))
+            common.print_rows(rows[-2:], format_table)
+    return rows
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = common.parse_args(__doc__, argv, quick_help="K=100 only")
-    if not common.cuda_or_explain("gpu_factorized.py needs a CUDA device"):
+    rt = common.start(args, "gpu_factorized.py", "pfl::factorized_weight")
+    if rt is None:
         return 2
-    info = common.backend_info("pfl::factorized_weight")
-
-    dtype = common.DTYPES[args.dtype]
-    device_name = torch.cuda.get_device_name()
-    rows = []
-    for clients in ([100] if args.quick else CLIENTS):
-        for shape, layout in SHAPES:
-            rows.extend(bench_case(shape, layout, clients, dtype))
-            common.print_rows(rows[-2:], format_table)
+    with rt:
+        rows = measure(rt, args)
     table = format_table(rows)
     print("\n" + table)
     top = largest(rows)
@@ -191,8 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"\nlargest case {'x'.join(map(str, top[0].shape))} K={top[0].clients}: {summary} "
           f"(target {100 * TARGET:.0f}%: {'met' if all(verdicts.values()) else 'MISSED'})")
 
-    path = args.json or common.RESULTS / f"factorized_gpu_{common.sanitize(device_name)}.json"
-    common.write_json(path, "benchmarks/gpu_factorized.py", device_name, info, {
+    common.write_json(rt.json_path(args.json, "factorized_gpu"), "benchmarks/gpu_factorized.py", rt, {
         "config": {"dtype": args.dtype, "rank": RANK, "output_mask": list(OUTPUT_MASK),
                    "bias": "mu+mask", "timing": common.TIMING, "bytes": common.BYTES,
                    "copy_share": "copy time / fused time for the same bytes", "target": TARGET},

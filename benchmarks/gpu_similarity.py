@@ -1,6 +1,7 @@
 """GPU benchmark of the Triton similarity kernels (needs CUDA, torch >= 2.11, triton >= 3.6).
 
     python benchmarks/gpu_similarity.py [--dtype float32|bfloat16|float16] [--quick]
+    TRITON_INTERPRET=1 python benchmarks/gpu_similarity.py --dry-run   # check the script on a CPU
 
 For every client count K in ``CLIENTS`` and dimension D in ``DIMS`` (inputs under
 ``MAX_INPUT_BYTES``) it
@@ -44,6 +45,7 @@ WEIGHT_CLIENTS = [100, 1000, 10_000]
 MAX_INPUT_BYTES = 8 << 30
 TARGET = 1.5  # fused / floor (mm), the CPU target, reported on the GPU too
 TAU, SCALE, MIN_KEEP = 0.9, 20.0, 4
+DRY_RUN_GRID = ([3, 20], [257, 2049], [5, 33])  # (clients, dims, weight clients) of --dry-run
 
 
 @dataclass
@@ -78,23 +80,18 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def _timing():
-    return dict(warmup=25, rep=100, return_mode="median")
-
-
-def bench_pair(k: int, d: int, dtype: torch.dtype, device: str = "cuda") -> list[Row]:
+def bench_pair(rt: common.Runtime, k: int, d: int, dtype: torch.dtype) -> list[Row]:
     """Check then time pairwise_cosine and pairwise_sqdist (y None) at [K, D]."""
-    import triton.testing
-
     from pfl_kernels.reference import similarity as ref
 
+    device = rt.device
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(k, d, device=device, generator=gen).to(dtype)
     xe = x.double()
     elem = x.element_size()
     nbytes = k * d * elem + k * k * 4
     rows = []
-    floor_ms = triton.testing.do_bench(lambda: torch.mm(x, x.t()), **_timing())
+    floor_ms = rt.time(lambda: torch.mm(x, x.t()))
 
     def fused_cos():
         return torch.ops.pfl.pairwise_cosine(x, None, 1e-8)
@@ -115,11 +112,10 @@ def bench_pair(k: int, d: int, dtype: torch.dtype, device: str = "cuda") -> list
     err_s = common.check(f"sqdist K={k} D={d}", fused_sq() / scale, ref.pairwise_sqdist(xe, None) / scale,
                          2e-6 * max(1.0, math.sqrt(d / 1000)))
     for op, fused, eager, err in (("cosine", fused_cos, eager_cos, err_c), ("sqdist", fused_sq, eager_sq, err_s)):
-        fused_ms = triton.testing.do_bench(fused, **_timing())
-        eager_ms = triton.testing.do_bench(eager, **_timing())
+        fused_ms, eager_ms = rt.time(fused), rt.time(eager)
         rows.append(Row(op, k, d, nbytes, fused_ms, eager_ms, floor_ms, err))
     del x, xe
-    torch.cuda.empty_cache()
+    rt.empty_cache()
     return rows
 
 
@@ -131,56 +127,65 @@ def eager_weights(sim: torch.Tensor) -> torch.Tensor:
     return torch.softmax((SCALE * v).masked_fill(~kept, float("-inf")), dim=1)
 
 
-def bench_weights(k: int, device: str = "cuda") -> Row:
-    import triton.testing
-
+def bench_weights(rt: common.Runtime, k: int) -> Row:
     from pfl_kernels.reference import similarity as ref
 
-    gen = torch.Generator(device=device).manual_seed(1)
-    sim = torch.rand(k, k, device=device, generator=gen) * 2 - 1
+    gen = torch.Generator(device=rt.device).manual_seed(1)
+    sim = torch.rand(k, k, device=rt.device, generator=gen) * 2 - 1
 
     def fused():
         return torch.ops.pfl.similarity_weights(sim, TAU, SCALE, MIN_KEEP, None)
 
     err = common.check(f"weights K={k}", fused(), ref.similarity_weights(sim.double(), TAU, SCALE, MIN_KEEP, None),
                        1e-5)
-    fused_ms = triton.testing.do_bench(fused, **_timing())
-    eager_ms = triton.testing.do_bench(lambda: eager_weights(sim), **_timing())
+    fused_ms, eager_ms = rt.time(fused), rt.time(lambda: eager_weights(sim))
     return Row("weights", k, k, 2 * k * k * 4, fused_ms, eager_ms, float("nan"), err)
+
+
+def measure(rt: common.Runtime, args) -> tuple[list[Row], list[list[int]]]:
+    """The rows of every (K, D) of the grid (``--quick``: its subset; ``--dry-run``: tiny
+    shapes) whose input fits, then of the weights; and the [K, D] left out for their size."""
+    dtype = common.DTYPES[args.dtype]
+    elem = torch.empty((), dtype=dtype).element_size()
+    if args.dry_run:
+        clients, dims, weight_clients = DRY_RUN_GRID
+    elif args.quick:
+        clients, dims, weight_clients = [20, 100], [65_536, 1_000_000], [1000]
+    else:
+        clients, dims, weight_clients = CLIENTS, DIMS, WEIGHT_CLIENTS
+    rows, skipped = [], []
+    for k in clients:
+        for d in dims:
+            if k * d * elem >= MAX_INPUT_BYTES:
+                skipped.append([k, d])
+                continue
+            rows.extend(bench_pair(rt, k, d, dtype))
+            common.print_rows(rows[-2:], format_table)
+    for k in weight_clients:
+        rows.append(bench_weights(rt, k))
+        common.print_rows(rows[-1:], format_table)
+    return rows, skipped
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = common.parse_args(__doc__, argv, quick_help="K in {20, 100}, D in {65536, 10^6}, weights K=1000")
-    if not common.cuda_or_explain("gpu_similarity.py needs a CUDA device (none found): nothing measured"):
+    rt = common.start(args, "gpu_similarity.py", "pfl::pairwise_cosine")
+    if rt is None:
         return 2
-    info = common.backend_info("pfl::pairwise_cosine")
     torch.backends.cuda.matmul.allow_tf32 = False  # the floor keeps float32 precision, as the op does
-    dtype = common.DTYPES[args.dtype]
-    elem = torch.empty((), dtype=dtype).element_size()
-    device_name = torch.cuda.get_device_name()
-    rows, skipped = [], []
-    for k in ([20, 100] if args.quick else CLIENTS):
-        for d in ([65_536, 1_000_000] if args.quick else DIMS):
-            if k * d * elem >= MAX_INPUT_BYTES:
-                skipped.append([k, d])
-                continue
-            rows.extend(bench_pair(k, d, dtype))
-            common.print_rows(rows[-2:], format_table)
-    for k in ([1000] if args.quick else WEIGHT_CLIENTS):
-        rows.append(bench_weights(k))
-        common.print_rows(rows[-1:], format_table)
+    with rt:
+        rows, skipped = measure(rt, args)
     print("\n" + format_table(rows))
     pair = [r for r in rows if r.op != "weights"]
     summary = {
         "pairwise_cases": len(pair), "met": sum(r.floor_ratio <= TARGET for r in pair),
         "worst_floor_ratio": max((r.floor_ratio for r in pair), default=None),
-        "geomean_speedup_vs_eager": math.exp(sum(math.log(r.speedup) for r in rows) / len(rows)) if rows else None,
+        "geomean_speedup_vs_eager": common.geomean([r.speedup for r in rows]) if rows else None,
         "skipped_inputs_over_bytes": skipped,
     }
     print(f"pairwise: {summary['met']}/{summary['pairwise_cases']} within {TARGET}x of torch.mm "
           f"(worst {summary['worst_floor_ratio']:.2f}x)")
-    path = args.json or common.RESULTS / f"similarity_gpu_{common.sanitize(device_name)}.json"
-    common.write_json(path, "benchmarks/gpu_similarity.py", device_name, info, {
+    common.write_json(rt.json_path(args.json, "similarity_gpu"), "benchmarks/gpu_similarity.py", rt, {
         "config": {"dtype": args.dtype, "timing": common.TIMING,
                    "bytes": "x read once, the [K, K] float32 result written once",
                    "floor": "torch.mm(x, x.t()) in the input dtype (TF32 off)", "floor_ratio": "fused / mm",
