@@ -73,8 +73,7 @@ namespace {
 
 bool use_avx2() {
 #if defined(PFL_AGGREGATE_AVX2)
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
+  return cpu::cpu_has_avx2();
 #else
   return false;
 #endif

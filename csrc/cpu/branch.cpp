@@ -238,10 +238,7 @@ __attribute__((target("avx2"))) void combine_chunk_avx2(const scalar_t* w, int64
   combine_chunk_impl<static_cast<int>(256 / sizeof(acc_t)), kUnit>(w, sb, sn, a, B, out, n);
 }
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
+using cpu::cpu_has_avx2;
 #endif
 
 // Branches from which the AVX2 loop is used (where the CPU has it).

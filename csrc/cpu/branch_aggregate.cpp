@@ -179,10 +179,7 @@ __attribute__((target("avx2"))) void aggregate_chunk_avx2(const scalar_t* w0, in
   aggregate_chunk_impl<kUnit>(w0, sk, sp, ids, c, acc, out, n);
 }
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
+using cpu::cpu_has_avx2;
 #endif
 
 template <typename scalar_t>

@@ -2,15 +2,22 @@
 //
 //   means[k, c, :] = (1 / n_kc) Σ_{n : labels[k, n] = c} features[k, n, :],  counts[k, c] = n_kc
 //
-// Two passes.  The first (over the labels only) counts the samples of each class, checks the
-// labels and lists each class's samples in sample order (a counting sort).  The second sums
-// the rows: a task owns one (client, class, run of D) and adds the class's rows in sample
-// order into an accumulator in L1, then scales and writes its run of means once.  Each row is
-// a contiguous run of D elements read once (the tasks of one class split D only when there are
-// too few classes to keep the threads busy); the next rows are prefetched, since the rows of a
-// class are scattered.  No atomics, no partial sums to combine: every mean is summed in sample
-// order, so the result does not depend on the thread count.
+// A first pass over the labels counts the samples of each class and checks the labels.  The
+// sums then take one of two paths, with no atomics, and a result that does not depend on the
+// thread count:
+//
+// * streaming (the usual case): the samples of a client are cut into blocks of consecutive
+//   rows (their size depends on N alone); a task owns one (client, block, run of D, whole rows
+//   where the classes' accumulators fit in L2) and reads its rows front to back, adding each
+//   row into its class's accumulator.  The features are read once, in long sequential
+//   streams that the hardware prefetchers follow.  Each block's sums (in sample order) are
+//   then added in block order and divided by the counts.
+// * gather (more than a thousand classes, whose accumulators would not fit in L2): the first
+//   pass also lists each class's samples (a counting sort); a task owns one (client, class,
+//   run of D) and adds the class's rows in sample order, prefetched a few rows ahead since
+//   they are scattered.
 #include "check_helpers.h"
+#include "loop_helpers.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -47,8 +54,9 @@ void check_args(const at::Tensor& features, const at::Tensor& labels, int64_t nu
   TORCH_CHECK(num_classes >= 1, "num_classes must be >= 1, got ", num_classes);
 }
 
-// Per client k: counts[k, c], and order[k, :] = the sample indices grouped by class (each class's
-// samples in sample order) with start[k, c] the first position of class c.  Checks the labels.
+// Per client k: counts[k, c], and (where order is not null) order[k, :] = the sample indices
+// grouped by class (each class's samples in sample order) with start[k, c] the first position
+// of class c.  Checks the labels.
 template <typename label_t>
 void sort_by_class(const label_t* labels, int64_t slk, int64_t sln, int64_t K, int64_t N, int64_t C,
                    int64_t* counts, int64_t* start, int64_t* order) {
@@ -66,6 +74,7 @@ void sort_by_class(const label_t* labels, int64_t slk, int64_t sln, int64_t K, i
         }
         ++cnt[c];
       }
+      if (order == nullptr) continue;
       int64_t* st = start + k * C;
       int64_t pos = 0;
       for (int64_t c = 0; c < C; ++c) {
@@ -79,26 +88,144 @@ void sort_by_class(const label_t* labels, int64_t slk, int64_t sln, int64_t K, i
   });
 }
 
-// Rows ahead whose first cache lines are prefetched (the rows of a class are scattered).
+// Accumulator floats of one streaming task: C x run stays in L2 (256 KiB).
+constexpr int64_t kStreamAcc = 1 << 16;
+// The shortest run of D a streaming task reads per row (shorter runs waste prefetched lines);
+// where even that run's accumulators do not fit (huge C), the gather path runs.
+constexpr int64_t kMinRun = 64;
+// Rows of a streaming block: at least kMinBlockRows, and N split into at most kMaxBlocks
+// blocks (the partial sums cost kMaxBlocks x C x D floats, little next to N x D).
+constexpr int64_t kMinBlockRows = 1024;
+constexpr int64_t kMaxBlocks = 16;
+// Rows ahead whose first cache lines are prefetched (gather: the rows of a class are scattered).
 constexpr int64_t kPrefetchRows = 4;
-// Columns of one task at least (when D is split because there are few classes).
+// Columns of one gather task at least (when D is split because there are few classes).
 constexpr int64_t kMinColumns = 64;
 
+using cpu::load_as;
+
+// Tasks of `units` (independent units of work) split into runs of D (no shorter than
+// min_width) so that the threads have about 4 tasks each; returns the run width (a multiple of
+// 16 unless it is D).
+int64_t run_width(int64_t units, int64_t D, int64_t min_width) {
+  const int64_t want_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
+  int64_t runs = units >= want_tasks ? 1 : (want_tasks + units - 1) / units;
+  runs = std::max<int64_t>(1, std::min(runs, D / min_width));
+  if (runs == 1) return D;
+  return std::min(D, ((D + runs - 1) / runs + 15) / 16 * 16);
+}
+
+// The run of D of a streaming task: whole rows where C x D accumulators fit in L2, else the
+// widest multiple of 16 that fits; 0 where not even kMinRun fits (the gather path runs).
+int64_t stream_width(int64_t D, int64_t C) {
+  if (C * D <= kStreamAcc) return D;
+  const int64_t fits = kStreamAcc / C / 16 * 16;
+  return fits >= kMinRun ? fits : 0;
+}
+
+// sums[c, 0:w] (row stride D) = the sum of rows[n, 0:w] (row stride sr) over the n < rows_n
+// with l[n sl] = c, in sample order.  -0.0 is the identity of + for every value (-0.0
+// included): the sums start there, so each is exactly that of its rows.
+template <typename scalar_t, typename label_t, typename acc_t>
+C10_ALWAYS_INLINE void add_rows_impl(const scalar_t* rows, int64_t sr, const label_t* l, int64_t sl, int64_t rows_n,
+                                     int64_t w, int64_t C, int64_t D, acc_t* sums) {
+  for (int64_t c = 0; c < C; ++c) std::fill(sums + c * D, sums + c * D + w, -acc_t(0));
+  for (int64_t n = 0; n < rows_n; ++n) {
+    acc_t* __restrict ac = sums + static_cast<int64_t>(l[n * sl]) * D;
+    const scalar_t* __restrict row = rows + n * sr;
+    for (int64_t d = 0; d < w; ++d) ac[d] += load_as<acc_t>(row + d);
+  }
+}
+
+template <typename scalar_t, typename label_t, typename acc_t>
+void add_rows(const scalar_t* rows, int64_t sr, const label_t* l, int64_t sl, int64_t rows_n, int64_t w, int64_t C,
+              int64_t D, acc_t* sums) {
+  add_rows_impl(rows, sr, l, sl, rows_n, w, C, D, sums);
+}
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define PFL_CLASS_MEANS_AVX2 1
+// The same loop in 8-wide vectors (no FMA: the same rounding), chosen where the CPU has AVX2.
+template <typename scalar_t, typename label_t, typename acc_t>
+__attribute__((target("avx2"))) void add_rows_avx2(const scalar_t* rows, int64_t sr, const label_t* l, int64_t sl,
+                                                   int64_t rows_n, int64_t w, int64_t C, int64_t D, acc_t* sums) {
+  add_rows_impl(rows, sr, l, sl, rows_n, w, C, D, sums);
+}
+#endif
+
+// The streaming path: see the top of the file.  `width` is the run of D of one task;
+// partial[k, block, c, d] receives each block's sums (means itself when there is one block).
+template <typename scalar_t, typename label_t>
+void stream_kernel(const scalar_t* f, int64_t sfk, int64_t sfn, const label_t* labels, int64_t slk, int64_t sln,
+                   int64_t K, int64_t N, int64_t D, int64_t C, int64_t width, const int64_t* counts,
+                   at::opmath_type<scalar_t>* means) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t block_rows = std::max(kMinBlockRows, (N + kMaxBlocks - 1) / kMaxBlocks);
+  const int64_t blocks = (N + block_rows - 1) / block_rows;
+  const int64_t runs = (D + width - 1) / width;
+  const int64_t tasks = K * blocks * runs;
+  std::unique_ptr<acc_t[]> partial_buf(blocks > 1 ? new acc_t[K * blocks * C * D] : nullptr);
+  acc_t* partial = blocks > 1 ? partial_buf.get() : means;
+  // Small problems on the calling thread: a parallel region costs tens of microseconds.
+  const int64_t grain = K * N * D < (1 << 18) ? tasks : 1;
+  const bool avx2 = cpu::cpu_has_avx2();
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task % runs, kb = task / runs, k = kb / blocks, blk = kb - k * blocks;
+      const int64_t d0 = r * width, w = std::min(width, D - d0);
+      const int64_t n0 = blk * block_rows, n1 = std::min(N, n0 + block_rows);
+      acc_t* sums = partial + kb * C * D + d0;  // [C, D] of this (client, block), from column d0
+      const scalar_t* rows = f + k * sfk + n0 * sfn + d0;
+      const label_t* l = labels + k * slk + n0 * sln;
+#ifdef PFL_CLASS_MEANS_AVX2
+      if (avx2) {
+        add_rows_avx2(rows, sfn, l, sln, n1 - n0, w, C, D, sums);
+        continue;
+      }
+#endif
+      add_rows(rows, sfn, l, sln, n1 - n0, w, C, D, sums);
+    }
+  });
+  // means = (the blocks' sums added in block order) / counts; classes without samples keep 0.
+  // Divide, not multiply by 1/m: the same rounding as the reference's sum / count.
+  at::parallel_for(0, K * C, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(blocks * D, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t kc = begin; kc < end; ++kc) {
+      const int64_t k = kc / C, c = kc - k * C;
+      const int64_t m = counts[kc];
+      acc_t* __restrict out = means + kc * D;
+      if (m == 0) {
+        std::fill(out, out + D, acc_t(0));
+        continue;
+      }
+      const acc_t cm = static_cast<acc_t>(m);
+      if (blocks == 1) {
+        for (int64_t d = 0; d < D; ++d) out[d] = out[d] / cm;
+        continue;
+      }
+      const acc_t* p = partial + (k * blocks * C + c) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = p[d];
+      for (int64_t blk = 1; blk < blocks; ++blk) {
+        const acc_t* __restrict q = p + blk * C * D;
+        for (int64_t d = 0; d < D; ++d) out[d] += q[d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[d] = out[d] / cm;
+    }
+  });
+}
+
+// The gather path: see the top of the file.
 template <typename scalar_t>
-void means_kernel(const scalar_t* f, int64_t sfk, int64_t sfn, int64_t K, int64_t N, int64_t D, int64_t C,
-                  const int64_t* counts, const int64_t* start, const int64_t* order,
-                  at::opmath_type<scalar_t>* means) {
+void gather_kernel(const scalar_t* f, int64_t sfk, int64_t sfn, int64_t K, int64_t N, int64_t D, int64_t C,
+                   const int64_t* counts, const int64_t* start, const int64_t* order,
+                   at::opmath_type<scalar_t>* means) {
   using acc_t = at::opmath_type<scalar_t>;
   // Split D into runs only when (client, class) pairs are too few for the threads; the split
   // changes nothing in the sums (each element is still summed in sample order).
   const int64_t pairs = K * C;
-  const int64_t want_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
-  int64_t runs = pairs >= want_tasks ? 1 : (want_tasks + pairs - 1) / pairs;
-  runs = std::max<int64_t>(1, std::min(runs, D / kMinColumns));
-  const int64_t width = ((D + runs - 1) / runs + 15) / 16 * 16;
-  runs = (D + width - 1) / width;
+  const int64_t width = run_width(pairs, D, kMinColumns);
+  const int64_t runs = (D + width - 1) / width;
   const int64_t tasks = pairs * runs;
-  // Small problems on the calling thread: a parallel region costs tens of microseconds.
   const int64_t grain = K * N * D < (1 << 18) ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::unique_ptr<acc_t[]> acc(new acc_t[width]);
@@ -114,7 +241,7 @@ void means_kernel(const scalar_t* f, int64_t sfk, int64_t sfn, int64_t K, int64_
       acc_t* __restrict a = acc.get();
       {
         const scalar_t* __restrict row = base + ids[0] * sfn;
-        for (int64_t d = 0; d < w; ++d) a[d] = static_cast<acc_t>(row[d]);
+        for (int64_t d = 0; d < w; ++d) a[d] = load_as<acc_t>(row + d);
       }
       for (int64_t j = 1; j < m; ++j) {
         if (j + kPrefetchRows < m) {
@@ -124,9 +251,8 @@ void means_kernel(const scalar_t* f, int64_t sfk, int64_t sfn, int64_t K, int64_
           }
         }
         const scalar_t* __restrict row = base + ids[j] * sfn;
-        for (int64_t d = 0; d < w; ++d) a[d] += static_cast<acc_t>(row[d]);
+        for (int64_t d = 0; d < w; ++d) a[d] += load_as<acc_t>(row + d);
       }
-      // Divide, not multiply by 1/m: the same rounding as the reference's sum / count.
       const acc_t cm = static_cast<acc_t>(m);
       for (int64_t d = 0; d < w; ++d) out[d] = a[d] / cm;
     }
@@ -152,8 +278,9 @@ std::tuple<at::Tensor, at::Tensor> class_means_cpu(const at::Tensor& features, c
   const at::Tensor f = features.stride(-1) == 1 || D == 1 ? features : features.contiguous();
   const int64_t sfn = f.stride(-2), sfk = batched ? f.stride(0) : 0;
   const int64_t slk = batched ? labels.stride(0) : 0, sln = labels.stride(-1);
+  const int64_t width = stream_width(D, C);
   std::vector<int64_t> start(K * C);
-  std::unique_ptr<int64_t[]> order(new int64_t[K * N]);
+  std::unique_ptr<int64_t[]> order(width == 0 ? new int64_t[K * N] : nullptr);
   int64_t* cnt = counts.data_ptr<int64_t>();
   AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "class_means_cpu_labels", [&] {
     sort_by_class<index_t>(labels.const_data_ptr<index_t>(), slk, sln, K, N, C, cnt, start.data(), order.get());
@@ -161,8 +288,15 @@ std::tuple<at::Tensor, at::Tensor> class_means_cpu(const at::Tensor& features, c
   if (D == 0) return {means, counts};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, features.scalar_type(), "class_means_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    means_kernel<scalar_t>(f.const_data_ptr<scalar_t>(), sfk, sfn, K, N, D, C, cnt, start.data(), order.get(),
-                           means.data_ptr<acc_t>());
+    if (width > 0) {
+      AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "class_means_cpu_stream", [&] {
+        stream_kernel<scalar_t, index_t>(f.const_data_ptr<scalar_t>(), sfk, sfn, labels.const_data_ptr<index_t>(),
+                                         slk, sln, K, N, D, C, width, cnt, means.data_ptr<acc_t>());
+      });
+    } else {
+      gather_kernel<scalar_t>(f.const_data_ptr<scalar_t>(), sfk, sfn, K, N, D, C, cnt, start.data(), order.get(),
+                              means.data_ptr<acc_t>());
+    }
   });
   return {means, counts};
 }

@@ -184,8 +184,7 @@ namespace avx2 {
 
 bool use_avx2() {
 #if defined(PFL_FACTORIZED_AVX2)
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
+  return cpu::cpu_has_avx2();
 #else
   return false;
 #endif

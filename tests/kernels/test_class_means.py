@@ -114,6 +114,32 @@ def test_non_contiguous_inputs():
         assert_close(means, want[0], F64, name)
 
 
+# Shapes that take each path of the C++ kernel (csrc/cpu/class_means.cpp): streaming over
+# one block of rows, over several blocks (N > 1024: partial sums added in block order), in
+# runs of D (C x D accumulators over L2), and the gather path (thousands of classes).
+PATHS = {"stream-1-block": (1000, 129, 10, None), "stream-blocks": (5000, 33, 5, 2),
+         "stream-runs-of-D": (1500, 257, 300, None), "gather": (3000, 70, 2000, None)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_each_summation_path(path, dtype):
+    n, d, c, clients = PATHS[path]
+    features, labels = make_inputs(n, d, c, dtype, clients, seed=5)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = class_means(features, labels, c)
+        torch.set_num_threads(max(2, old))
+        many = class_means(features, labels, c)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1]), "depends on the thread count"
+    want_means, want_counts = expected(features, labels, c)
+    assert torch.equal(many[1], want_counts)
+    assert_close(many[0], want_means, torch.float32, path)
+
+
 def test_deterministic_across_thread_counts():
     features, labels = make_inputs(20000, 96, 7, seed=4)
     old = torch.get_num_threads()
