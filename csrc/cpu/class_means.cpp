@@ -93,10 +93,13 @@ constexpr int64_t kStreamAcc = 1 << 16;
 // The shortest run of D a streaming task reads per row (shorter runs waste prefetched lines);
 // where even that run's accumulators do not fit (huge C), the gather path runs.
 constexpr int64_t kMinRun = 64;
-// Rows of a streaming block: at least kMinBlockRows, and N split into at most kMaxBlocks
-// blocks (the partial sums cost kMaxBlocks x C x D floats, little next to N x D).
+// Blocks of a streaming pass: kTotalBlocks over all clients (enough tasks for the threads
+// when K is small; one block per client from K = kTotalBlocks on), of kMinBlockRows rows at
+// least.  They depend on K and N only, never on the thread count, and their partial sums
+// (K x blocks x C x D floats, at most about kTotalBlocks x C x D) are little next to the
+// K x N x D features.
 constexpr int64_t kMinBlockRows = 1024;
-constexpr int64_t kMaxBlocks = 16;
+constexpr int64_t kTotalBlocks = 16;
 // Rows ahead whose first cache lines are prefetched (gather: the rows of a class are scattered).
 constexpr int64_t kPrefetchRows = 4;
 // Columns of one gather task at least (when D is split because there are few classes).
@@ -160,7 +163,8 @@ void stream_kernel(const scalar_t* f, int64_t sfk, int64_t sfn, const label_t* l
                    int64_t K, int64_t N, int64_t D, int64_t C, int64_t width, const int64_t* counts,
                    at::opmath_type<scalar_t>* means) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t block_rows = std::max(kMinBlockRows, (N + kMaxBlocks - 1) / kMaxBlocks);
+  const int64_t want_blocks = std::min((N + kMinBlockRows - 1) / kMinBlockRows, (kTotalBlocks + K - 1) / K);
+  const int64_t block_rows = (N + want_blocks - 1) / want_blocks;
   const int64_t blocks = (N + block_rows - 1) / block_rows;
   const int64_t runs = (D + width - 1) / width;
   const int64_t tasks = K * blocks * runs;
