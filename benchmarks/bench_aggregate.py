@@ -12,6 +12,13 @@ Cases (float32 params and weights, M = K clients, P parameters per client):
   K = 1000, P = 10^5: ours against the dense product ``torch.mm`` of the same weights
   (side 'baseline').  Target: >= 5 x faster than torch.mm.
 
+* ``dense-bf16``: bfloat16 params and out, float32 weights (float32 accumulation) at
+  ``BF16_SHAPES``: ours against the eager code that keeps float32 accumulation (``torch.mm``
+  of the weights and the params upcast to float32, written back as bfloat16; 'baseline'),
+  and, as the 'floor' side, ``torch.mm`` in bfloat16 (weights rounded to bfloat16, the
+  output rounded by BLAS: less precise, but what the CPU's bfloat16 instructions reach).
+  No target: reported to show where bfloat16 stands.
+
 Shapes: K in {20, 100, 1000}, P in {65536, 10^5, 10^6, 10^7}, skipping those whose params +
 out exceed ~4 GB (K = 100 and 1000 at P = 10^7; K = 1000 at P = 10^6) or whose dense product
 takes more than ~10 s on 2 cores.  ``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and the
@@ -39,6 +46,7 @@ CLIENTS = (20, 100, 1000)
 PARAMS = (65536, 10**5, 10**6, 10**7)
 SPARSE_SHAPE = (1000, 10**5)
 SPARSE_DENSITY = 0.05
+BF16_SHAPES = [(20, 65536)] if common.QUICK else [(100, 10**6), (1000, 65536)]
 
 
 def _fits(k: int, p: int) -> bool:
@@ -91,3 +99,32 @@ def test_dense(benchmark, shape, side, impl, repeat):
 @pytest.mark.parametrize("shape,side,impl,repeat", _params([SPARSE_SHAPE]))
 def test_sparse(benchmark, shape, side, impl, repeat):
     _run(benchmark, "sparse", shape, side, impl, repeat, SPARSE_DENSITY)
+
+
+BF16_SIDES = (("ours", "pfl"), ("baseline", "upcast+torch.mm"), ("floor", "torch.mm-bf16"))
+
+
+@BENCH
+@pytest.mark.parametrize("shape,side,impl,repeat",
+                         [pytest.param((k, p), side, impl, repeat, id=f"K{k}-P{p}-r{repeat}-{side}")
+                          for repeat in range(common.REPEATS) for k, p in BF16_SHAPES for side, impl in BF16_SIDES])
+def test_dense_bf16(benchmark, shape, side, impl, repeat):
+    k, p = shape
+    w, params, _ = _inputs(k, p, 1.0)
+    params = params.bfloat16()
+    out = torch.empty_like(params)
+    if side == "ours":
+        def fn():
+            return weighted_average(w, params, out=out)
+    elif side == "baseline":
+        def fn():
+            return out.copy_(torch.mm(w, params.float()))
+    else:
+        w_bf16 = w.bfloat16()
+
+        def fn():
+            return torch.mm(w_bf16, params, out=out)
+    benchmark.group = f"dense-bf16/K{k}-P{p}"
+    benchmark.extra_info.update(case="dense-bf16", shape=f"K{k}-P{p}", weight_shape=[k, k, p], clients=k,
+                                params_per_client=p, density=1.0, side=side, impl=impl, repeat=repeat)
+    benchmark(fn)

@@ -26,7 +26,12 @@ params, side, impl, repeat, traffic_bytes.
     OMP_WAIT_POLICY=PASSIVE python benchmarks/report.py --suite branch_aggregate [--quick]
     python -m pytest benchmarks/bench_branch_aggregate.py -p no:cacheprovider --benchmark-disable
 
-``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and 10^5, B = 5 only, one repeat.
+A second case, ``aggregate-bf16``: bfloat16 branch_params (float32 accumulation) at
+``BF16_SHAPES``, against the eager einsum on the params upcast to float32 (what keeps float32
+accumulation in eager code) and the copy of the op's bfloat16 bytes (the same 1.5x target).
+
+``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and 10^5, B = 5 only (bf16: K = 20,
+P = 65536), one repeat.
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ CLIENTS = (20, 100, 1000)
 PARAMS = (65536, 10 ** 5, 10 ** 6, 10 ** 7)
 BRANCHES = 5
 EXTRA_BRANCHES = ((100, 10 ** 5), (20, 10 ** 6))  # (K, P) also measured at B = 2 and 10
+BF16_SHAPES = [(20, BRANCHES, 65536)] if common.QUICK else \
+    [(20, BRANCHES, 10 ** 6), (100, BRANCHES, 10 ** 5), (100, BRANCHES, 10 ** 6)]
 
 
 def _name(p: int) -> str:
@@ -68,9 +75,21 @@ def traffic(k: int, b: int, p: int) -> int:
     return k * b * p + k * b + k + b * p
 
 
-def _inputs(k: int, b: int, p: int):
+def traffic_bytes(k: int, b: int, p: int, elem: int = 4) -> int:
+    """Minimum traffic in bytes for params and W of ``elem`` bytes (alpha, counts: float32)."""
+    return elem * (k * b * p + b * p) + 4 * (k * b + k)
+
+
+def _copy_fn(nbytes: int):
+    """dst.copy_(src) between preallocated float32 tensors, moving ``nbytes`` (half each way)."""
+    src = torch.randn(-(-nbytes // 8), generator=torch.Generator().manual_seed(3))
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def _inputs(k: int, b: int, p: int, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(0)
-    params = torch.randn(k, b, p, generator=gen)
+    params = torch.randn(k, b, p, generator=gen).to(dtype)
     alpha = torch.rand(k, b, generator=gen) + 0.05
     counts = torch.randint(1, 1001, (k,), generator=gen)
     return params, alpha, counts
@@ -78,6 +97,8 @@ def _inputs(k: int, b: int, p: int):
 
 def _eager(params, alpha, counts):
     weight = counts[:, None].to(alpha.dtype) * alpha
+    if params.dtype != weight.dtype:  # upcast: float32 accumulation, as the op
+        return torch.einsum("kb,kbp->bp", weight / weight.sum(0), params.to(weight.dtype)).to(params.dtype)
     return torch.einsum("kb,kbp->bp", weight / weight.sum(0), params)
 
 
@@ -87,11 +108,7 @@ def _eager(params, alpha, counts):
 def test_aggregate(benchmark, shape: Shape, side: str, impl: str, repeat: int):
     k, b, p = shape.weight
     if impl == "copy":
-        src = torch.randn(-(-traffic(k, b, p) // 2), generator=torch.Generator().manual_seed(3))
-        dst = torch.empty_like(src)
-
-        def fn():
-            return dst.copy_(src)
+        fn = _copy_fn(traffic_bytes(k, b, p))
     else:
         params, alpha, counts = _inputs(k, b, p)
         if impl == "fused":
@@ -101,6 +118,29 @@ def test_aggregate(benchmark, shape: Shape, side: str, impl: str, repeat: int):
             def fn():
                 return _eager(params, alpha, counts)
     out = common.run(benchmark, "aggregate", fn, {"branches": b, "clients": k, "params": p},
-                     {"traffic_bytes": 4 * traffic(k, b, p)})
+                     {"traffic_bytes": traffic_bytes(k, b, p)})
     if impl != "copy":
         assert tuple(out.shape) == (b, p)
+
+
+@pytest.mark.parametrize("shape, side, impl, repeat",
+                         [pytest.param(Shape(f"K{k}-B{b}-P{_name(p)}", (k, b, p)), side, impl, r,
+                                       id=f"K{k}-B{b}-P{_name(p)}-r{r}-{impl}")
+                          for r in range(common.REPEATS) for k, b, p in BF16_SHAPES for side, impl in SIDES])
+def test_aggregate_bf16(benchmark, shape: Shape, side: str, impl: str, repeat: int):
+    k, b, p = shape.weight
+    nbytes = traffic_bytes(k, b, p, elem=2)
+    if impl == "copy":
+        fn = _copy_fn(nbytes)
+    else:
+        params, alpha, counts = _inputs(k, b, p, torch.bfloat16)
+        if impl == "fused":
+            def fn():
+                return torch.ops.pfl.branch_aggregate(params, alpha, counts)
+        else:
+            def fn():
+                return _eager(params, alpha, counts)
+    out = common.run(benchmark, "aggregate-bf16", fn, {"branches": b, "clients": k, "params": p},
+                     {"traffic_bytes": nbytes})
+    if impl != "copy":
+        assert tuple(out.shape) == (b, p) and out.dtype == torch.bfloat16

@@ -23,6 +23,11 @@ matching vector), 10^5, 10^6, 10^7} parameters, except (``SKIPPED``):
   * none else: K = 1000 at D = 10^5 is 2·10^11 flops (seconds per call on 2 cores), the
     slowest kept.
 weights at K = M in {100, 1000, 10000}.
+
+A fourth case, ``cosine-bf16``: bfloat16 x (float32 accumulation and result) at
+``BF16_SHAPES``, against ``F.normalize(x.float())`` + mm (the eager code with float32
+accumulation) and, as the floor side, ``torch.mm(x, x.t())`` in bfloat16 (the CPU's bfloat16
+instructions; its result is rounded to bfloat16, so it is less precise than the op: no target).
 ``PFL_BENCH_QUICK=1`` keeps K in {20, 100} at D in {65536, 10^5} and weights at K in
 {100, 1000}, with one repeat of fewer rounds.
 
@@ -58,6 +63,7 @@ MAX_INPUT_BYTES = 4 * 10 ** 9
 SKIPPED = [(k, d) for k in CLIENTS for d in DIMS if 4 * k * d >= MAX_INPUT_BYTES]
 PAIR_SHAPES = [(k, d) for k in CLIENTS for d in DIMS if (k, d) not in SKIPPED]
 WEIGHT_CLIENTS = (100, 1000) if common.QUICK else (100, 1000, 10_000)
+BF16_SHAPES = [(20, 65_536)] if common.QUICK else [(100, 1_000_000), (1000, 65_536)]
 TAU, SCALE, MIN_KEEP = 0.9, 20.0, 4  # Factorized-FL's domain setting has tau 0.95, eps 20, 4 kept
 
 # Calls last from ~1 ms (K = 20, D = 65536) to seconds (K = 1000, D = 10^5): pytest-benchmark
@@ -68,11 +74,12 @@ CASES = {
     "cosine": (("ours", "fused"), ("baseline", "normalize_mm"), ("floor", "mm")),
     "sqdist": (("ours", "fused"), ("baseline", "cdist_sq"), ("floor", "mm")),
     "weights": (("ours", "fused"), ("baseline", "eager")),
+    "cosine-bf16": (("ours", "fused"), ("baseline", "normalize_mm"), ("floor", "mm")),
 }
 
 
 def _params(case: str):
-    shapes = [(k, k) for k in WEIGHT_CLIENTS] if case == "weights" else PAIR_SHAPES
+    shapes = {"weights": [(k, k) for k in WEIGHT_CLIENTS], "cosine-bf16": BF16_SHAPES}.get(case, PAIR_SHAPES)
     return [pytest.param(k, d, side, impl, repeat, id=f"K{k}-D{d}-r{repeat}-{impl}" if case != "weights"
                          else f"K{k}-r{repeat}-{impl}")
             for repeat in range(common.REPEATS) for k, d in shapes for side, impl in CASES[case]]
@@ -97,12 +104,12 @@ def _rows(k: int, d: int, seed: int = 0) -> torch.Tensor:
 def _pair_fn(case: str, impl: str, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     if impl == "mm":
         return lambda: torch.mm(x, x.t())
-    if case == "cosine":
+    if case.startswith("cosine"):
         if impl == "fused":
             return lambda: pairwise_cosine(x)
 
         def normalize_mm():
-            xn = F.normalize(x, dim=1)
+            xn = F.normalize(x.float(), dim=1)  # bfloat16 x: float32, as the op accumulates
             return xn @ xn.t()
         return normalize_mm
     if impl == "fused":
@@ -116,6 +123,14 @@ def test_cosine(benchmark, k: int, d: int, side: str, impl: str, repeat: int):
     x = _rows(k, d)
     out = _run(benchmark, "cosine", _pair_fn("cosine", impl, x), k, d)
     assert tuple(out.shape) == (k, k)
+
+
+@pytest.mark.parametrize("k, d, side, impl, repeat", _params("cosine-bf16"))
+def test_cosine_bf16(benchmark, k: int, d: int, side: str, impl: str, repeat: int):
+    """bfloat16 x: the fused op (float32 accumulation), normalize + mm in float32, mm in bfloat16."""
+    x = _rows(k, d).bfloat16()
+    out = _run(benchmark, "cosine-bf16", _pair_fn("cosine-bf16", impl, x), k, d)
+    assert out.shape == (k, k)
 
 
 @pytest.mark.parametrize("k, d, side, impl, repeat", _params("sqdist"))

@@ -170,7 +170,8 @@ SUITES = {
     ),
     "branch_aggregate": Suite(
         name="branch_aggregate",
-        cases={"aggregate": Case("aggregate", speedup=True, target=None, floor_target=1.5)},
+        cases={"aggregate": Case("aggregate", speedup=True, target=None, floor_target=1.5),
+               "aggregate-bf16": Case("aggregate bf16", speedup=True, target=None, floor_target=1.5)},
         ops=("branch_aggregate",),
         reference_note=("NOTE: branch_aggregate ran the plain-PyTorch reference on CPU, so the fused side "
                         "is eager code behind a custom op."),
@@ -179,11 +180,14 @@ SUITES = {
                 "floor: dst.copy_(src), preallocated, moving the op's minimum traffic (K*B*P + B*P + "
                 "2*K*B + K float32); ours/floor: fused / floor (lower is better). Target: <= 1.5 x floor "
                 "on every row.\nShape: K clients, B branches, P parameters per branch (float32).\n"
+                "aggregate bf16: bfloat16 params and W (float32 accumulation); baseline: the einsum on params "
+                "upcast to float32; floor: the copy of the op's bytes (2 per param).\n"
                 + _TIMES_LEGEND),
     ),
     "class_means": Suite(
         name="class_means",
-        cases={"class_means": Case("class means", speedup=True, target=None, floor_target=1.5)},
+        cases={"class_means": Case("class means", speedup=True, target=None, floor_target=1.5),
+               "class_means-bf16": Case("class means bf16", speedup=True, target=None, floor_target=1.5)},
         ops=("class_means",),
         reference_note=("NOTE: class_means ran the plain-PyTorch reference on CPU, so the fused side is "
                         "eager code behind a custom op."),
@@ -191,6 +195,8 @@ SUITES = {
                 "ratio: eager/fused (speed-up, higher is better).\nfloor: dst.copy_(src) of N*D float32 "
                 "(a copy of the features, preallocated); ours/floor: fused / floor (lower is better). "
                 "Target: <= 1.5 x floor on every row.\nShape: N samples, D dims, C classes.\n"
+                "class means bf16: bfloat16 features (float32 sums and means); baseline: the same on features "
+                "upcast to float32; floor: the copy of the bfloat16 features.\n"
                 + _TIMES_LEGEND),
     ),
     "similarity": Suite(
@@ -199,6 +205,7 @@ SUITES = {
             "cosine": Case("pairwise cosine", speedup=True, target=None, floor_target=1.5),
             "sqdist": Case("pairwise sqdist", speedup=True, target=None, floor_target=1.5),
             "weights": Case("similarity weights", speedup=True, target=None),
+            "cosine-bf16": Case("pairwise cosine bf16", speedup=True, target=None),
         },
         ops=("pairwise_cosine", "pairwise_sqdist", "similarity_weights"),
         reference_note=("NOTE: the similarity ops ran the plain-PyTorch reference on CPU, so the fused side "
@@ -209,19 +216,25 @@ SUITES = {
                 "floor: torch.mm(x, x.t()) on the same [K, D] x (the product the op is bound by); ours/floor: "
                 "fused / mm (lower is better). Target: <= 1.5 x floor on every cosine and sqdist row.\n"
                 "Shape: K clients, D parameters (float32); weights: sim [K, K]. Inputs of 4 GB or more are "
-                "skipped.\n" + _TIMES_LEGEND),
+                "skipped.\npairwise cosine bf16: bfloat16 x (float32 accumulation and result); baseline: F.normalize "
+                "on x upcast to float32 + mm; floor: torch.mm in bfloat16 (result rounded to bfloat16, less "
+                "precise; no target).\n" + _TIMES_LEGEND),
     ),
     "aggregate": Suite(
         name="aggregate",
         cases={"dense": Case("dense weights", speedup=False, target=1.1),
-               "sparse": Case("5% nonzero weights", speedup=True, target=5.0)},
+               "sparse": Case("5% nonzero weights", speedup=True, target=5.0),
+               "dense-bf16": Case("dense, bf16 params", speedup=True, target=None)},
         ops=("weighted_average",),
         reference_note="NOTE: weighted_average ran the plain-PyTorch reference on CPU.",
         legend=("ours: pfl::weighted_average(w, params, out=out); baseline: torch.mm(w, params, out=out), "
                 "same shapes, float32 (the BLAS product the op replaces, and the floor of a dense product).\n"
                 "ratio: ours / torch.mm for dense weights (cost, lower is better, target <= 1.1); torch.mm / "
                 "ours for 5%-nonzero weights (speed-up, target >= 5 at K=1000, P=1e5).\n"
-                "Shape: K=M clients, P params per client.\n" + _TIMES_LEGEND),
+                "Shape: K=M clients, P params per client.\n"
+                "dense, bf16 params: bfloat16 params and out, float32 weights; baseline: torch.mm on params upcast "
+                "to float32 (the eager code with float32 accumulation); floor: torch.mm in bfloat16 (bf16 weights "
+                "and output, less precise; no target). ratio: baseline / ours.\n" + _TIMES_LEGEND),
     ),
     "round_end": Suite(
         name="round_end",
