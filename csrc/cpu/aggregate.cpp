@@ -14,11 +14,13 @@
 //   dense   (own kernel): the tile of params is packed once into a float panel [M][tile] (bf16
 //           converted once, not once per row); register-blocked micro-tiles of 6 rows x two
 //           vectors sum over j with broadcast weights, the standard GEMM inner kernel.
-//   mm      (dense float32/float64, where BLAS's packing and blocking win): at::mm_out per
+//   mm      (dense weights, every dtype: BLAS's packing and blocking win): at::mm_out per
 //           column block of out (~512 KB, so it is still in L2 when read again), each block
 //           checked for NaN/Inf right after BLAS wrote it and, when it has any, recomputed
 //           exactly (BLAS computes 0·NaN = NaN for a zero weight).  Blocks run in parallel
-//           with BLAS single-threaded inside; no second pass over out.
+//           with BLAS single-threaded inside; no second pass over out.  bfloat16/float16
+//           blocks of params are converted to float32 first and the float32 block of out is
+//           rounded into out (float32 accumulation, as the other paths).
 //
 // Zero weights: the dense kernel multiplies by them only when the panel is finite (0·x = 0
 // there); a panel holding NaN/Inf is summed by the zero-skipping loop instead.  So every path
@@ -91,9 +93,11 @@ constexpr int64_t kMinTile = 64, kMaxTile = 4096;
 constexpr int64_t kSparseTileBytes = 512 << 10;
 // Density (nonzero weights / K·M) below which the sparse path runs.
 constexpr double kSparseDensity = 0.3;
-// Rows from which float32/float64 dense weights use at::mm (+ the NaN/Inf fix-up).  Under
-// the load this was tuned in, the micro-kernel did not reach BLAS at any K measured (20 to
-// 1000), so every dense float32/float64 product goes to BLAS; bf16/fp16 use the micro-kernel.
+// Rows from which dense weights use at::mm (+ the NaN/Inf fix-up).  Under the load this was
+// tuned in, the micro-kernel did not reach BLAS at any K measured (20 to 1000), so every dense
+// product goes to BLAS; for bfloat16 too (blocks converted to float32: K = 20, P = 10^6:
+// 11.6 ms against the micro-kernel's 27.7; K = 100, P = 10^5: 14.8 against 27.2).  The dense
+// micro-kernel runs where PFL_KERNELS_AGGREGATE_PATH=dense forces it (for comparisons).
 constexpr int64_t kMmMinRows = 1;
 // mm path: bytes of one [K, cb] block of out (it stays in L2, 1 MiB per core here, between
 // BLAS writing it and the NaN/Inf check reading it), its least width (BLAS re-packs the
@@ -312,11 +316,16 @@ void run_kernels(const at::Tensor& w_acc, const at::Tensor& params, at::Tensor& 
 
 // mm path: BLAS per column block of out, each block checked for NaN/Inf right after BLAS
 // wrote it (while it is still in cache) and recomputed exactly when it has any.  No pass over
-// all of out after the product, and no temporary the size of out.
+// all of out after the product, and no temporary the size of out.  bfloat16/float16 params:
+// each block of params is converted to float32 (in L2), multiplied in float32 into a float32
+// block, and rounded into out: the same float32 accumulation as the micro-kernel, at BLAS's
+// speed where the product is bound by arithmetic.
 template <typename scalar_t, typename Kern>
 void run_mm(const at::Tensor& w, const at::Tensor& params, at::Tensor& out, bool alias) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool kLowp = !std::is_same_v<scalar_t, acc_t>;
   const int64_t K = out.size(0), P = out.size(1), M = params.size(0);
-  const int64_t es = static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t es = static_cast<int64_t>(sizeof(acc_t));
   // Block width from the shapes only (never the thread count): a [K, cb] block of out of
   // about kMmBlockBytes, at least kMmMinCols wide (BLAS packs the weights once per call), and
   // narrow enough to give kMmMinBlocks blocks when P allows.
@@ -324,30 +333,44 @@ void run_mm(const at::Tensor& w, const at::Tensor& params, at::Tensor& out, bool
   cb = std::min(cb, ((P + kMmMinBlocks - 1) / kMmMinBlocks + 63) / 64 * 64);
   cb = std::max<int64_t>(64, std::min(cb, P));
   const int64_t blocks = (P + cb - 1) / cb;
-  const scalar_t* wp = w.const_data_ptr<scalar_t>();
+  const acc_t* wp = w.const_data_ptr<acc_t>();
   const scalar_t* pp = params.const_data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t sp = params.stride(0), so = out.stride(0);
   const at::Tensor wd = w.detach(), pd = params.detach(), od = out.detach();
+  const at::TensorOptions acc_options = params.options().dtype(w.scalar_type());
 
-  auto run_block = [&](int64_t b, at::Tensor& tmp) {
+  // tmp: [M, cb] (params' block, in acc_t); tmp_out: [K, cb] acc_t (reduced precision only).
+  auto run_block = [&](int64_t b, at::Tensor& tmp, at::Tensor& tmp_out) {
     const int64_t c0 = b * cb, tw = std::min(cb, P - c0);
     at::Tensor src = pd.narrow(1, c0, tw);
-    const scalar_t* sptr = pp + c0;
+    const acc_t* sptr = nullptr;
     int64_t ss = sp;
-    if (alias) {  // this block of out is this block of params: read it before writing it
-      if (!tmp.defined()) tmp = at::empty({M, cb}, params.options());
+    if (alias || kLowp) {  // alias: this block of out is this block of params, read it first
+      if (!tmp.defined()) tmp = at::empty({M, cb}, acc_options);
       at::Tensor t = tmp.narrow(1, 0, tw);
       t.copy_(src);
       src = t;
-      sptr = tmp.const_data_ptr<scalar_t>();
+      sptr = tmp.const_data_ptr<acc_t>();
       ss = cb;
+    } else {
+      sptr = reinterpret_cast<const acc_t*>(pp + c0);  // scalar_t is acc_t here
     }
     at::Tensor dst = od.narrow(1, c0, tw);
-    at::mm_out(dst, wd, src);
-    if (Kern::all_finite(op + c0, so, K, tw)) return;
+    if constexpr (kLowp) {
+      if (!tmp_out.defined()) tmp_out = at::empty({K, cb}, acc_options);
+      at::Tensor o = tmp_out.narrow(1, 0, tw);
+      at::mm_out(o, wd, src);
+      if (Kern::all_finite(tmp_out.const_data_ptr<acc_t>(), cb, K, tw)) {
+        dst.copy_(o);  // round to scalar_t
+        return;
+      }
+    } else {
+      at::mm_out(dst, wd, src);
+      if (Kern::all_finite(op + c0, so, K, tw)) return;
+    }
     // BLAS computed 0·NaN = NaN for zero weights: redo the block skipping them.
-    Kern::template skip_zero_rows<scalar_t>(wp, M, 0, K, sptr, ss, tw, op + c0, so);
+    Kern::template skip_zero_rows<acc_t>(wp, M, 0, K, sptr, ss, tw, op + c0, so);
   };
   const int64_t threads = at::get_num_threads();
   if (threads > 1 && blocks >= 4 * threads && !at::in_parallel_region()) {
@@ -357,13 +380,13 @@ void run_mm(const at::Tensor& w, const at::Tensor& params, at::Tensor& out, bool
     at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
       // Below autograd on this thread too (guards are thread-local); the kernel runs below it.
       at::AutoDispatchBelowADInplaceOrView guard;
-      at::Tensor tmp;
-      for (int64_t b = b0; b < b1; ++b) run_block(b, tmp);
+      at::Tensor tmp, tmp_out;
+      for (int64_t b = b0; b < b1; ++b) run_block(b, tmp, tmp_out);
     });
   } else {
     at::AutoDispatchBelowADInplaceOrView guard;
-    at::Tensor tmp;
-    for (int64_t b = 0; b < blocks; ++b) run_block(b, tmp);
+    at::Tensor tmp, tmp_out;
+    for (int64_t b = 0; b < blocks; ++b) run_block(b, tmp, tmp_out);
   }
 }
 
@@ -477,13 +500,14 @@ void weighted_average_into(const at::Tensor& weights, const at::Tensor& params_i
   const bool sparse = forced == Path::kAuto
                           ? static_cast<double>(nnz) < kSparseDensity * static_cast<double>(K) * static_cast<double>(M)
                           : forced == Path::kSparse;
-  const bool mm_ok = st == at::kFloat || st == at::kDouble;
+  const bool mm_ok = st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf;
   const bool use_mm = mm_ok && (forced == Path::kMm || (forced == Path::kAuto && !sparse && K >= kMmMinRows &&
                                                          M >= kMmMinRows));
   with_kernels([&](auto kern) {
     using Kern = decltype(kern);
     if (use_mm) {
-      AT_DISPATCH_FLOATING_TYPES(st, "weighted_average_cpu_mm", [&] { run_mm<scalar_t, Kern>(w, params, out, alias); });
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "weighted_average_cpu_mm",
+                                      [&] { run_mm<scalar_t, Kern>(w, params, out, alias); });
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "weighted_average_cpu", [&] {

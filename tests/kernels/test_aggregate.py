@@ -111,12 +111,14 @@ def test_out_aliasing_params_in_place(density, path):
         assert torch.equal(bank, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("in_place", [False, True])
-def test_many_column_blocks_with_a_non_finite_block(in_place, path):
-    """P wide enough for many column blocks of the BLAS path (run in parallel): a NaN/Inf in
-    one block is fixed there only, and in-place aggregation reads each block before writing it."""
+def test_many_column_blocks_with_a_non_finite_block(in_place, dtype, path):
+    """P wide enough for many column blocks of the BLAS path (run in parallel; bf16: each block
+    converted to float32 first): a NaN/Inf in one block is fixed there only, and in-place
+    aggregation reads each block before writing it."""
     k, p = 7, 5000
-    w, params = make(k, k, p, torch.float32, density=0.6, seed=5)
+    w, params = make(k, k, p, dtype, density=0.6, seed=5)
     params[2, 2345] = float("nan")
     params[4, 4990:] = float("inf")
     w[:, 2] = 0
@@ -130,7 +132,7 @@ def test_many_column_blocks_with_a_non_finite_block(in_place, path):
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     fin = torch.isfinite(want)
     assert torch.equal(torch.isfinite(got), fin)
-    assert_close(got[fin], want[fin], torch.float32)
+    assert_close(got[fin], want[fin], dtype)
 
 
 def test_out_aliasing_rows_of_a_bank(path):
