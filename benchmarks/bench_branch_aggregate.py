@@ -70,13 +70,9 @@ SIDES = (("ours", "fused"), ("baseline", "eager-einsum"), ("floor", "copy"))
 pytestmark = common.benchmark_mark(max_time=0.5, quick_max_time=0.2)
 
 
-def traffic(k: int, b: int, p: int) -> int:
-    """Minimum traffic in elements: read params, alpha and counts, write W."""
-    return k * b * p + k * b + k + b * p
-
-
 def traffic_bytes(k: int, b: int, p: int, elem: int = 4) -> int:
-    """Minimum traffic in bytes for params and W of ``elem`` bytes (alpha, counts: float32)."""
+    """Minimum traffic in bytes: read params, alpha and counts, write W (params and W of
+    ``elem`` bytes, alpha and counts counted as float32)."""
     return elem * (k * b * p + b * p) + 4 * (k * b + k)
 
 
@@ -102,25 +98,29 @@ def _eager(params, alpha, counts):
     return torch.einsum("kb,kbp->bp", weight / weight.sum(0), params)
 
 
-@pytest.mark.parametrize("shape, side, impl, repeat",
-                         [pytest.param(s, side, impl, r, id=f"{s.name}-r{r}-{impl}")
-                          for r in range(common.REPEATS) for s in shapes() for side, impl in SIDES])
-def test_aggregate(benchmark, shape: Shape, side: str, impl: str, repeat: int):
+def _measure(benchmark, case: str, shape: Shape, impl: str, dtype: torch.dtype):
     k, b, p = shape.weight
+    nbytes = traffic_bytes(k, b, p, elem=torch.empty((), dtype=dtype).element_size())
     if impl == "copy":
-        fn = _copy_fn(traffic_bytes(k, b, p))
+        fn = _copy_fn(nbytes)
     else:
-        params, alpha, counts = _inputs(k, b, p)
+        params, alpha, counts = _inputs(k, b, p, dtype)
         if impl == "fused":
             def fn():
                 return torch.ops.pfl.branch_aggregate(params, alpha, counts)
         else:
             def fn():
                 return _eager(params, alpha, counts)
-    out = common.run(benchmark, "aggregate", fn, {"branches": b, "clients": k, "params": p},
-                     {"traffic_bytes": traffic_bytes(k, b, p)})
+    out = common.run(benchmark, case, fn, {"branches": b, "clients": k, "params": p}, {"traffic_bytes": nbytes})
     if impl != "copy":
-        assert tuple(out.shape) == (b, p)
+        assert tuple(out.shape) == (b, p) and out.dtype == dtype
+
+
+@pytest.mark.parametrize("shape, side, impl, repeat",
+                         [pytest.param(s, side, impl, r, id=f"{s.name}-r{r}-{impl}")
+                          for r in range(common.REPEATS) for s in shapes() for side, impl in SIDES])
+def test_aggregate(benchmark, shape: Shape, side: str, impl: str, repeat: int):
+    _measure(benchmark, "aggregate", shape, impl, torch.float32)
 
 
 @pytest.mark.parametrize("shape, side, impl, repeat",
@@ -128,19 +128,4 @@ def test_aggregate(benchmark, shape: Shape, side: str, impl: str, repeat: int):
                                        id=f"K{k}-B{b}-P{_name(p)}-r{r}-{impl}")
                           for r in range(common.REPEATS) for k, b, p in BF16_SHAPES for side, impl in SIDES])
 def test_aggregate_bf16(benchmark, shape: Shape, side: str, impl: str, repeat: int):
-    k, b, p = shape.weight
-    nbytes = traffic_bytes(k, b, p, elem=2)
-    if impl == "copy":
-        fn = _copy_fn(nbytes)
-    else:
-        params, alpha, counts = _inputs(k, b, p, torch.bfloat16)
-        if impl == "fused":
-            def fn():
-                return torch.ops.pfl.branch_aggregate(params, alpha, counts)
-        else:
-            def fn():
-                return _eager(params, alpha, counts)
-    out = common.run(benchmark, "aggregate-bf16", fn, {"branches": b, "clients": k, "params": p},
-                     {"traffic_bytes": nbytes})
-    if impl != "copy":
-        assert tuple(out.shape) == (b, p) and out.dtype == torch.bfloat16
+    _measure(benchmark, "aggregate-bf16", shape, impl, torch.bfloat16)

@@ -9,6 +9,7 @@ import torch
 import pfl_kernels
 from pfl_kernels.ops import reflection_weights, weighted_average
 from pfl_kernels.reference import aggregate as ref
+from tests.threads import on_one_and_many_threads
 from tests.tolerances import assert_close
 
 F64 = torch.float64
@@ -172,13 +173,8 @@ def test_empty_shapes():
 
 def test_deterministic_across_thread_counts(path):
     w, params = make(50, 60, 4099, torch.float32, 0.3)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = weighted_average(w, params)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, weighted_average(w, params))
+    one, many = on_one_and_many_threads(lambda: weighted_average(w, params))
+    assert torch.equal(one, many)
 
 
 @pytest.mark.parametrize("density", [1.0, 0.4])

@@ -9,6 +9,7 @@ import torch
 import pfl_kernels
 from pfl_kernels.ops import branch_aggregate
 from pfl_kernels.reference import branch_aggregate as ref
+from tests.threads import on_one_and_many_threads
 from tests.tolerances import assert_close
 
 F64 = torch.float64
@@ -136,14 +137,7 @@ def test_non_contiguous_inputs():
 
 def test_deterministic_across_thread_counts():
     params, alpha, counts = make_inputs(50, 5, (40000,), seed=7)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = branch_aggregate(params, alpha, counts)
-        torch.set_num_threads(max(2, old))
-        many = branch_aggregate(params, alpha, counts)
-    finally:
-        torch.set_num_threads(old)
+    one, many = on_one_and_many_threads(lambda: branch_aggregate(params, alpha, counts))
     assert torch.equal(one, many)
 
 

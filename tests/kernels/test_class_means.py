@@ -10,6 +10,7 @@ import torch
 import pfl_kernels
 from pfl_kernels.ops import class_means
 from pfl_kernels.reference import class_means as ref
+from tests.threads import on_one_and_many_threads
 from tests.tolerances import assert_close
 
 F64 = torch.float64
@@ -126,14 +127,7 @@ PATHS = {"stream-1-block": (1000, 129, 10, None), "stream-blocks": (5000, 33, 5,
 def test_each_summation_path(path, dtype):
     n, d, c, clients = PATHS[path]
     features, labels = make_inputs(n, d, c, dtype, clients, seed=5)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = class_means(features, labels, c)
-        torch.set_num_threads(max(2, old))
-        many = class_means(features, labels, c)
-    finally:
-        torch.set_num_threads(old)
+    one, many = on_one_and_many_threads(lambda: class_means(features, labels, c))
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1]), "depends on the thread count"
     want_means, want_counts = expected(features, labels, c)
     assert torch.equal(many[1], want_counts)
@@ -142,14 +136,7 @@ def test_each_summation_path(path, dtype):
 
 def test_deterministic_across_thread_counts():
     features, labels = make_inputs(20000, 96, 7, seed=4)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = class_means(features, labels, 7)
-        torch.set_num_threads(max(2, old))
-        many = class_means(features, labels, 7)
-    finally:
-        torch.set_num_threads(old)
+    one, many = on_one_and_many_threads(lambda: class_means(features, labels, 7))
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
 
 

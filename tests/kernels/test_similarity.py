@@ -8,6 +8,7 @@ import torch
 
 from pfl_kernels.ops import pairwise_cosine, pairwise_sqdist, similarity_weights
 from pfl_kernels.reference import similarity as ref
+from tests.threads import on_one_and_many_threads
 from tests.tolerances import assert_close
 
 F64 = torch.float64
@@ -151,14 +152,7 @@ def test_empty_shapes():
 def test_independent_of_thread_count():
     x, y = make_rows(20, 200_001, torch.float32), make_rows(20, 200_001, torch.float32, seed=7)
     xb = x.to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, max(2, threads)):
-            torch.set_num_threads(n)
-            results.append((pairwise_cosine(x, y), pairwise_sqdist(x), pairwise_cosine(xb)))
-    finally:
-        torch.set_num_threads(threads)
+    results = on_one_and_many_threads(lambda: (pairwise_cosine(x, y), pairwise_sqdist(x), pairwise_cosine(xb)))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
