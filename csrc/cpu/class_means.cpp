@@ -7,7 +7,7 @@
 // thread count:
 //
 // * streaming (the usual case): the samples of a client are cut into blocks of consecutive
-//   rows (their size depends on N alone); a task owns one (client, block, run of D, whole rows
+//   rows (their size depends on K and N only); a task owns one (client, block, run of D, whole rows
 //   where the classes' accumulators fit in L2) and reads its rows front to back, adding each
 //   row into its class's accumulator.  The features are read once, in long sequential
 //   streams that the hardware prefetchers follow.  Each block's sums (in sample order) are

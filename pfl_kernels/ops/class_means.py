@@ -13,7 +13,7 @@ features, float64 for float64).  counts are int64.
 Semantics.  mean_c = (1/n_c) Σ_{n : label_n = c} features[n] (Fed-CMA Sec. 4, e_i^k); a
 class without a sample gets mean 0 and count 0.  Labels outside [0, num_classes) raise.
 The CPU kernel sums each class's samples in sample order within fixed blocks of rows
-(their size depends on N alone), then the blocks' sums in block order: the result does not
+(their size depends on K and N only), then the blocks' sums in block order: the result does not
 depend on the thread count (no atomics).  Differentiable w.r.t. features:
 grad_features[n] = grad_means[label_n] / n_{label_n} (a gather, plain PyTorch).
 """
