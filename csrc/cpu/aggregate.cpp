@@ -93,12 +93,11 @@ constexpr int64_t kMinTile = 64, kMaxTile = 4096;
 constexpr int64_t kSparseTileBytes = 512 << 10;
 // Density (nonzero weights / K·M) below which the sparse path runs.
 constexpr double kSparseDensity = 0.3;
-// Rows from which dense weights use at::mm (+ the NaN/Inf fix-up).  Under the load this was
-// tuned in, the micro-kernel did not reach BLAS at any K measured (20 to 1000), so every dense
-// product goes to BLAS; for bfloat16 too (blocks converted to float32: K = 20, P = 10^6:
-// 11.6 ms against the micro-kernel's 27.7; K = 100, P = 10^5: 14.8 against 27.2).  The dense
-// micro-kernel runs where PFL_KERNELS_AGGREGATE_PATH=dense forces it (for comparisons).
-constexpr int64_t kMmMinRows = 1;
+// Dense weights always use at::mm (+ the NaN/Inf fix-up): under the load this was tuned in,
+// the micro-kernel did not reach BLAS at any K measured (20 to 1000), in float32 nor in
+// bfloat16 (blocks converted to float32: K = 20, P = 10^6: 11.6 ms against the micro-kernel's
+// 27.7; K = 100, P = 10^5: 14.8 against 27.2).  The dense micro-kernel runs only where
+// PFL_KERNELS_AGGREGATE_PATH=dense forces it (for comparisons).
 // mm path: bytes of one [K, cb] block of out (it stays in L2, 1 MiB per core here, between
 // BLAS writing it and the NaN/Inf check reading it), its least width (BLAS re-packs the
 // weights for every block; at K = M = 1000, P = 10^5 and 65536, 2 cores, time / torch.mm
@@ -500,9 +499,7 @@ void weighted_average_into(const at::Tensor& weights, const at::Tensor& params_i
   const bool sparse = forced == Path::kAuto
                           ? static_cast<double>(nnz) < kSparseDensity * static_cast<double>(K) * static_cast<double>(M)
                           : forced == Path::kSparse;
-  const bool mm_ok = st == at::kFloat || st == at::kDouble || st == at::kBFloat16 || st == at::kHalf;
-  const bool use_mm = mm_ok && (forced == Path::kMm || (forced == Path::kAuto && !sparse && K >= kMmMinRows &&
-                                                         M >= kMmMinRows));
+  const bool use_mm = forced == Path::kMm || (forced == Path::kAuto && !sparse);
   with_kernels([&](auto kern) {
     using Kern = decltype(kern);
     if (use_mm) {
