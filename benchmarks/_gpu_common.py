@@ -59,8 +59,9 @@ class Runtime:
     ``name`` for the report, and the timer.  ``with runtime:`` holds what the run needs (in
     a dry run: the Triton launchers as the ops' CPU kernels)."""
 
-    def __init__(self, dry_run: bool):
+    def __init__(self, dry_run: bool, backend_info: dict):
         self.dry_run = dry_run
+        self.backend_info = backend_info  # pfl_kernels.backend_info() when the run started
         self.device = "cpu" if dry_run else "cuda"
         self.name = DRY_RUN_NAME if dry_run else torch.cuda.get_device_name()
         self._stack = contextlib.ExitStack()
@@ -137,10 +138,11 @@ def start(args: argparse.Namespace, script: str, op: str) -> Optional[Runtime]:
     import triton  # noqa: F401
 
     import pfl_kernels
-    impl = {name: entry["cuda"]["implementation"] for name, entry in pfl_kernels.backend_info().items()}
+    info = pfl_kernels.backend_info()
+    impl = {name: entry["cuda"]["implementation"] for name, entry in info.items()}
     if impl.get(op) != "triton":
         print(f"warning: the CUDA ops are not the Triton kernels: {impl}", file=sys.stderr)
-    return Runtime(args.dry_run)
+    return Runtime(args.dry_run, info)
 
 
 class Measured:
@@ -194,14 +196,12 @@ def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
     """Write ``{"suite", "machine", **results}`` to ``path`` and say where."""
     import triton
 
-    import pfl_kernels
-
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "suite": suite,
         "machine": {"device": runtime.name, "dry_run": runtime.dry_run, "torch_version": torch.__version__,
                     "triton_version": triton.__version__, "cuda": torch.version.cuda,
-                    "platform": platform.platform(), "backend_info": pfl_kernels.backend_info()},
+                    "platform": platform.platform(), "backend_info": runtime.backend_info},
         **results,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
