@@ -80,6 +80,12 @@ def _run(benchmark, case, shape, side, impl, repeat, density):
     w, params, out = _inputs(k, p, density)
     fn = (lambda: weighted_average(w, params, out=out)) if side == "ours" else \
         (lambda: torch.mm(w, params, out=out))
+    _measure(benchmark, case, shape, side, impl, repeat, density, fn)
+
+
+def _measure(benchmark, case, shape, side, impl, repeat, density, fn):
+    """Benchmark ``fn`` labelled for the report, with the growth of peak RSS over the calls."""
+    k, p = shape
     fn()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     benchmark.group = f"{case}/K{k}-P{p}"
@@ -124,7 +130,4 @@ def test_dense_bf16(benchmark, shape, side, impl, repeat):
 
         def fn():
             return torch.mm(w_bf16, params, out=out)
-    benchmark.group = f"dense-bf16/K{k}-P{p}"
-    benchmark.extra_info.update(case="dense-bf16", shape=f"K{k}-P{p}", weight_shape=[k, k, p], clients=k,
-                                params_per_client=p, density=1.0, side=side, impl=impl, repeat=repeat)
-    benchmark(fn)
+    _measure(benchmark, "dense-bf16", shape, side, impl, repeat, 1.0, fn)
