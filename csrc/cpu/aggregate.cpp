@@ -141,21 +141,6 @@ void check_args(const at::Tensor& weights, const at::Tensor& params, const at::T
 
 // ---------------------------------------------------------------- overlap
 
-// Byte range [lo, hi) of a 2-D tensor with unit column stride.
-std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
-  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const int64_t rows = t.size(0), cols = t.size(1), rs = t.stride(0);
-  const int64_t first = rs < 0 ? (rows - 1) * rs : 0, last = rs < 0 ? cols : (rows - 1) * rs + cols;
-  return {lo + first * t.element_size(), lo + last * t.element_size()};
-}
-
-bool overlaps(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
-  auto [alo, ahi] = byte_range(a);
-  auto [blo, bhi] = byte_range(b);
-  return alo < bhi && blo < ahi;
-}
-
 // Whether every element of out that shares memory with params shares it with the same column
 // (then packing each column tile before writing it is enough).  O(K).
 bool same_columns(const at::Tensor& out, const at::Tensor& params) {
@@ -479,7 +464,7 @@ void weighted_average_into(const at::Tensor& weights, const at::Tensor& params_i
   const at::ScalarType st = params_in.scalar_type();
   const at::ScalarType acc = st == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor w = weights.to(acc).contiguous();
-  if (overlaps(out, w)) w = w.clone();
+  if (cpu::may_overlap(out, w)) w = w.clone();
   const int64_t nnz = AT_DISPATCH_FLOATING_TYPES(acc, "weighted_average_cpu_count", [&] {
     return count_nonzeros(w.const_data_ptr<scalar_t>(), K * M);
   });
@@ -490,7 +475,7 @@ void weighted_average_into(const at::Tensor& weights, const at::Tensor& params_i
   }
   at::Tensor params = params_in;
   if (P > 1 && params.stride(1) != 1) params = params.contiguous();
-  bool alias = overlaps(out, params);
+  bool alias = cpu::may_overlap(out, params);
   if (alias && !same_columns(out, params)) {
     params = params.clone(at::MemoryFormat::Contiguous);
     alias = false;

@@ -13,6 +13,10 @@
 //   the last group writes W.  Clients with c[i, b] == 0 are never read, so their NaN/Inf rows
 //   do not reach W[b].
 //
+// branch_aggregate.out writes W into a given tensor: in place where it can be viewed as [B, P]
+// with unit stride in P and shares no memory with branch_params, else through a fresh W copied
+// into it (so an overlap, e.g. out = branch_params[0], gives the result without overlap).
+//
 // Determinism: every output element is summed over its clients in client order, one rounding
 // per addition (s += c_i w_i), whatever the chunking or the thread count.
 #include "check_helpers.h"
@@ -22,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/copy.h>
 #include <torch/library.h>
 
 #include "loop_helpers.h"
@@ -182,9 +187,10 @@ __attribute__((target("avx2"))) void aggregate_chunk_avx2(const scalar_t* w0, in
 using cpu::cpu_has_avx2;
 #endif
 
+// out: W[b, p] at out[b * so + p].
 template <typename scalar_t>
 void aggregate_kernel(const at::Tensor& params, int64_t sk, int64_t sb, int64_t sp, int64_t K, int64_t B, int64_t P,
-                      const std::vector<double>& coef, scalar_t* out) {
+                      const std::vector<double>& coef, scalar_t* out, int64_t so) {
   using acc_t = at::opmath_type<scalar_t>;
   const scalar_t* wp = params.const_data_ptr<scalar_t>();
   // Per branch, the clients that weight it and their coefficients (in the accumulation type).
@@ -215,7 +221,7 @@ void aggregate_kernel(const at::Tensor& params, int64_t sk, int64_t sb, int64_t 
         const int64_t b = task / n_chunks, ch = task - b * n_chunks;
         const int64_t p0 = ch * kChunk, n = std::min(kChunk, P - p0);
         const scalar_t* wb = wp + b * sb + p0 * sp;
-        scalar_t* o = out + b * P + p0;
+        scalar_t* o = out + b * so + p0;
 #ifdef PFL_AGGREGATE_AVX2
         if (avx2) {
           aggregate_chunk_avx2<kUnit>(wb, sk, sp, clients[b], weights[b].data(), acc.get(), o, n);
@@ -228,13 +234,13 @@ void aggregate_kernel(const at::Tensor& params, int64_t sk, int64_t sb, int64_t 
   });
 }
 
-at::Tensor branch_aggregate_cpu(const at::Tensor& params, const at::Tensor& alpha, const at::Tensor& counts) {
-  check_args(params, alpha, counts);
+// W into out viewed as [B, P] with row stride `so` (unit stride in P), out not overlapping params.
+void aggregate_into(const at::Tensor& params, const at::Tensor& alpha, const at::Tensor& counts, at::Tensor& out,
+                    int64_t so) {
   const int64_t K = alpha.size(0), B = alpha.size(1);
   const std::vector<double> coef = coefficients(alpha, counts);
-  at::Tensor out = at::empty(params.sizes().slice(1), params.options());
   const int64_t P = c10::multiply_integers(params.sizes().slice(2));
-  if (P == 0) return out;
+  if (P == 0) return;
   // branch_params as [K, B, P] through its strides where the trailing dims are one strided run.
   at::Tensor w = params;
   auto strides = at::detail::computeStride(params.sizes(), params.strides(), at::IntArrayRef{K, B, P});
@@ -244,8 +250,35 @@ at::Tensor branch_aggregate_cpu(const at::Tensor& params, const at::Tensor& alph
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params.scalar_type(), "branch_aggregate_cpu", [&] {
     aggregate_kernel<scalar_t>(w, (*strides)[0], (*strides)[1], (*strides)[2], K, B, P, coef,
-                               out.data_ptr<scalar_t>());
+                               out.data_ptr<scalar_t>(), so);
   });
+}
+
+at::Tensor branch_aggregate_cpu(const at::Tensor& params, const at::Tensor& alpha, const at::Tensor& counts) {
+  check_args(params, alpha, counts);
+  at::Tensor out = at::empty(params.sizes().slice(1), params.options());
+  aggregate_into(params, alpha, counts, out, c10::multiply_integers(params.sizes().slice(2)));
+  return out;
+}
+
+at::Tensor& branch_aggregate_out_cpu(const at::Tensor& params, const at::Tensor& alpha, const at::Tensor& counts,
+                                     at::Tensor& out) {
+  check_args(params, alpha, counts);
+  TORCH_CHECK_VALUE(out.sizes() == params.sizes().slice(1), "out must have shape ",
+                    shape_str(params.sizes().slice(1)), ", got ", shape_str(out.sizes()));
+  TORCH_CHECK_TYPE(out.scalar_type() == params.scalar_type(), "out must have branch_params' dtype ",
+                   params.scalar_type(), ", got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.device() == params.device(), "out must be on branch_params' device ", params.device(),
+                    ", got ", out.device());
+  const int64_t B = alpha.size(1), P = c10::multiply_integers(params.sizes().slice(2));
+  auto so = at::detail::computeStride(out.sizes(), out.strides(), at::IntArrayRef{B, P});
+  const bool direct = so && (P <= 1 || (*so)[1] == 1) && (B == 1 || P == 0 || std::abs((*so)[0]) >= P) &&
+                      !cpu::may_overlap(out, params);
+  if (direct) {
+    aggregate_into(params, alpha, counts, out, (*so)[0]);
+  } else {
+    out.copy_(branch_aggregate_cpu(params, alpha, counts));  // copy_ refuses an out whose elements share memory
+  }
   return out;
 }
 
@@ -253,6 +286,7 @@ at::Tensor branch_aggregate_cpu(const at::Tensor& params, const at::Tensor& alph
 
 TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("branch_aggregate", &branch_aggregate_cpu);
+  m.impl("branch_aggregate.out", &branch_aggregate_out_cpu);
 }
 
 }  // namespace pfl

@@ -137,13 +137,14 @@ def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two 2-D tensors with unit column stride share any byte (by their extents)."""
+    """Whether two tensors (any dims and strides) may share a byte: the same storage and
+    intersecting extents (conservative: interleaved tensors count as overlapping)."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
 
     def extent(t):
-        span = (t.shape[0] - 1) * t.stride(0)
-        lo, hi = min(0, span), max(0, span) + t.shape[1]
+        spans = [(n - 1) * s for n, s in zip(t.shape, t.stride())]
+        lo, hi = sum(x for x in spans if x < 0), sum(x for x in spans if x > 0) + 1
         return t.data_ptr() + lo * t.element_size(), t.data_ptr() + hi * t.element_size()
 
     alo, ahi = extent(a)

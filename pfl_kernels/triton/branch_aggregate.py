@@ -10,6 +10,10 @@ block of W once.  The sum runs in client order: deterministic, no atomics.
 
 Addressing: branch_params is read as [K, B, P] through its strides when its trailing dims
 are one strided run, else through a contiguous copy.  Offsets are int64.
+
+``branch_aggregate.out``: W is stored straight into out where out views as [B, P] with unit
+stride in P and shares no memory with branch_params; otherwise (another layout, or an
+overlap such as out = branch_params[0]) into a fresh W that is then copied into out.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from ..ops import branch_aggregate as _ops  # noqa: F401  (defines the schema im
 from . import register_cuda
 from ..ops.branch_aggregate import _check_op_args
 from ..reference import branch_aggregate as _ref
+from .aggregate import _overlaps
 from .factorized import _check_devices, _device_guard, _launch
 
 # 4096 fp32 per program at 8 warps: 16 values in flight per thread per client.  With few
@@ -42,7 +47,7 @@ def _block_p(b: int, p: int) -> int:
 def _branch_aggregate_kernel(
     w_ptr, c_ptr, out_ptr,
     K, B, P,
-    sw_k, sw_b, sw_p,
+    sw_k, sw_b, sw_p, so_b,
     ACC_F64: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -63,7 +68,28 @@ def _branch_aggregate_kernel(
             w = tl.load(w_i, mask=pm, other=0).to(acc.dtype)
             acc += c * w
         w_i += sw_k
-    tl.store(out_ptr + b * P + p, acc.to(out_ptr.dtype.element_ty), mask=pm)
+    tl.store(out_ptr + b * so_b + p, acc.to(out_ptr.dtype.element_ty), mask=pm)
+
+
+def _aggregate_into(branch_params: torch.Tensor, alpha: torch.Tensor, counts: torch.Tensor,
+                    out: torch.Tensor) -> None:
+    """W into ``out`` [B, P] (unit stride in P, any row stride), which must not overlap branch_params."""
+    k, b = alpha.shape
+    p = out.shape[1]
+    if p == 0:
+        return
+    try:
+        w3 = branch_params.view(k, b, p)
+    except RuntimeError:
+        w3 = branch_params.contiguous().view(k, b, p)
+    acc = _ref.acc_dtype(branch_params.dtype)
+    coef = _ref.coefficients(alpha, counts, acc).contiguous()
+    block = _block_p(b, p)
+    with _device_guard(branch_params):
+        _launch(_branch_aggregate_kernel)[(b * triton.cdiv(p, block),)](
+            w3, coef, out, k, b, p, *w3.stride(), out.stride(0),
+            ACC_F64=acc == torch.float64, BLOCK_P=block, num_warps=max(1, min(8, block // 512)),
+        )
 
 
 def branch_aggregate_triton(branch_params: torch.Tensor, alpha: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -75,23 +101,29 @@ def branch_aggregate_triton(branch_params: torch.Tensor, alpha: torch.Tensor, co
     out_shape = _check_op_args(branch_params, alpha, counts)
     _check_devices(branch_params, alpha, counts)
     out = branch_params.new_empty(out_shape)
-    k, b = alpha.shape
+    _aggregate_into(branch_params, alpha, counts, out.view(alpha.shape[1], -1))
+    return out
+
+
+def branch_aggregate_out_triton(branch_params: torch.Tensor, alpha: torch.Tensor, counts: torch.Tensor, *,
+                                out: torch.Tensor) -> torch.Tensor:
+    """Triton ``pfl::branch_aggregate.out``: the same, written into ``out`` (any layout; it may
+    overlap branch_params)."""
+    _check_op_args(branch_params, alpha, counts, out)
+    _check_devices(branch_params, alpha, counts, out)
+    b = alpha.shape[1]
     p = out.numel() // b
-    if p == 0:
-        return out
     try:
-        w3 = branch_params.view(k, b, p)
+        out2 = out.view(b, p)
     except RuntimeError:
-        w3 = branch_params.contiguous().view(k, b, p)
-    acc = _ref.acc_dtype(branch_params.dtype)
-    coef = _ref.coefficients(alpha, counts, acc).contiguous()
-    block = _block_p(b, p)
-    with _device_guard(branch_params):
-        _launch(_branch_aggregate_kernel)[(b * triton.cdiv(p, block),)](
-            w3, coef, out, k, b, p, *w3.stride(),
-            ACC_F64=acc == torch.float64, BLOCK_P=block, num_warps=max(1, min(8, block // 512)),
-        )
+        out2 = None
+    if (out2 is not None and (p <= 1 or out2.stride(1) == 1) and (b == 1 or abs(out2.stride(0)) >= p)
+            and not _overlaps(out2, branch_params)):
+        _aggregate_into(branch_params, alpha, counts, out2)
+    else:
+        out.copy_(branch_aggregate_triton(branch_params, alpha, counts))
     return out
 
 
 register_cuda("branch_aggregate", branch_aggregate_triton)
+register_cuda("branch_aggregate.out", branch_aggregate_out_triton)

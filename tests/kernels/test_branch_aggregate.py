@@ -135,6 +135,52 @@ def test_non_contiguous_inputs():
         assert_close(branch_aggregate(p, alpha_t, counts_s), want, F64, name)
 
 
+# ---- out= ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k,b,shape", [(1, 1, (7,)), (20, 5, (1001,)), (9, 3, (8193,)), (5, 4, (3, 1, 5))], ids=str)
+def test_out_into_a_bank_slice(k, b, shape, dtype):
+    """out= writes W into rows of a bank (row stride > P) and nothing else of the bank; the
+    values are those of the allocating call, bit for bit."""
+    params, alpha, counts = make_inputs(k, b, shape, dtype, seed=13)
+    p = params[0, 0].numel()
+    bank = torch.full((b, p + 10), 7.0, dtype=dtype)
+    out = bank[:, 3:3 + p].view(b, *shape)
+    got = branch_aggregate(params, alpha, counts, out=out)
+    assert got is out
+    assert torch.equal(out, branch_aggregate(params, alpha, counts))
+    assert_close(out, expected(params, alpha, counts), dtype, "W")
+    assert (bank[:, :3] == 7).all() and (bank[:, 3 + p:] == 7).all()
+
+
+def test_out_of_any_layout():
+    """An out that is not [B, P] rows with unit stride (permuted, strided) gets the same W."""
+    params, alpha, counts = make_inputs(6, 3, (4, 9), seed=14)
+    want = branch_aggregate(params, alpha, counts)
+    for out in (torch.empty(9, 3, 4).permute(1, 2, 0), torch.empty(3, 4, 18)[..., ::2]):
+        branch_aggregate(params, alpha, counts, out=out)
+        assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("which", ["client-0", "client-last", "shifted"])
+def test_out_overlapping_params(which):
+    """out sharing memory with branch_params (a client's own copy of the branches, or a
+    shifted window of them) gets the result without overlap."""
+    params, alpha, counts = make_inputs(5, 3, (257,), seed=15)
+    want = branch_aggregate(params, alpha, counts)
+    bank = params.clone()
+    out = {"client-0": bank[0], "client-last": bank[4],
+           "shifted": bank.view(-1)[100:100 + 3 * 257].view(3, 257)}[which]
+    branch_aggregate(bank, alpha, counts, out=out)
+    assert torch.equal(out, want)
+
+
+def test_out_empty_params():
+    params, alpha, counts = make_inputs(3, 2, (0,))
+    out = torch.empty(2, 0)
+    assert branch_aggregate(params, alpha, counts, out=out) is out
+
+
 def test_deterministic_across_thread_counts():
     params, alpha, counts = make_inputs(50, 5, (40000,), seed=7)
     one, many = on_one_and_many_threads(lambda: branch_aggregate(params, alpha, counts))
@@ -184,9 +230,14 @@ def test_bf16_gradients():
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
 def test_opcheck(dtype):
     params, alpha, counts = make_inputs(4, 3, (5, 3), dtype, seed=11)
-    torch.library.opcheck(torch.ops.pfl.branch_aggregate, (params.requires_grad_(), alpha.requires_grad_(), counts))
-    torch.library.opcheck(torch.ops.pfl.branch_aggregate, (params.detach(), alpha.detach().requires_grad_(), counts))
-    torch.library.opcheck(torch.ops.pfl.branch_aggregate, (params.detach(), alpha.detach(), counts.to(dtype)))
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate.default, (params.requires_grad_(), alpha.requires_grad_(), counts))
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate.default, (params.detach(), alpha.detach().requires_grad_(), counts))
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate.default, (params.detach(), alpha.detach(), counts.to(dtype)))
+    # torch cannot functionalize a custom op that returns an alias (Tensor(a!)), so the out
+    # overload is checked without aot_dispatch (as weighted_average.out).
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate.out, (params.detach(), alpha.detach(), counts),
+                          {"out": torch.empty(3, 5, 3, dtype=dtype)},
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_compile_matches_eager():
@@ -249,6 +300,24 @@ def test_errors_types_and_devices():
         branch_aggregate(p, a.to("meta"), n)
 
 
+def test_errors_bad_out():
+    p, a, n = make_inputs(3, 2, (4,))
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        branch_aggregate(p, a, n, out=[0.0] * 8)
+    with pytest.raises(TypeError, match=r"out must have the dtype of branch_params \(torch.float32\)"):
+        branch_aggregate(p, a, n, out=torch.empty(2, 4, dtype=F64))
+    with pytest.raises(ValueError, match=r"out must have shape \[2, 4\]"):
+        branch_aggregate(p, a, n, out=torch.empty(2, 5))
+    with pytest.raises(ValueError, match="out must be on the device of branch_params"):
+        branch_aggregate(p, a, n, out=torch.empty(2, 4, device="meta"))
+    with pytest.raises(ValueError, match="out must not have elements that share memory"):
+        branch_aggregate(p, a, n, out=torch.empty(4).expand(2, 4))
+    with pytest.raises(RuntimeError, match="does not support autograd"):
+        branch_aggregate(p.requires_grad_(), a, n, out=torch.empty(2, 4))
+    with torch.no_grad():
+        branch_aggregate(p, a, n, out=torch.empty(2, 4))  # fine without grad mode
+
+
 def test_op_level_checks_without_the_wrapper():
     p, a, n = make_inputs(3, 2, (4,))
     with pytest.raises((RuntimeError, ValueError), match="counts must have shape"):
@@ -259,8 +328,20 @@ def test_op_level_checks_without_the_wrapper():
         torch.ops.pfl.branch_aggregate(p, a, torch.tensor([1, -2, 3]))
 
 
+def test_op_level_out_checks_without_the_wrapper():
+    p, a, n = make_inputs(3, 2, (4,))
+    with pytest.raises((RuntimeError, ValueError), match="out must have shape"):
+        torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(2, 5))
+    with pytest.raises((RuntimeError, TypeError), match="out must have branch_params' dtype"):
+        torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(2, 4, dtype=F64))
+    with pytest.raises(RuntimeError, match="single memory location"):
+        torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(4).expand(2, 4))
+
+
 def test_cpu_runs_the_cpp_kernel():
     if any(os.environ.get(v, "0") not in ("", "0") for v in ("PFL_KERNELS_SKIP_EXTENSION",
                                                               "PFL_KERNELS_DISABLE_EXTENSION")):
         pytest.skip("the C++ extension is switched off by the environment")
-    assert pfl_kernels.backend_info()["pfl::branch_aggregate"]["cpu"] == {"implementation": "cpp", "reason": ""}
+    info = pfl_kernels.backend_info()
+    for op in ("pfl::branch_aggregate", "pfl::branch_aggregate.out"):
+        assert info[op]["cpu"] == {"implementation": "cpp", "reason": ""}, op

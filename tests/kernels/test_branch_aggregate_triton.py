@@ -80,6 +80,26 @@ def test_strided_params(blocks):
         check(p, alpha, counts)
 
 
+@pytest.mark.parametrize("layout", ["bank-slice", "permuted", "overlaps-params"])
+def test_out(layout, blocks):
+    """out=: straight into a bank slice, through a copy for a layout that is not [B, P] rows
+    or for an out that is client 0's own copy of the branches."""
+    params, alpha, counts = make_inputs(5, 3, (4, 7), seed=7)
+    want = ref.branch_aggregate(params, alpha, counts)
+    bank = torch.full((3, 40), 9.0, dtype=F64, device=DEVICE)
+    if layout == "bank-slice":
+        out = bank[:, 5:33].view(3, 4, 7)
+    elif layout == "permuted":
+        out = torch.empty(7, 3, 4, dtype=F64, device=DEVICE).permute(1, 2, 0)
+    else:
+        params = params.clone()
+        out = params[0]
+    got = tba.branch_aggregate_out_triton(params, alpha, counts, out=out)
+    assert got is out
+    assert_close(out, want, F64, "W")
+    assert (bank[:, :5] == 9).all() and (bank[:, 33:] == 9).all()
+
+
 @interpreter_only
 def test_through_dispatcher_and_autograd():
     """The launcher as the CPU kernel of the op, under the wrapper and autograd."""
@@ -100,7 +120,7 @@ def test_through_dispatcher_and_autograd():
 
 
 def test_registered_for_cuda():
-    assert_registered_for_cuda(("branch_aggregate",))
+    assert_registered_for_cuda(("branch_aggregate", "branch_aggregate.out"))
 
 
 @gpu_only
@@ -117,4 +137,7 @@ def test_gpu_opcheck_and_gradcheck():
     params, alpha, counts = make_inputs(4, 3, (5,), seed=6)
     torch.library.opcheck(torch.ops.pfl.branch_aggregate.default,
                           (params.requires_grad_(), alpha.requires_grad_(), counts))
+    torch.library.opcheck(torch.ops.pfl.branch_aggregate.out, (params.detach(), alpha.detach(), counts),
+                          {"out": torch.empty(3, 5, dtype=F64, device=DEVICE)},
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert torch.autograd.gradcheck(lambda p, a: torch.ops.pfl.branch_aggregate(p, a, counts), (params, alpha))
