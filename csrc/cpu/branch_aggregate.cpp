@@ -26,7 +26,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/TensorUtils.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/copy.h>
 #include <torch/library.h>
 
 #include "loop_helpers.h"

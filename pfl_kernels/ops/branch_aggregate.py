@@ -9,9 +9,9 @@ Ops in the ``pfl`` namespace:
   into ``out`` [B, *shape] (e.g. the server's bank of global branches), so that each round
   reuses its memory instead of faulting in a fresh W (at K = 20, B = 5, P = 10^7 on a 2-core
   CPU, the first touch of a fresh 200 MB W took 37-260 ms; reading the 4 GB of
-  branch_params took about 120 ms).  Any layout; ``out`` may
-  overlap ``branch_params`` (e.g. ``out = branch_params[0]``): the result is the same as
-  without overlap.  No autograd (as torch's out= variants).
+  branch_params took about 120 ms).  Any layout; ``out`` may overlap ``branch_params``
+  (e.g. ``out = branch_params[0]``): the result is the same as without overlap.  No
+  autograd (as torch's out= variants).
 
 dtypes.  branch_params float16/bfloat16/float32/float64; the result is a set of
 PARAMETERS, returned in branch_params' dtype.  alpha may be any floating dtype (e.g. float32
