@@ -68,13 +68,23 @@ def _check_op_args(weights, params, out=None):
     return shape
 
 
+def _check_finite_weights(weights):
+    """The op's check of the weights' values (every kernel makes it: the C++ one while counting
+    nonzeros, the Triton one in the same sync, the reference here), so the wrapper makes no
+    second pass over K·M weights (300 ms of 1.3 s at K = M = 10^4 on 2 cores)."""
+    if not bool(torch.isfinite(weights).all()):
+        raise ValueError("weights must be finite (they hold NaN or Inf)")
+
+
 def _reference(weights, params):
     _check_op_args(weights, params)
+    _check_finite_weights(weights)
     return ref.weighted_average(weights, params)
 
 
 def _reference_out(weights, params, *, out):
     _check_op_args(weights, params, out)
+    _check_finite_weights(weights)
     # The whole result exists before out is written, so out may overlap params.
     out.copy_(ref.weighted_average(weights, params))
     return out
@@ -162,8 +172,7 @@ def weighted_average(weights: torch.Tensor, params: torch.Tensor, *,
                          f"got {list(params.shape)}")
     if weights.device != params.device:
         raise ValueError(f"weights must be on the device of params ({params.device}), got {weights.device}")
-    if not bool(torch.isfinite(weights).all()):
-        raise ValueError("weights must be finite (they hold NaN or Inf)")
+    # NaN/Inf in weights: checked by the op itself (every kernel), not here.
     if out is None:
         return torch.ops.pfl.weighted_average(weights, params)
     if not isinstance(out, torch.Tensor):

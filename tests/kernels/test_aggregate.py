@@ -136,6 +136,29 @@ def test_many_column_blocks_with_a_non_finite_block(in_place, dtype, path):
     assert_close(got[fin], want[fin], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_weights_beyond_the_cache_wide_blocks(in_place, dtype):
+    """K = M = 1500 (9 MB of float32 weights, past the BLAS path's cache threshold): wide blocks
+    (one block of all 300 columns here, not five of 64), with a NaN row some clients
+    weight, still give the reference and keep the NaN to those clients."""
+    k, p = 1500, 300
+    w, params = make(k, k, p, dtype, seed=9)
+    params[5, 3] = float("nan")
+    params[5, 290] = float("nan")
+    w[:, 5] = 0
+    w[[2, 1499], 5] = 0.5
+    want = expected(w, params)
+    if in_place:
+        got = params.clone()
+        weighted_average(w, got, out=got)
+    else:
+        got = weighted_average(w, params)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    fin = ~torch.isnan(want)
+    assert_close(got[fin], want[fin], dtype)
+
+
 def test_out_aliasing_rows_of_a_bank(path):
     """out and params are different row ranges of one bank (with the same column layout)."""
     bank = torch.randn(30, 200, dtype=torch.float64)
