@@ -21,7 +21,7 @@ Cases (float32 params and weights, M = K clients, P parameters per client):
 
 Shapes: K in {20, 100, 1000}, P in {65536, 10^5, 10^6, 10^7}, skipping those whose params +
 out exceed ~4 GB (K = 100 and 1000 at P = 10^7; K = 1000 at P = 10^6) or whose dense product
-takes more than ~10 s on 2 cores.  ``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and the
+takes more than ~10 s on 2 cores; plus K = 10^4, P = 1000 (dense and bf16: 400 MB of weights).  ``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and the
 sparse case only, one repeat.
 
 Labels in ``extra_info``: case, shape (``K<K>-P<P>``), weight_shape [K, M, P], clients,
@@ -46,7 +46,9 @@ CLIENTS = (20, 100, 1000)
 PARAMS = (65536, 10**5, 10**6, 10**7)
 SPARSE_SHAPE = (1000, 10**5)
 SPARSE_DENSITY = 0.05
-BF16_SHAPES = [(20, 65536)] if common.QUICK else [(100, 10**6), (1000, 65536)]
+# K = 10^4 clients (the top of the range; 400 MB of weights, past the cache) at P = 1000.
+LARGE_K_SHAPE = (10**4, 1000)
+BF16_SHAPES = [(20, 65536)] if common.QUICK else [(100, 10**6), (1000, 65536), LARGE_K_SHAPE]
 
 
 def _fits(k: int, p: int) -> bool:
@@ -54,7 +56,7 @@ def _fits(k: int, p: int) -> bool:
 
 
 DENSE_SHAPES = [(20, 65536), (100, 65536)] if common.QUICK else \
-    [(k, p) for k in CLIENTS for p in PARAMS if _fits(k, p)]
+    [(k, p) for k in CLIENTS for p in PARAMS if _fits(k, p)] + [LARGE_K_SHAPE]
 # torch.mm is both the eager code the op replaces and the floor of a dense product: it is the
 # 'baseline' side, so report.py's ratio is ours / torch.mm (dense) or torch.mm / ours (sparse).
 SIDES = (("ours", "pfl"), ("baseline", "torch.mm"))
