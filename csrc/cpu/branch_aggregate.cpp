@@ -276,7 +276,9 @@ at::Tensor& branch_aggregate_out_cpu(const at::Tensor& params, const at::Tensor&
   if (direct) {
     aggregate_into(params, alpha, counts, out, (*so)[0]);
   } else {
-    out.copy_(branch_aggregate_cpu(params, alpha, counts));  // copy_ refuses an out whose elements share memory
+    at::Tensor w = at::empty(params.sizes().slice(1), params.options());
+    aggregate_into(params, alpha, counts, w, P);
+    out.copy_(w);  // copy_ refuses an out whose elements share memory
   }
   return out;
 }

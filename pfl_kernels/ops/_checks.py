@@ -29,6 +29,27 @@ def check_same(ref_name: str, ref: torch.Tensor, name: str, t: Optional[torch.Te
         raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {t.device}")
 
 
+def check_out(out, like_name: str, like: torch.Tensor, shape: list[int], shape_hint: str) -> None:
+    """Raise unless ``out`` is a tensor of ``like``'s dtype and device with ``shape`` (the
+    checks every ``out=`` takes; its layout is each op's own)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"out must have the dtype of {like_name} ({like.dtype}), got {out.dtype}")
+    if list(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape} ({shape_hint}), got {list(out.shape)}")
+    if out.device != like.device:
+        raise ValueError(f"out must be on the device of {like_name} ({like.device}), got {out.device}")
+
+
+def check_out_without_grad(op: str, *tensors: torch.Tensor) -> None:
+    """``out=`` does not support autograd (as torch's out= variants): RuntimeError under grad
+    mode when any of ``tensors`` (the inputs and out) requires grad."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(f"{op}(out=...) does not support autograd: call it under "
+                           "torch.no_grad() or without out=")
+
+
 def client_count(named: dict[str, Optional[torch.Tensor]], base_dims: int) -> Optional[int]:
     """The client count K shared by tensors that carry a leading client dimension.
 

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from ..reference import aggregate as ref
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, check_out, check_out_without_grad
 from ._library import define_op
 
 __all__ = ["weighted_average", "reflection_weights"]
@@ -175,22 +175,13 @@ def weighted_average(weights: torch.Tensor, params: torch.Tensor, *,
     # NaN/Inf in weights: checked by the op itself (every kernel), not here.
     if out is None:
         return torch.ops.pfl.weighted_average(weights, params)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != params.dtype:
-        raise TypeError(f"out must have the dtype of params ({params.dtype}), got {out.dtype}")
     shape = [weights.shape[0], params.shape[1]]
-    if list(out.shape) != shape:
-        raise ValueError(f"out must have shape {shape} ([K, P]), got {list(out.shape)}")
-    if out.device != params.device:
-        raise ValueError(f"out must be on the device of params ({params.device}), got {out.device}")
+    check_out(out, "params", params, shape, "[K, P]")
     if shape[1] > 1 and out.stride(1) != 1:
         raise ValueError(f"out must have unit stride in its last dim, got strides {list(out.stride())}")
     if shape[0] > 1 and shape[1] > 0 and abs(out.stride(0)) < shape[1]:
         raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < P={shape[1]})")
-    if torch.is_grad_enabled() and (weights.requires_grad or params.requires_grad or out.requires_grad):
-        raise RuntimeError("weighted_average(out=...) does not support autograd: call it under "
-                           "torch.no_grad() or without out=")
+    check_out_without_grad("weighted_average", weights, params, out)
     return torch.ops.pfl.weighted_average.out(weights, params, out=out)
 
 

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from ..reference import branch_aggregate as ref
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, check_out, check_out_without_grad
 from ._library import define_op
 
 __all__ = ["branch_aggregate"]
@@ -197,24 +197,8 @@ def branch_aggregate(branch_params: torch.Tensor, alpha: torch.Tensor, counts: t
         raise ValueError(f"alpha must be >= 0, got alpha[{i}, {j}] = {alpha[i, j].item()}")
     if out is None:
         return torch.ops.pfl.branch_aggregate(branch_params, alpha, counts)
-    _check_out(out, branch_params, alpha)
-    return torch.ops.pfl.branch_aggregate.out(branch_params, alpha, counts, out=out)
-
-
-def _check_out(out, branch_params: torch.Tensor, alpha: torch.Tensor) -> None:
-    """The wrapper's checks of ``out=`` (clear errors before any kernel runs)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != branch_params.dtype:
-        raise TypeError(f"out must have the dtype of branch_params ({branch_params.dtype}), got {out.dtype}")
-    shape = list(branch_params.shape[1:])
-    if list(out.shape) != shape:
-        raise ValueError(f"out must have shape {shape} ([B, *shape] of branch_params), got {list(out.shape)}")
-    if out.device != branch_params.device:
-        raise ValueError(f"out must be on the device of branch_params ({branch_params.device}), got {out.device}")
+    check_out(out, "branch_params", branch_params, list(branch_params.shape[1:]), "[B, *shape] of branch_params")
     if torch._debug_has_internal_overlap(out) == 1:  # 1: some elements share memory (e.g. expand)
         raise ValueError(f"out must not have elements that share memory, got strides {list(out.stride())}")
-    if torch.is_grad_enabled() and (branch_params.requires_grad or alpha.requires_grad or out.requires_grad):
-        raise RuntimeError("branch_aggregate(out=...) does not support autograd: call it under "
-                           "torch.no_grad() or without out=")
-
+    check_out_without_grad("branch_aggregate", branch_params, alpha, out)
+    return torch.ops.pfl.branch_aggregate.out(branch_params, alpha, counts, out=out)

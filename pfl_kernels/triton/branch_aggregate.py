@@ -121,7 +121,9 @@ def branch_aggregate_out_triton(branch_params: torch.Tensor, alpha: torch.Tensor
             and not _overlaps(out2, branch_params)):
         _aggregate_into(branch_params, alpha, counts, out2)
     else:
-        out.copy_(branch_aggregate_triton(branch_params, alpha, counts))
+        w = branch_params.new_empty(out.shape)
+        _aggregate_into(branch_params, alpha, counts, w.view(b, p))
+        out.copy_(w)
     return out
 
 
