@@ -21,8 +21,8 @@ Cases (float32 params and weights, M = K clients, P parameters per client):
 
 Shapes: K in {20, 100, 1000}, P in {65536, 10^5, 10^6, 10^7}, skipping those whose params +
 out exceed ~4 GB (K = 100 and 1000 at P = 10^7; K = 1000 at P = 10^6) or whose dense product
-takes more than ~10 s on 2 cores; plus K = 10^4, P = 1000 (dense and bf16: 400 MB of weights).  ``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and the
-sparse case only, one repeat.
+takes more than ~10 s on 2 cores; plus K = 10^4, P = 1000 (dense and bf16: 400 MB of weights).
+``PFL_BENCH_QUICK=1``: K = 20 and 100 at P = 65536 and the sparse case only, one repeat.
 
 Labels in ``extra_info``: case, shape (``K<K>-P<P>``), weight_shape [K, M, P], clients,
 params_per_client, density, side, impl, repeat, rss_delta_mb.

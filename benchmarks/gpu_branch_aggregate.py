@@ -11,9 +11,9 @@ triton >= 3.6).
 
 For each shape it checks the op (``torch.ops.pfl.*`` on CUDA: the Triton kernels) against the
 float64 reference, stops on a mismatch, and times with ``triton.testing.do_bench`` (median, L2
-flushed) the op (``branch_aggregate.out`` into a preallocated W), the eager code it replaces (normalized weights + ``torch.einsum``;
-``index_add_`` + ``bincount``) and the floor: a device-to-device copy moving the op's bytes
-(``op_bytes``).  Target: branch_aggregate within 1.2x of the floor at P = 10^7.
+flushed) the op (``branch_aggregate.out`` into a preallocated W), the eager code it replaces
+(normalized weights + ``torch.einsum``; ``index_add_`` + ``bincount``) and the floor: a
+device-to-device copy moving the op's bytes (``op_bytes``).  Target: branch_aggregate within 1.2x of the floor at P = 10^7.
 
 Prints a table and writes JSON to ``benchmarks/results/branch_aggregate_gpu_<device>.json``.
 """

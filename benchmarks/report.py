@@ -175,10 +175,10 @@ SUITES = {
         ops=("branch_aggregate",),
         reference_note=("NOTE: branch_aggregate ran the plain-PyTorch reference on CPU, so the fused side "
                         "is eager code behind a custom op."),
-        legend=("ours / baseline: fused pfl::branch_aggregate.out (into a preallocated W, as the floor's dst) / "
-                "eager normalized weights + "
-                "torch.einsum('kb,kbp->bp') (BLAS), which allocates its result as research code does.\n"
-                "ratio: eager/fused (speed-up, higher is better).\nfloor: dst.copy_(src), preallocated, moving the op's minimum traffic (K*B*P + B*P + "
+        legend=("ours / baseline: fused pfl::branch_aggregate.out (into a preallocated W, as the floor's "
+                "dst) / eager normalized weights + torch.einsum('kb,kbp->bp') (BLAS), which allocates its "
+                "result as research code does.\nratio: eager/fused (speed-up, higher is better).\n"
+                "floor: dst.copy_(src), preallocated, moving the op's minimum traffic (K*B*P + B*P + "
                 "2*K*B + K float32); ours/floor: fused / floor (lower is better). Target: <= 1.5 x floor "
                 "on every row.\nShape: K clients, B branches, P parameters per branch (float32).\n"
                 "aggregate bf16: bfloat16 params and W (float32 accumulation); baseline: the einsum on params "
