@@ -14,7 +14,8 @@ import torch
 from .algorithms import make_algorithm
 from .config import RunConfig, check
 from .data import load_dataset, make_partition
-from .engine.federation import ClientData, EngineSettings, Federation, run_round
+from .engine.federation import EngineSettings, Federation
+from .engine.rounds import federation_for, run_round
 from .engine.local import LocalSchedule
 from .atomic_io import atomic_write_json
 from .engine.rundir import RunDirectory
@@ -41,32 +42,33 @@ def build(config: RunConfig):
     partition = make_partition(config.scenario, dataset, config.clients, seed=config.seed, **options)
     dataset = partition.apply_transforms(dataset)  # feature-shifted domains, fda's noisy target
     algorithm = make_algorithm(config.algorithm, **config.algorithm_settings)
-    if partition.architectures is not None:
-        # Checked first so that a wrong list is reported as such.
-        build_client_models(partition.architectures, input_shape=dataset.input_shape,
-                            num_classes=partition.classes_seen, options=config.model_options)
-        raise ValueError(f"scenario option architectures={list(config.scenario_options['architectures'])} gives "
-                         f"clients different models, but {config.algorithm!r} trains one architecture for all "
-                         "clients; per-client architectures need an algorithm that shares no body parameters "
-                         "(Fed-CMA), which the engine does not run yet")
-    torch.manual_seed(config.seed)  # the model's initialization; the same for every client
-    model = build_model(config.model, input_shape=dataset.input_shape, num_classes=partition.classes_seen,
-                        **config.model_options)
+    type(algorithm).check_config(config)
+    torch.manual_seed(config.seed)  # the models' initialization; the same for every client of a cohort
+    architectures = partition.architectures
+    if architectures is not None:
+        models = build_client_models(architectures, input_shape=dataset.input_shape,
+                                     num_classes=partition.classes_seen, options=config.model_options)
+        if not algorithm.capabilities.mixed_architectures:
+            raise ValueError(f"scenario option architectures={list(config.scenario_options['architectures'])} "
+                             f"gives clients different models, but {config.algorithm!r} trains one architecture "
+                             "for all clients; per-client architectures need an algorithm that allows them")
+    else:
+        models = build_model(config.model, input_shape=dataset.input_shape, num_classes=partition.classes_seen,
+                             **config.model_options)
     schedule = LocalSchedule(batch_size=config.batch_size, epochs=config.local_epochs, steps=config.local_steps)
-    settings = EngineSettings(rounds=config.rounds, sample=config.sample, schedule=schedule,
+    sample, per_round = (1.0, config.sample) if isinstance(config.sample, int) else (config.sample, None)
+    settings = EngineSettings(rounds=config.rounds, sample=sample, clients_per_round=per_round, schedule=schedule,
                               optimizer=config.optimizer, optimizer_settings=_optimizer_settings(config),
                               eval_every=config.eval_every, seed=config.seed, optimizer_state=config.optimizer_state,
                               workers=config.workers)
-    clients = [ClientData(c.train, c.val, c.test, c.label_map) for c in partition.clients]
-    local_names = algorithm.local_parameter_names(model, keep_head_local=config.head_local())
     augment = None
     if config.augment is not None:
         from .data.augment import make_augmentation
 
         augment = make_augmentation(config.augment, mean=dataset.mean, std=dataset.std)
-    fed = Federation(model, dataset.inputs, dataset.labels, clients, settings, local_names=local_names,
-                     device=config.device, augment=augment)
-    algorithm.setup(fed)
+    fed = federation_for(algorithm, models, dataset.inputs, dataset.labels, partition.clients, settings,
+                         keep_head_local=config.head_local(), architectures=architectures, device=config.device,
+                         augment=augment)
     return fed, algorithm, partition
 
 

@@ -1,19 +1,17 @@
-"""The algorithms, one file each, and the registry the ``pfl`` command reads."""
-from .base import Algorithm
-from .fedavg import FedAvg
-from .fedavg_ft import FedAvgFT
-from .fedper import FedPer
-from .fedprox import FedProx
-from .local import Local
+"""The algorithms, one module each; every module of this package is imported here, and each
+``Algorithm`` subclass with a ``name`` registers itself, so adding a method is one new file."""
+import importlib
+import pkgutil
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (Local, FedAvg, FedProx, FedPer, FedAvgFT)}
+from ..api import ALGORITHMS, Algorithm, algorithm_class
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def make_algorithm(name: str, **settings) -> Algorithm:
     """An algorithm by its registered name, with its settings (unknown names raise ValueError)."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(sorted(ALGORITHMS))}")
-    return ALGORITHMS[name](**settings)
+    return algorithm_class(name)(**settings)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "FedAvg", "FedAvgFT", "FedPer", "FedProx", "Local", "make_algorithm"]
+__all__ = ["ALGORITHMS", "Algorithm", "algorithm_class", "make_algorithm"]

@@ -3,12 +3,9 @@ own training split (``finetune_epochs`` local epochs from the global model, fres
 state; the fine-tuned copy is used for evaluation only and never sent)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import torch
-
-from ..engine.federation import Federation
-from ..engine.local import evaluate, train_locally
+from ..api import Evaluation, Message, Phase
 from .fedavg import FedAvg
 
 
@@ -28,14 +25,5 @@ class FedAvgFT(FedAvg):
     description = "FedAvg, evaluated after each client fine-tunes the global model locally"
     Settings = FedAvgFTSettings
 
-    def evaluate_client(self, fed: Federation, client: int, split: str = "test"):
-        fed.load_client(client)
-        fed.work.params.copy_(self.global_model_of(fed, client))
-        fed.work.buffers.copy_(self.global_buffers)
-        state = {name: torch.zeros_like(fed.work.params) for name in fed.optimizer.state_names()}
-        state["steps"] = torch.zeros((), dtype=torch.int64)
-        data = fed.clients[client]
-        schedule = replace(fed.settings.schedule, epochs=self.settings.finetune_epochs, steps=None)
-        train_locally(fed.work, fed.optimizer, state, fed.inputs, fed.labels, data.train, schedule,
-                      generator=fed.generator("algorithm", fed.round, client), label_map=data.label_map)
-        return evaluate(fed.work.module, fed.inputs, fed.labels, getattr(data, split), label_map=data.label_map)
+    def evaluation(self, client):
+        return Evaluation(Message(self.global_model), plan=(Phase(epochs=self.settings.finetune_epochs),))

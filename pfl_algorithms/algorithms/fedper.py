@@ -1,8 +1,6 @@
 """FedPer (Arivazhagan et al., 2019): FedAvg over the body; every client keeps its own head."""
 from __future__ import annotations
 
-from torch import nn
-
 from .fedavg import FedAvg
 
 
@@ -12,5 +10,10 @@ class FedPer(FedAvg):
     name = "fedper"
     description = "FedAvg over the body; each client keeps its own classifier head"
 
-    def local_parameter_names(self, model: nn.Module, *, keep_head_local: bool) -> tuple[str, ...]:
-        return super().local_parameter_names(model, keep_head_local=True)
+    def local_groups(self, *, keep_head_local):
+        return {"head"}
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.keep_head_local is False:
+            raise ValueError("fedper keeps the head local by definition: keep_head_local=False conflicts with it")

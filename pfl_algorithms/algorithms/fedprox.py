@@ -1,10 +1,10 @@
-"""FedProx (Li et al., 2020): FedAvg whose local objective adds (μ/2)‖w − w_global‖² on the
-shared parameters.  Its gradient μ(w − w_global) is added to the flat gradient in one op."""
+"""FedProx (Li et al., 2020): FedAvg whose local objective adds (μ/2)‖w − w_global‖² over what
+the client received; its gradient μ(w − w_global) is added to the flat gradient in one op."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.federation import Federation
+from ..api import Phase
 from .fedavg import FedAvg
 
 
@@ -17,6 +17,19 @@ class FedProxSettings:
             raise ValueError(f"mu must be >= 0, got {self.mu}")
 
 
+def proximal_term(mu: float):
+    """The gradient term of (μ/2)‖w − w_received‖² over the groups the client received."""
+    def proximal(view):
+        total = 0.0
+        for group in view.received():
+            diff = view.group(group) - view.download.dense(group)
+            view.grad(group).add_(diff, alpha=mu)
+            total = total + diff.square().sum()
+        return 0.5 * mu * total
+
+    return proximal
+
+
 class FedProx(FedAvg):
     """FedAvg with a proximal term to the global model in the local objective."""
 
@@ -24,12 +37,5 @@ class FedProx(FedAvg):
     description = "FedAvg with a proximal term (mu/2)||w - w_global||^2 in the local objective"
     Settings = FedProxSettings
 
-    def local_terms(self, fed: Federation, client: int) -> dict:
-        anchor, span, mu = self.global_params, fed.shared, self.settings.mu
-
-        def proximal(params, grads):
-            diff = params[span] - anchor
-            grads[span].add_(diff, alpha=mu)
-            return 0.5 * mu * diff.square().sum()
-
-        return {"grad_terms": [proximal]}
+    def plan(self, client):
+        return (Phase(grad_terms=(proximal_term(self.settings.mu),)),)

@@ -33,15 +33,6 @@ class ClientBank:
         """Client ``client``'s flat state [P] (a view)."""
         return self.data[client]
 
-    def named(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` of every client: [K, *shape] (a view)."""
-        entry = self.layout.by_name[name]
-        return self.data[:, entry.offset:entry.stop].view((self.num_clients,) + entry.shape)
-
-    def client_state(self, client: int) -> dict[str, torch.Tensor]:
-        """Client ``client``'s tensors by name, each a view of its row."""
-        return self.layout.views(self.data[client])
-
     def state_dict(self) -> dict:
         return {"data": self.data}
 

@@ -1,39 +1,41 @@
-"""Communication accounting: bits sent up (client → server) and down, per client and group.
+"""Communication accounting: bits sent up (client → server) and down, per client and payload.
 
-Only what an algorithm actually sends is counted: it calls :meth:`CommLedger.send` with the
-number of values (e.g. the nonzeros of a sparse μ above its threshold, plus their indices
-where it sends them) and their width in bits.  Totals are reported in gigabits as in
-Factorized-FL's Table 1.
+The engine records every message it moves (``engine.messages`` has the counting rule);
+algorithms never call the ledger.  Totals are reported in gigabits as in Factorized-FL's
+Table 1, by payload name (a parameter group, ``buffers``, or ``extras``).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
+from .messages import Message, payload_bits
+
 DIRECTIONS = ("up", "down")
 
 
 class CommLedger:
-    """Running totals of bits, by (direction, group) and by (direction, client)."""
+    """Running totals of bits, by (direction, payload name) and by (direction, client)."""
 
     def __init__(self):
         self.by_group: dict[tuple[str, str], float] = defaultdict(float)
         self.by_client: dict[tuple[str, int], float] = defaultdict(float)
 
-    def send(self, direction: str, client: int, group: str, values: float, bits_per_value: int = 32) -> None:
-        """Record ``values`` values of ``bits_per_value`` bits sent by/to ``client``."""
+    def record(self, direction: str, client: int, message: Message) -> None:
+        """Count ``message`` sent to (``down``) or by (``up``) ``client``."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        if values < 0:
-            raise ValueError(f"values must be >= 0, got {values}")
-        bits = float(values) * bits_per_value
-        self.by_group[(direction, group)] += bits
-        self.by_client[(direction, int(client))] += bits
+        parts = {name: payload_bits(value) for name, value in message.tensors.items()}
+        if message.extras:
+            parts["extras"] = payload_bits(dict(message.extras))
+        for name, bits in parts.items():
+            self.by_group[(direction, name)] += bits
+            self.by_client[(direction, int(client))] += bits
 
     def total(self, direction: str) -> float:
         return sum(bits for (d, _), bits in self.by_group.items() if d == direction)
 
     def gigabits(self) -> dict:
-        """Totals in Gb (10⁹ bits): up, down, and by group."""
+        """Totals in Gb (10⁹ bits): up, down, and by payload."""
         return {"up": self.total("up") / 1e9, "down": self.total("down") / 1e9,
                 "by_group": {f"{d}:{g}": bits / 1e9 for (d, g), bits in sorted(self.by_group.items())}}
 

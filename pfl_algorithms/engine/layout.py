@@ -70,16 +70,18 @@ class FlatLayout:
         return cls.of_tensors(params, dtype=dtype, order=order)
 
     @classmethod
-    def buffers_of(cls, module: nn.Module, *, floating: bool) -> "FlatLayout":
+    def buffers_of(cls, module: nn.Module, *, floating: bool,
+                   order: Optional[Callable[[str], int]] = None) -> "FlatLayout":
         """The module's floating buffers (``floating=True``) or its integer ones (e.g. BatchNorm's
-        ``num_batches_tracked``), each kind in its own layout so no value is ever cast."""
+        ``num_batches_tracked``), each kind in its own layout so no value is ever cast;
+        ``order(name)`` (stable) sorts them into groups."""
         named = [(n, b) for n, b in module.named_buffers() if b.is_floating_point() == floating]
         dtypes = {b.dtype for _, b in named}
         if len(dtypes) > 1:
             raise ValueError(f"the module's {'floating' if floating else 'integer'} buffers must share one "
                              f"dtype, got {sorted(map(str, dtypes))}")
         default = torch.float32 if floating else torch.int64
-        return cls.of_tensors(named, dtype=dtypes.pop() if dtypes else default)
+        return cls.of_tensors(named, dtype=dtypes.pop() if dtypes else default, order=order)
 
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
@@ -101,11 +103,6 @@ class FlatLayout:
         if len(ranges) > 1:
             raise ValueError(f"{sorted(names)} are not contiguous in this layout; order it by group")
         return slice(*ranges[0]) if ranges else slice(0, 0)
-
-    def index(self, names: Iterable[str]) -> torch.Tensor:
-        """The flat indices of ``names`` (int64), for groups that are not contiguous."""
-        parts = [torch.arange(a, b) for a, b in self.ranges(names)]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every tensor as a view of ``flat`` ([..., numel]; leading dims are kept)."""

@@ -1,27 +1,18 @@
-"""Local training: a client's epochs of SGD on the working model, batches gathered on the device.
+"""The pieces of local training the client tasks share: a client's batches and evaluation.
 
 Batches are index tensors into the dataset held on the device (``inputs[idx]``), shuffled
 with a generator derived from (seed, round, client), so a round is reproducible on its own
-and a resumed run draws the same batches as an uninterrupted one.  Algorithms add loss
-terms (functions of the batch and the model's output, differentiated by autograd) and
-gradient terms (closed-form additions to the flat gradient, e.g. FedProx's μ(w − w_global),
-which cost one fused op instead of a graph over every tensor).
+and a resumed run draws the same batches as an uninterrupted one.  The training loop itself
+is in ``client.py`` (phases of a plan).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-from .working import WorkingModel
-
-# loss_term(module, inputs, labels, logits) -> scalar added to the loss
-LossTerm = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# grad_term(params, grads) -> None, adds to grads in place (and returns the loss it stands for)
-GradTerm = Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -77,57 +68,6 @@ class LocalResult:
     samples: int
     steps: int
     finite: bool
-
-
-def train_locally(work: WorkingModel, optimizer, optimizer_state: dict, inputs: torch.Tensor,
-                  labels: torch.Tensor, indices: torch.Tensor, schedule: LocalSchedule, *,
-                  generator: Optional[torch.Generator] = None, label_map: Optional[torch.Tensor] = None,
-                  loss_terms: Sequence[LossTerm] = (), grad_terms: Sequence[GradTerm] = (),
-                  ranges=None, augment: Optional[Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = None,
-                  lr_scale: float = 1.0) -> LocalResult:
-    """Train the working model (already loaded with the client's state) on ``indices``.
-
-    Args:
-        work: the template module bound to flat vectors (see :class:`WorkingModel`).
-        optimizer / optimizer_state: a flat rule (``engine.optim``) and the client's state views.
-        inputs / labels: the whole dataset on the device; ``indices`` the client's training split.
-        label_map: the client's class permutation (label seen = ``label_map[label]``).
-        loss_terms / grad_terms: the algorithm's extra objective (see the module docstring).
-        ranges: the flat parameter ranges this phase trains (None: all).
-
-    Returns:
-        a :class:`LocalResult`; ``finite`` is False when a loss or the parameters became NaN/Inf
-        (the engine then keeps the client's previous state).
-    """
-    module = work.module
-    module.train()
-    total = torch.zeros((), dtype=torch.float64, device=work.params.device)
-    samples = steps = 0
-    for batch in client_batches(indices, schedule, generator):
-        x = inputs[batch]
-        y = labels[batch]
-        if label_map is not None:
-            y = label_map[y]
-        if augment is not None:
-            x = augment(x, generator)
-        work.zero_grad()
-        logits = module(x)
-        loss = F.cross_entropy(logits, y)
-        for term in loss_terms:
-            loss = loss + term(module, x, y, logits)
-        loss.backward()
-        extra = 0.0
-        for term in grad_terms:
-            value = term(work.params, work.grads)
-            if value is not None:
-                extra = extra + value
-        optimizer.step(work.params, work.grads, optimizer_state, ranges=ranges, lr_scale=lr_scale)
-        total += (loss.detach() + extra) * y.numel()
-        samples += y.numel()
-        steps += 1
-    mean = float(total / samples) if samples else float("nan")
-    finite = bool(torch.isfinite(work.params).all()) and (samples == 0 or bool(torch.isfinite(total)))
-    return LocalResult(loss=mean, samples=samples, steps=steps, finite=finite)
 
 
 @torch.no_grad()

@@ -51,14 +51,11 @@ class SGD:
         """The flat state vectors (each [P]) this optimizer keeps per client."""
         return ("momentum_buffer",) if self.momentum != 0.0 else ()
 
-    def scalar_state_names(self) -> tuple[str, ...]:
-        return ("steps",)
-
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
-             *, ranges: Ranges = None, lr_scale: float = 1.0) -> None:
+             *, ranges: Ranges = None) -> None:
         """One step of ``params`` [P] given ``grads`` [P] (``grads`` may be overwritten)."""
-        lr = self.lr * lr_scale
+        lr = self.lr
         first = int(state["steps"]) == 0  # torch.optim starts the buffer at the first gradient
         buffers = (state["momentum_buffer"],) if self.momentum != 0.0 else ()
         for p, g, *buf in _pieces(ranges, params, grads, *buffers):
@@ -99,14 +96,11 @@ class Adam:
     def state_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
-    def scalar_state_names(self) -> tuple[str, ...]:
-        return ("steps",)
-
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
-             *, ranges: Ranges = None, lr_scale: float = 1.0) -> None:
+             *, ranges: Ranges = None) -> None:
         """One step of ``params`` [P] given ``grads`` [P] (``grads`` may be overwritten)."""
-        lr = self.lr * lr_scale
+        lr = self.lr
         beta1, beta2 = self.betas
         step = int(state["steps"]) + 1
         bias1 = 1.0 - beta1 ** step

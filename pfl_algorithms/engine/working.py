@@ -8,6 +8,7 @@ storing copies the rows back.
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -30,10 +31,12 @@ class WorkingModel:
         buffers / int_buffers: flat floating / integer buffers (BatchNorm statistics).
     """
 
-    def __init__(self, module: nn.Module, *, order: Optional[Callable[[str], int]] = None):
+    def __init__(self, module: nn.Module, *, order: Optional[Callable[[str], int]] = None,
+                 buffer_order: Optional[Callable[[str], int]] = None):
         self.module = module
+        self._orders = (order, buffer_order)
         self.layout = FlatLayout.parameters_of(module, order=order)
-        self.buffer_layout = FlatLayout.buffers_of(module, floating=True)
+        self.buffer_layout = FlatLayout.buffers_of(module, floating=True, order=buffer_order)
         self.int_buffer_layout = FlatLayout.buffers_of(module, floating=False)
         device = next(module.parameters()).device
         self.params = torch.empty(self.layout.numel, dtype=self.layout.dtype, device=device)
@@ -60,6 +63,11 @@ class WorkingModel:
                     view.copy_(current_buffers[name])
                     owner, leaf = _owner(self.module, name)
                     owner._buffers[leaf] = view
+
+    def copy(self) -> "WorkingModel":
+        """An independent working model of a deep copy of the module, with the same layouts."""
+        order, buffer_order = self._orders
+        return WorkingModel(copy.deepcopy(self.module), order=order, buffer_order=buffer_order)
 
     def zero_grad(self) -> None:
         """Zero the flat gradient (the ``.grad`` views stay bound)."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pfl_algorithms.engine.federation import ClientData, EngineSettings, Federation
+from pfl_algorithms.data.partition import ClientSplit
+from pfl_algorithms.engine.federation import EngineSettings
 from pfl_algorithms.engine.local import LocalSchedule
+from pfl_algorithms.engine.rounds import federation_for
 
 
 class TinyNet(nn.Module):
@@ -25,21 +27,29 @@ def blobs(n=120, features=4, classes=3, seed=0):
     return centers[labels] + torch.randn(n, features, generator=g, dtype=torch.float64), labels
 
 
-def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sample=1.0, steps=None, epochs=1,
-                    lr=0.1, keep_head_local=False, label_maps=None, seed=0, batch_size=16, workers=1):
-    inputs, labels = blobs(sum(sizes), seed=seed)
+def client_splits(sizes, label_maps=None):
+    """Contiguous shares of the blobs: 70% train, the rest test."""
     data, start = [], 0
-    for k, size in enumerate(sizes[:clients]):
+    for k, size in enumerate(sizes):
         idx = torch.arange(start, start + size)
         start += size
         cut = int(0.7 * size)
-        data.append(ClientData(train=idx[:cut], val=idx[cut:cut], test=idx[cut:],
-                               label_map=None if label_maps is None else label_maps[k]))
+        data.append(ClientSplit(train=idx[:cut], val=idx[cut:cut], test=idx[cut:],
+                                label_map=None if label_maps is None else label_maps[k]))
+    return data
+
+
+def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sample=1.0, clients_per_round=None,
+                    steps=None, epochs=1, lr=0.1, keep_head_local=False, label_maps=None, seed=0, batch_size=16,
+                    workers=1, executor="threaded", optimizer="sgd", optimizer_settings=None, optimizer_state="reset",
+                    models=None, architectures=None, dtype=torch.float64):
+    inputs, labels = blobs(sum(sizes[:clients]), seed=seed)
+    inputs = inputs.to(dtype)
     torch.manual_seed(seed)
-    model = TinyNet().double()
-    settings = EngineSettings(rounds=rounds, sample=sample, seed=seed, optimizer_settings={"lr": lr}, workers=workers,
+    models = TinyNet().to(dtype) if models is None else models
+    settings = EngineSettings(rounds=rounds, sample=sample, clients_per_round=clients_per_round, seed=seed,
+                              optimizer=optimizer, optimizer_settings=optimizer_settings or {"lr": lr},
+                              workers=workers, executor=executor, optimizer_state=optimizer_state,
                               schedule=LocalSchedule(batch_size=batch_size, epochs=epochs, steps=steps))
-    fed = Federation(model, inputs, labels, data, settings,
-                     local_names=algorithm.local_parameter_names(model, keep_head_local=keep_head_local))
-    algorithm.setup(fed)
-    return fed
+    return federation_for(algorithm, models, inputs, labels, client_splits(sizes[:clients], label_maps), settings,
+                          keep_head_local=keep_head_local, architectures=architectures)

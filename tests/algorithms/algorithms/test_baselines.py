@@ -2,93 +2,121 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from pfl_algorithms.algorithms import ALGORITHMS, FedAvg, FedAvgFT, FedPer, FedProx, Local, make_algorithm
-from pfl_algorithms.engine.federation import run_round
+from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
+from pfl_algorithms.algorithms.fedavg import FedAvg
+from pfl_algorithms.algorithms.fedavg_ft import FedAvgFT
+from pfl_algorithms.algorithms.fedper import FedPer
+from pfl_algorithms.algorithms.fedprox import FedProx
+from pfl_algorithms.algorithms.local import Local
 from pfl_algorithms.engine.local import client_batches
+from pfl_algorithms.engine.rounds import evaluate_all, run_round
 
 from .federation_cases import make_federation
 
 
-def one_step_update(fed, client, start_params, round_=0, lr=0.1):
-    """w - lr * grad of the client's first batch, by plain autograd on a copy of the model."""
-    fed.work.params.copy_(start_params)
-    module = copy.deepcopy(fed.work.module)
+def row(fed, client):
+    """Client ``client``'s flat parameters (one cohort)."""
+    return fed.cohorts[0].params.row(client)
+
+
+def with_global(fed, algo, params):
+    """``params`` with the shared groups replaced by the algorithm's global model."""
+    params = params.clone()
+    cohort = fed.cohorts[0]
+    for group, value in algo.global_model.items():
+        if group in cohort.groups.members:
+            params[cohort.span(group)] = value
+    return params
+
+
+def batches_of(fed, client, round_, schedule=None, stream="train"):
     data = fed.clients[client]
-    batch = next(client_batches(data.train, fed.settings.schedule, fed.generator("train", round_, client)))
-    loss = F.cross_entropy(module(fed.inputs[batch]), fed.labels[batch])
-    grads = torch.autograd.grad(loss, list(module.parameters()))
-    return torch.cat([(p - lr * g).reshape(-1) for p, g in zip(module.parameters(), grads)]).detach()
+    return list(client_batches(data.train, schedule or fed.settings.schedule, fed.generator(stream, round_, client)))
+
+
+def sgd_steps(fed, client, start, batches, lr=0.1, prox=None):
+    """Plain autograd SGD steps from ``start`` on a copy of the model; ``prox`` = (mu, anchor)."""
+    module = copy.deepcopy(fed.cohorts[0].module)
+    params = start.clone()
+    names = [n for n, _ in module.named_parameters()]
+    for batch in batches:
+        leaves = {n: v.clone().requires_grad_(True) for n, v in fed.cohorts[0].layout.views(params).items()}
+        x, y = fed.inputs[batch], fed.labels[batch]
+        if fed.clients[client].label_map is not None:
+            y = fed.clients[client].label_map[y]
+        loss = F.cross_entropy(torch.func.functional_call(module, leaves, (x,)), y)
+        flat = torch.cat([leaves[n].reshape(-1) for n in names])
+        if prox is not None:
+            mu, anchor = prox
+            loss = loss + mu / 2 * (flat - anchor).square().sum()
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names])
+        params = (flat - lr * torch.cat([g.reshape(-1) for g in grads])).detach()
+    return params
 
 
 def test_fedavg_global_is_the_size_weighted_mean_of_one_step_updates():
     algo = FedAvg()
     fed = make_federation(algo, steps=1)
-    start = fed.params.row(0).clone()
-    updates = [one_step_update(fed, k, start) for k in range(3)]
+    start = row(fed, 0).clone()
+    updates = [sgd_steps(fed, k, start, batches_of(fed, k, 0)) for k in range(3)]
     run_round(fed, algo, 0)
     n = fed.train_sizes()
     want = sum(n[k] / n.sum() * updates[k] for k in range(3))
-    torch.testing.assert_close(algo.global_params, want, rtol=1e-12, atol=1e-12)
-    # every client sent and received all shared parameters once
-    assert fed.comm.total("up") == fed.comm.total("down") == 3 * 32 * start.numel()
+    torch.testing.assert_close(with_global(fed, algo, start), want, rtol=1e-12, atol=1e-12)
+    # every client sent and received all shared parameters once, 64 bits each (a float64 model)
+    assert fed.comm.total("up") == fed.comm.total("down") == 3 * 64 * start.numel()
 
 
 def test_local_clients_never_communicate_and_train_independently():
     algo = Local()
     fed = make_federation(algo, steps=1)
-    start = fed.params.row(0).clone()
-    updates = [one_step_update(fed, k, start) for k in range(3)]
+    start = row(fed, 0).clone()
+    updates = [sgd_steps(fed, k, start, batches_of(fed, k, 0)) for k in range(3)]
     run_round(fed, algo, 0)
     for k in range(3):
-        torch.testing.assert_close(fed.params.row(k), updates[k], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(row(fed, k), updates[k], rtol=1e-12, atol=1e-12)
     assert fed.comm.total("up") == fed.comm.total("down") == 0
 
 
-def test_fedprox_pull_starts_at_zero_and_then_acts():
-    """At the first local step w = w_global, so the proximal gradient is zero; later it is not."""
-    results = {}
-    for steps in (1, 2):
-        prox, plain = FedProx(mu=0.7), FedAvg()
-        fed_prox, fed_plain = make_federation(prox, steps=steps), make_federation(plain, steps=steps)
-        run_round(fed_prox, prox, 0)
-        run_round(fed_plain, plain, 0)
-        results[steps] = (prox.global_params, plain.global_params)
-    torch.testing.assert_close(*results[1], rtol=1e-12, atol=1e-12)
-    assert not torch.allclose(*results[2])
-
-
-def test_fedprox_term_matches_autograd_of_the_proximal_loss():
-    mu = 0.5
+@pytest.mark.parametrize("steps", [1, 3])
+def test_fedprox_steps_are_those_of_the_proximal_objective(steps):
+    """Each client's local steps equal autograd SGD on CE + (mu/2)||w - w_global||^2."""
+    mu = 0.7
     algo = FedProx(mu=mu)
-    fed = make_federation(algo, steps=1)
-    terms = algo.local_terms(fed, 0)["grad_terms"]
-    params = algo.global_params.clone() + 0.3
-    full = fed.params.row(0).clone()
-    full[fed.shared] = params
-    grads = torch.zeros_like(full)
-    value = terms[0](full, grads)
-    want = torch.zeros_like(full)
-    want[fed.shared] = mu * (params - algo.global_params)
-    torch.testing.assert_close(grads, want)
-    torch.testing.assert_close(value, 0.5 * mu * (0.3 ** 2) * params.numel() * torch.ones((), dtype=value.dtype))
+    fed = make_federation(algo, steps=steps)
+    start = row(fed, 1).clone()
+    want = sgd_steps(fed, 1, start, batches_of(fed, 1, 0), prox=(mu, start))
+    run_round(fed, algo, 0)
+    torch.testing.assert_close(row(fed, 1), want, rtol=1e-12, atol=1e-12)
+    if steps == 1:  # at the first step w = w_global: the same step as FedAvg's
+        torch.testing.assert_close(want, sgd_steps(fed, 1, start, batches_of(fed, 1, 0)), rtol=0, atol=0)
 
 
-def test_fedper_keeps_each_head_and_averages_the_body():
+def test_fedper_clients_start_each_round_from_their_own_head_and_the_global_body():
     algo = FedPer()
-    fed = make_federation(algo, rounds=2)
-    heads = [n for n in fed.layout.names() if n.startswith("head.")]
-    assert set(fed.local_names) == set(heads)
-    for r in range(2):
-        run_round(fed, algo, r)
-    head_span = fed.layout.span(heads)
-    rows = fed.params.data[:, head_span]
-    assert not torch.allclose(rows[0], rows[1])  # heads personal
-    assert algo.global_params.numel() == fed.layout.numel - rows.shape[1]  # the head is never sent
+    fed = make_federation(algo, steps=1)
+    cohort = fed.cohorts[0]
+    head, body = cohort.span("head"), cohort.span("body")
+    assert set(cohort.groups.local) == {"head"}
+    run_round(fed, algo, 0)
+    assert set(algo.global_model) == {"body"}  # the head is never sent
+    assert fed.comm.total("down") == 3 * 64 * (body.stop - body.start)
+    starts = []
+    for k in range(3):
+        start = row(fed, k).clone()
+        start[body] = algo.global_model["body"]
+        starts.append(start)
+    assert not torch.equal(starts[0][head], starts[1][head])
+    want = [sgd_steps(fed, k, starts[k], batches_of(fed, k, 1)) for k in range(3)]
+    run_round(fed, algo, 1)
+    for k in range(3):
+        torch.testing.assert_close(row(fed, k), want[k], rtol=1e-12, atol=1e-12)
 
 
 def test_fedavg_ft_finetunes_for_evaluation_only():
@@ -96,30 +124,43 @@ def test_fedavg_ft_finetunes_for_evaluation_only():
     feds = [make_federation(a) for a in (base, ft0, ft)]
     for fed, a in zip(feds, (base, ft0, ft)):
         run_round(fed, a, 0)
-    before = feds[2].params.data.clone()
-    acc_base = base.evaluate_client(feds[0], 0)
-    assert ft0.evaluate_client(feds[1], 0) == acc_base  # no fine-tuning: the global model
-    ft.evaluate_client(feds[2], 0)
-    torch.testing.assert_close(feds[2].params.data, before, rtol=0, atol=0)
+    fed = feds[2]
+    before = fed.cohorts[0].params.data.clone()
+    evals = [evaluate_all(f, a) for f, a in zip(feds, (base, ft0, ft))]
+    assert evals[1] == evals[0]  # no fine-tuning: the global model
+    torch.testing.assert_close(fed.cohorts[0].params.data, before, rtol=0, atol=0)  # nothing stored
+    # The fine-tuned model is the global model after 2 epochs of the run's SGD on the client's
+    # training split, drawn from the round's fine-tuning stream.
+    schedule = replace(fed.settings.schedule, epochs=2, steps=None)
+    for client in range(3):
+        start = with_global(fed, ft, before[client])
+        tuned = sgd_steps(fed, client, start, batches_of(fed, client, fed.round, schedule, "finetune"))
+        module = copy.deepcopy(fed.cohorts[0].module).eval()
+        torch.nn.utils.vector_to_parameters(tuned, module.parameters())
+        test = fed.clients[client].test
+        with torch.no_grad():
+            logits = module(fed.inputs[test])
+        want_loss = float(F.cross_entropy(logits, fed.labels[test], reduction="sum").double() / test.numel())
+        assert evals[2]["loss"][client] == pytest.approx(want_loss, rel=1e-10)
+        assert evals[2]["loss"][client] != evals[0]["loss"][client]  # fine-tuning changed the model
 
 
 def test_non_finite_update_is_not_aggregated():
     algo = FedAvg()
     fed = make_federation(algo, steps=1)
     fed.inputs[fed.clients[1].train] = float("nan")
-    before = fed.params.row(1).clone()
+    before = row(fed, 1).clone()
     record = run_round(fed, algo, 0)
     assert record.skipped == [1]
-    # client 1 keeps the state it had when the round began (the global model it received)
-    torch.testing.assert_close(fed.params.row(1), before, rtol=0, atol=0)
-    assert torch.isfinite(algo.global_params).all()
+    torch.testing.assert_close(row(fed, 1), before, rtol=0, atol=0)  # its state from before the round
+    assert all(torch.isfinite(v).all() for v in algo.global_model.values())
     assert fed.comm.by_client[("up", 1)] == 0 and fed.comm.by_client[("up", 0)] > 0
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_a_few_rounds_learn_the_blobs(name):
     algo = make_algorithm(name)
-    fed = make_federation(algo, rounds=8, epochs=2, sample=2)
+    fed = make_federation(algo, rounds=8, epochs=2, clients_per_round=2)
     record = None
     for r in range(8):
         record = run_round(fed, algo, r)
@@ -132,17 +173,3 @@ def test_unknown_settings_and_names_raise():
         make_algorithm("fedprox", tau=0.5)
     with pytest.raises(ValueError, match="fedavg"):
         make_algorithm("fedsgd")
-
-
-def test_concurrent_clients_give_the_same_result_for_any_worker_count():
-    """Each worker trains its client on one thread: 2 or 3 workers give bitwise the same round,
-    and the sequential run (intra-op threads) agrees to rounding."""
-    results = {}
-    for workers in (1, 2, 3):
-        algo = FedAvg()
-        fed = make_federation(algo, rounds=2, workers=workers)
-        for r in range(2):
-            run_round(fed, algo, r)
-        results[workers] = (algo.global_params.clone(), fed.params.data.clone())
-    assert torch.equal(results[2][0], results[3][0]) and torch.equal(results[2][1], results[3][1])
-    torch.testing.assert_close(results[1][0], results[2][0], rtol=1e-12, atol=1e-12)

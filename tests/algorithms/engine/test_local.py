@@ -8,9 +8,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pfl_algorithms.engine.local import LocalSchedule, client_batches, evaluate, train_locally
-from pfl_algorithms.engine.optim import SGD
-from pfl_algorithms.engine.working import WorkingModel
+from pfl_algorithms.algorithms.fedprox import FedProx
+from pfl_algorithms.algorithms.local import Local
+from pfl_algorithms.data.partition import ClientSplit
+from pfl_algorithms.engine.federation import EngineSettings
+from pfl_algorithms.engine.local import LocalSchedule, client_batches, evaluate
+from pfl_algorithms.engine.rounds import federation_for, run_round
 
 
 def make_module():
@@ -44,49 +47,59 @@ def test_no_samples_no_batches():
     assert list(client_batches(torch.empty(0, dtype=torch.int64), LocalSchedule())) == []
 
 
-def test_train_locally_matches_a_plain_loop_with_label_map_and_prox():
+class ConvNet(nn.Module):
+    """body: conv + BatchNorm (running statistics) + ReLU; head: linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def one_client_federation(algorithm, inputs, labels, label_map, schedule, optimizer_settings):
     torch.manual_seed(0)
+    client = ClientSplit(train=torch.arange(2, 35), val=torch.arange(0), test=torch.arange(35, 37),
+                         label_map=label_map)
+    settings = EngineSettings(rounds=1, schedule=schedule, optimizer_settings=optimizer_settings)
+    return federation_for(algorithm, ConvNet().double(), inputs, labels, [client], settings)
+
+
+def test_a_round_matches_a_plain_loop_with_label_map_batchnorm_and_prox():
     inputs, labels = make_data()
-    indices = torch.arange(2, 35)
     label_map = torch.tensor([3, 0, 4, 1, 2])
     schedule = LocalSchedule(batch_size=6, epochs=2)
     mu = 0.3
-    module = make_module()
-    twin = copy.deepcopy(module)
+    algo = FedProx(mu=mu)
+    fed = one_client_federation(algo, inputs, labels, label_map, schedule, {"lr": 0.05, "momentum": 0.9})
+    twin = copy.deepcopy(fed.cohorts[0].module)
     anchor = [p.detach().clone() for p in twin.parameters()]
-
     optimizer = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-    for batch in client_batches(indices, schedule, torch.Generator().manual_seed(5)):
+    for batch in client_batches(fed.clients[0].train, schedule, fed.generator("train", 0, 0)):
         optimizer.zero_grad()
         loss = F.cross_entropy(twin(inputs[batch]), label_map[labels[batch]])
         loss = loss + mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(twin.parameters(), anchor))
         loss.backward()
         optimizer.step()
-
-    work = WorkingModel(module)
-    flat_anchor = work.params.clone()
-
-    def prox(params, grads):
-        diff = params - flat_anchor
-        grads.add_(diff, alpha=mu)
-        return mu / 2 * diff.square().sum()
-
-    rule = SGD(lr=0.05, momentum=0.9)
-    state = {"momentum_buffer": torch.zeros_like(work.params), "steps": torch.zeros((), dtype=torch.int64)}
-    result = train_locally(work, rule, state, inputs, labels, indices, schedule,
-                           generator=torch.Generator().manual_seed(5), label_map=label_map, grad_terms=[prox])
-    assert result.finite and result.samples == 2 * indices.numel() and result.steps == 12
-    for (name, a), b in zip(work.module.state_dict().items(), twin.state_dict().values()):
+    record = run_round(fed, algo, 0)
+    assert record.skipped == []
+    cohort = fed.cohorts[0]
+    cohort.work.load(cohort.params.row(0), cohort.buffers.row(0), cohort.int_buffers.row(0))
+    for (name, a), b in zip(cohort.module.state_dict().items(), twin.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_non_finite_training_is_reported():
+def test_non_finite_training_is_reported_and_not_stored():
     inputs, labels = make_data()
-    work = WorkingModel(make_module())
-    state = {"steps": torch.zeros((), dtype=torch.int64)}
     inputs[3, 0, 1, 1] = float("nan")
-    result = train_locally(work, SGD(lr=0.1), state, inputs, labels, torch.arange(10), LocalSchedule(batch_size=5))
-    assert not result.finite
+    algo = Local()
+    fed = one_client_federation(algo, inputs, labels, None, LocalSchedule(batch_size=5), {"lr": 0.1})
+    before = fed.cohorts[0].params.data.clone()
+    record = run_round(fed, algo, 0)
+    assert record.skipped == [0]
+    assert torch.equal(fed.cohorts[0].params.data, before)
 
 
 def test_evaluate_counts_correct_predictions():

@@ -1,0 +1,169 @@
+"""The public contract between the engine and the algorithms: the ``Algorithm`` base class and
+every type a method file may use.
+
+An algorithm module imports from here (and from sibling algorithm modules, ``torch`` and
+``pfl_kernels``), never from ``pfl_algorithms.engine``: the engine's internals can then change,
+and new executors can run every algorithm, without touching a method's file
+(``tests/algorithms/algorithms/test_contract.py`` enforces it).
+
+A method is a small class whose hooks say only what its paper says.
+
+The engine owns state, messages, accounting, executors and checkpoints.  An algorithm says:
+
+declarations
+  ``Settings``        its hyperparameters (a frozen dataclass; each field settable with --set)
+  ``capabilities``    what it needs and allows (:class:`Capabilities`)
+  ``group_rules``     parameter groups beyond the model's ``body`` and ``head``
+  ``local_groups``    the groups that never leave a client
+  ``client_state``    extra per-client state kept in banks (pFedMe's personal model, ...)
+  ``check_config``    conflicts between its settings and the run's
+server side
+  ``setup(server)``   create server state (``server.initial_model()`` is the initial model)
+  ``configure``       what the sampled clients receive: a Message for all, or one per client
+  ``aggregate``       combine the round's :class:`Uploads` into new server state
+  ``evaluation``      which model a client is evaluated with (a Message or an Evaluation)
+  ``state_dict``      server state for checkpoints
+client side (run by an executor, wherever the client is)
+  ``plan(client)``    the phases of local training
+  ``upload(view)``    what the client sends back (None: nothing)
+
+Subclasses with a ``name`` register themselves in :data:`ALGORITHMS`; adding a method is one
+file in ``pfl_algorithms/algorithms/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .engine.client import ClientView, Evaluation
+from .engine.cohort import StateSpec
+from .engine.groups import BUFFERS, GroupRule
+from .engine.messages import Message, Sparse
+from .engine.plan import Batch, Phase
+from .engine.uploads import Uploads
+
+__all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClientView", "Evaluation", "GroupRule",
+           "Message", "NoSettings", "Phase", "Sparse", "StateSpec", "Uploads", "algorithm_class"]
+
+ALGORITHMS: dict[str, type] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    """An algorithm without hyperparameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What an algorithm needs and allows.
+
+    Attributes:
+        needs_validation: it reads the clients' validation splits (the run refuses split
+            fractions without one).
+        mixed_architectures: it can run clients of different architectures (it shares no
+            group whose shapes differ between them).
+        batchable: its client tasks can run stacked in one vmapped forward/backward (no
+            custom gradient that steps clients one by one).
+    """
+
+    needs_validation: bool = False
+    mixed_architectures: bool = False
+    batchable: bool = True
+
+
+def make_settings(cls, name: str, values: dict):
+    """``cls(**values)``, with unknown names reported together with the valid ones."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"{name} has no setting {', '.join(map(repr, unknown))}; "
+                         f"valid: {', '.join(sorted(fields)) or 'none'}")
+    return cls(**values)
+
+
+class Algorithm:
+    """Base class: every hook does the neutral thing, so a subclass states only its own rule.
+
+    The defaults are the Local baseline: nothing is sent, each client trains every group
+    with the run's optimizer and is evaluated with its own model.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Settings: ClassVar[type] = NoSettings
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name:
+            if name in ALGORITHMS and ALGORITHMS[name] is not cls:
+                raise ValueError(f"two algorithms are named {name!r}: {ALGORITHMS[name].__qualname__} and "
+                                 f"{cls.__qualname__}")
+            ALGORITHMS[name] = cls
+
+    def __init__(self, **settings):
+        self.settings = make_settings(self.Settings, self.name, settings)
+        self.server = None  # set by the engine before setup()
+
+    # ------------------------------------------------------------------ declarations
+
+    def group_rules(self) -> Sequence[GroupRule]:
+        """Parameter groups beyond the model's ``body`` and ``head`` (claimed first)."""
+        return ()
+
+    def local_groups(self, *, keep_head_local: bool) -> set[str]:
+        """Groups that never leave a client: the head where the scenario asks for it."""
+        return {"head"} if keep_head_local else set()
+
+    def client_state(self) -> Mapping[str, StateSpec]:
+        """Extra per-client state, by name (kept in banks, checkpointed)."""
+        return {}
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raise ValueError for settings of the run that conflict with this algorithm."""
+
+    # ------------------------------------------------------------------ server side
+
+    def setup(self, server) -> None:
+        """Create server state once the federation exists."""
+
+    def configure(self, round_: int, clients: torch.Tensor) -> Union[None, Message, Mapping[int, Message]]:
+        """What the sampled ``clients`` receive: None, one Message for all, or one per client."""
+        return None
+
+    def aggregate(self, round_: int, uploads: Uploads) -> None:
+        """Combine the round's uploads (clients whose update was not finite sent none)."""
+
+    def evaluation(self, client: int) -> Union[None, Message, Evaluation]:
+        """The model ``client`` is evaluated with: None, its own; a Message applied to a copy of
+        its state; or an :class:`Evaluation` (with fine-tuning, or another state)."""
+        return None
+
+    def state_dict(self) -> dict:
+        """Server state for checkpoints (tensors, numbers, strings, lists and dicts of them)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+
+    # ------------------------------------------------------------------ client side
+
+    def plan(self, client: int) -> Sequence[Phase]:
+        """The phases of ``client``'s local training this round (default: one phase over every
+        group with the run's optimizer and schedule)."""
+        return (Phase(),)
+
+    def upload(self, view: ClientView) -> Optional[Message]:
+        """What the client sends after training (None: nothing)."""
+        return None
+
+
+def algorithm_class(name: str) -> type:
+    """The registered algorithm ``name`` (ValueError listing the valid ones otherwise)."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(sorted(ALGORITHMS))}")
+    return ALGORITHMS[name]

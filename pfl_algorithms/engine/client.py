@@ -1,0 +1,348 @@
+"""Client tasks: what runs for one client, on whichever worker an executor picks.
+
+A training task is a function of (download, client state, client data, plan, generator)
+that returns (upload, new state, metrics): it loads the client's bank rows into the worker's
+working model, applies the download, runs the plan's phases, asks the algorithm what to
+upload, and writes the new state back to the rows only if it stayed finite.  An evaluation
+task applies the algorithm's evaluation download to a scratch copy of the client's state,
+fine-tunes it if the evaluation has a plan, and evaluates; it never writes state.
+
+A :class:`ClientView` is how the algorithm's client-side hooks (its upload, loss terms,
+gradient terms and custom gradients) see the client: its parameters and gradients by group,
+its extra state, what it received, and forward/backward helpers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .groups import BUFFERS
+from .local import LocalResult, LocalSchedule, client_batches, evaluate
+from .messages import Message
+from .optim import make_optimizer
+from .plan import Batch, Phase, state_names
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Which model a client is evaluated with (an algorithm's ``evaluation`` hook returns it).
+
+    Attributes:
+        download: applied to a scratch copy of the client's state first (e.g. the global
+            model), None for none.
+        plan: fine-tuning phases run on that copy before evaluation (fresh optimizer state;
+            the result is never stored or sent): FedAvg-FT, Per-FedAvg's one-step adaptation.
+        params: 'params' (the client's parameters), or the name of an extra state holding a
+            whole parameter row to evaluate instead (pFedMe's personal model).
+    """
+
+    download: Optional[Message] = None
+    plan: tuple[Phase, ...] = ()
+    params: str = "params"
+
+
+@dataclass
+class TrainTask:
+    """One client's training in a round."""
+
+    client: int
+    round: int
+    download: Optional[Message]
+    plan: tuple[Phase, ...]
+
+
+@dataclass
+class EvalTask:
+    """One client's evaluation on a split."""
+
+    client: int
+    round: int
+    split: str
+    evaluation: Evaluation
+
+
+@dataclass
+class TrainResult:
+    """What a training task returns: its upload (None when it sent nothing or diverged)."""
+
+    client: int
+    local: LocalResult
+    upload: Optional[Message] = None
+
+    @property
+    def finite(self) -> bool:
+        return self.local.finite
+
+
+@dataclass
+class EvalResult:
+    client: int
+    accuracy: float
+    loss: float
+    samples: int
+
+
+def forward(module: nn.Module, inputs: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    """(logits, embeddings) of ``module``; embeddings from ``embed`` where the model has one
+    and a ``head`` (the registry's models: logits = head(embed(x)), their forward), else None."""
+    if hasattr(module, "embed") and isinstance(getattr(module, "head", None), nn.Module):
+        embeddings = module.embed(inputs)
+        return module.head(embeddings), embeddings
+    return module(inputs), None
+
+
+class ClientView:
+    """One client during a task, as the algorithm's client-side hooks see it.
+
+    Attributes:
+        client, round: who and when.  download: the message it received (None: nothing).
+        module: the working model holding the client's state.
+        params / grads / buffers: its flat vectors (views, updated in place by training).
+        step: optimizer steps taken so far in the current phase.
+    """
+
+    def __init__(self, fed, cohort, client: int, round_: int, download: Optional[Message], extra: dict):
+        work = cohort.work
+        self.client, self.round, self.download = client, round_, download
+        self.module, self.params, self.grads, self.buffers = work.module, work.params, work.grads, work.buffers
+        self.step = 0
+        self._fed, self._cohort, self._work, self._extra = fed, cohort, work, extra
+        data = fed.clients[client]
+        self._inputs, self._labels, self._label_map = fed.inputs, fed.labels, data.label_map
+        self.num_examples = int(data.train.numel())
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The client's parameter groups, in layout order."""
+        return self._cohort.groups.order
+
+    def group(self, name: str) -> Tensor:
+        """The client's parameters of group ``name`` (a flat view)."""
+        return self.params[self._cohort.span(name)]
+
+    def grad(self, name: str) -> Tensor:
+        """The gradient of group ``name`` (a flat view; terms add to it in place)."""
+        return self.grads[self._cohort.span(name)]
+
+    def received(self) -> list[str]:
+        """The parameter groups the download carried."""
+        return [] if self.download is None else [n for n in self.download.tensors if n != BUFFERS]
+
+    def state(self, name: str) -> Tensor:
+        """The client's extra state ``name`` (a working copy, kept if the task stays finite)."""
+        return self._extra[name]
+
+    def message(self, groups: Sequence[str], *, extras: Optional[dict] = None) -> Message:
+        """A message with copies of ``groups`` and, if any, the floating buffers of the shared
+        groups (BatchNorm statistics), plus ``extras`` and the client's training-set size."""
+        tensors = {g: self.group(g).clone() for g in groups if g != BUFFERS}
+        shared_buffers = self.buffers[self._cohort.shared_buffer_span()]
+        if shared_buffers.numel():
+            tensors[BUFFERS] = shared_buffers.clone()
+        return Message(tensors, extras or {}, self.num_examples)
+
+    def loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """Cross-entropy of the model on a batch (with graph)."""
+        return F.cross_entropy(forward(self.module, inputs)[0], labels)
+
+    def forward_backward(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """Zero ``grads``, then leave the batch loss's gradient in them; returns the loss (detached)."""
+        self._work.zero_grad()
+        loss = self.loss(inputs, labels)
+        loss.backward()
+        return loss.detach()
+
+    def hvp(self, inputs: Tensor, labels: Tensor, vector: Tensor) -> Tensor:
+        """H·vector, H the Hessian of the batch loss at the current parameters: [P] (by double
+        backward through the model; the trainable parameters only, others 0)."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(self.loss(inputs, labels), params, create_graph=True)
+        views = self._cohort.layout.views(vector)
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        dot = sum((g * views[n]).sum() for g, n in zip(grads, names))
+        out = torch.zeros_like(self.params)
+        out_views = self._cohort.layout.views(out)
+        for name, h in zip(names, torch.autograd.grad(dot, params)):
+            out_views[name].copy_(h)
+        return out
+
+
+def apply_download(cohort, work, message: Optional[Message], client: int) -> None:
+    """Write a download's tensors into the working model: groups into their parameter ranges,
+    ``buffers`` into the shared groups' buffers."""
+    if message is None:
+        return
+    for name in message.tensors:
+        if name == BUFFERS:
+            target = work.buffers[cohort.shared_buffer_span()]
+        elif name in cohort.groups.members:
+            target = work.params[cohort.span(name)]
+        else:
+            raise ValueError(f"the download to client {client} carries {name!r}, which is no parameter group of "
+                             f"its architecture {cohort.name!r} (groups: {', '.join(cohort.groups.order)})")
+        value = message.dense(name)
+        if value.shape != target.shape:
+            raise ValueError(f"the download's {name!r} has shape {list(value.shape)} but client {client}'s "
+                             f"{name!r} has {list(target.shape)}")
+        target.copy_(value)
+
+
+def phase_optimizer(phase: Phase, settings):
+    """The phase's optimizer: the run's, with the phase's lr and settings where it gives them."""
+    name = phase.optimizer or settings.optimizer
+    values = dict(settings.optimizer_settings) if name == settings.optimizer else {"lr": settings.optimizer_settings["lr"]}
+    if phase.lr is not None:
+        values["lr"] = phase.lr
+    values.update(phase.optimizer_settings)
+    return make_optimizer(name, **values)
+
+
+def phase_schedule(phase: Phase, schedule: LocalSchedule) -> LocalSchedule:
+    """The run's schedule with the phase's length and batch size where it gives them; with a
+    custom gradient, ``steps`` counts its steps of ``batches_per_step`` batches."""
+    if phase.epochs is not None or phase.steps is not None:
+        schedule = replace(schedule, epochs=phase.epochs if phase.epochs is not None else 0, steps=phase.steps)
+    if phase.batch_size is not None:
+        schedule = replace(schedule, batch_size=phase.batch_size)
+    if schedule.steps is not None and phase.batches_per_step > 1:
+        schedule = replace(schedule, steps=schedule.steps * phase.batches_per_step)
+    return schedule
+
+
+@dataclass
+class _Totals:
+    loss: Tensor
+    samples: int = 0
+    steps: int = 0
+
+
+def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augment, totals: _Totals) -> None:
+    cohort, work, module = view._cohort, view._work, view.module
+    optimizer = phase_optimizer(phase, fed.settings)
+    trained = cohort.groups.order if phase.groups is None else phase.groups
+    unknown = [g for g in trained if g not in cohort.groups.members]
+    if unknown:
+        raise ValueError(f"a phase trains {unknown}, which are no parameter groups of client {view.client}'s "
+                         f"architecture (groups: {', '.join(cohort.groups.order)})")
+    names = [n for g in trained for n in cohort.groups.members[g]]
+    ranges = None if phase.groups is None else cohort.layout.ranges(names)
+    frozen = [p for n, p in module.named_parameters() if n not in set(names) and p.requires_grad]
+    for p in frozen:  # no gradient is computed for what the phase does not train
+        p.requires_grad_(False)
+    data = fed.clients[view.client]
+    batches = []
+    view.step = 0
+    try:
+        for index in client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator):
+            x = fed.inputs[index]
+            y = fed.labels[index]
+            if data.label_map is not None:
+                y = data.label_map[y]
+            if augment is not None:
+                x = augment(x, generator)
+            batches.append((x, y))
+            if len(batches) < phase.batches_per_step:
+                continue
+            if phase.gradient is None:
+                work.zero_grad()
+                logits, embeddings = forward(module, x)
+                loss = F.cross_entropy(logits, y)
+                if phase.loss_terms:
+                    batch = Batch(x, y, logits, embeddings, module)
+                    for term in phase.loss_terms:
+                        loss = loss + term(batch)
+                loss.backward()
+            else:
+                loss = phase.gradient(view, batches)
+            extra = 0.0
+            for term in phase.grad_terms:
+                value = term(view)
+                if value is not None:
+                    extra = extra + value
+            optimizer.step(work.params, work.grads, state, ranges=ranges)
+            n = sum(int(b[1].numel()) for b in batches)
+            totals.loss += (loss.detach() + extra) * n
+            totals.samples += n
+            totals.steps += 1
+            view.step += 1
+            batches = []
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
+def _fresh_state(fed, cohort, phase: Phase) -> dict:
+    state = {n: torch.zeros_like(cohort.work.params) for n in phase_optimizer(phase, fed.settings).state_names()}
+    state["steps"] = torch.zeros((), dtype=torch.int64)
+    return state
+
+
+def run_plan(fed, view: ClientView, plan: Sequence[Phase], generator, *, keep_state: bool,
+             augment=None) -> tuple[LocalResult, dict]:
+    """Run ``plan``'s phases on the loaded client; returns its result and the optimizer states
+    used (by state name), to be stored when ``keep_state`` and the result is finite."""
+    cohort = view._cohort
+    row = cohort.row(view.client)
+    states: dict[str, dict] = {}
+    totals = _Totals(torch.zeros((), dtype=torch.float64, device=view.params.device))
+    for phase, name in zip(plan, state_names(plan)):
+        if name not in states:
+            if keep_state:
+                states[name] = {v: bank.row(row).clone() for v, bank in cohort.optimizer_state[name].items()}
+                states[name]["steps"] = cohort.optimizer_steps[name][row].clone()
+            else:
+                states[name] = _fresh_state(fed, cohort, phase)
+        _run_phase(fed, view, phase, states[name], generator, augment, totals)
+    mean = float(totals.loss / totals.samples) if totals.samples else float("nan")
+    finite = bool(torch.isfinite(view.params).all()) and (totals.samples == 0 or bool(torch.isfinite(totals.loss)))
+    return LocalResult(loss=mean, samples=totals.samples, steps=totals.steps, finite=finite), states
+
+
+def run_train_task(fed, algorithm, task: TrainTask) -> TrainResult:
+    """Train one client (module docstring); its rows change only if it stays finite."""
+    cohort = fed.cohort_of(task.client)
+    row = cohort.row(task.client)
+    work = cohort.work
+    work.load(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
+    apply_download(cohort, work, task.download, task.client)
+    extra = {name: bank.row(row).clone() for name, bank in cohort.extra.items()}
+    view = ClientView(fed, cohort, task.client, task.round, task.download, extra)
+    keep = fed.settings.optimizer_state == "keep"
+    result, states = run_plan(fed, view, task.plan, fed.generator("train", task.round, task.client),
+                              keep_state=keep, augment=fed.augment)
+    if not result.finite:
+        return TrainResult(task.client, result)
+    upload = algorithm.upload(view)
+    work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
+    for name, value in extra.items():
+        cohort.extra[name].row(row).copy_(value)
+    if keep:
+        for name, state in states.items():
+            for vector, bank in cohort.optimizer_state[name].items():
+                bank.row(row).copy_(state[vector])
+            cohort.optimizer_steps[name][row] = state["steps"]
+    return TrainResult(task.client, result, upload)
+
+
+def run_eval_task(fed, task: EvalTask) -> EvalResult:
+    """Evaluate one client with the algorithm's :class:`Evaluation` (nothing is stored)."""
+    cohort = fed.cohort_of(task.client)
+    row = cohort.row(task.client)
+    work = cohort.work
+    evaluation = task.evaluation
+    params = cohort.params if evaluation.params == "params" else cohort.extra[evaluation.params]
+    work.load(params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
+    apply_download(cohort, work, evaluation.download, task.client)
+    if evaluation.plan:
+        extra = {name: bank.row(row).clone() for name, bank in cohort.extra.items()}
+        view = ClientView(fed, cohort, task.client, task.round, evaluation.download, extra)
+        run_plan(fed, view, evaluation.plan, fed.generator("finetune", task.round, task.client),
+                 keep_state=False, augment=fed.augment)
+    data = fed.clients[task.client]
+    accuracy, loss, samples = evaluate(work.module, fed.inputs, fed.labels, data.part(task.split),
+                                       label_map=data.label_map)
+    return EvalResult(task.client, accuracy, loss, samples)

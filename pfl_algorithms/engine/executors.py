@@ -1,0 +1,101 @@
+"""Executors: where client tasks run.  The round loop hands an executor a list of tasks and a
+function that runs one task; the executor returns the results in task order.
+
+* ``sequential``: one task after another on the calling thread.
+* ``threaded`` (the CPU default): ``workers`` tasks at once, each on a thread of its own with
+  its own working model (the cohorts keep one per thread).
+
+Every task runs with one intra-op thread, on every executor: a client's numbers then do not
+depend on the executor or on how many tasks run beside it (the two executors agree bit for
+bit; small models also use cores better one client per core than one op per core).
+
+A batched executor (many clients in one vmapped forward/backward) and distributed ones
+(Flower, torch.distributed) implement the same :class:`Executor` interface; a task is a
+pure description (client, round, download, plan), so it can be shipped or stacked.
+"""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Callable, Optional, Sequence, TypeVar
+
+import torch
+
+Task = TypeVar("Task")
+Result = TypeVar("Result")
+
+
+@contextmanager
+def one_intra_op_thread():
+    """Run the body with ``torch.set_num_threads(1)``, restoring the previous count after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class Executor(ABC):
+    """Runs client tasks; subclasses decide where."""
+
+    name: str = ""
+
+    @abstractmethod
+    def run(self, tasks: Sequence[Task], run_one: Callable[[Task], Result]) -> list[Result]:
+        """``[run_one(task) for task in tasks]``, computed wherever this executor runs tasks."""
+
+    def close(self) -> None:
+        """Release workers (the executor may be used again afterwards)."""
+
+
+class SequentialExecutor(Executor):
+    """Every task on the calling thread, in order."""
+
+    name = "sequential"
+
+    def run(self, tasks, run_one):
+        with one_intra_op_thread():
+            return [run_one(task) for task in tasks]
+
+
+class ThreadedExecutor(Executor):
+    """``workers`` tasks at once (None: one per core), each thread with one intra-op thread."""
+
+    name = "threaded"
+
+    def __init__(self, workers: Optional[int] = None):
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers must be None or an integer >= 1, got {workers!r}")
+        self.workers = workers or (os.cpu_count() or 1)
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def run(self, tasks, run_one):
+        if self.workers == 1 or len(tasks) <= 1:
+            with one_intra_op_thread():
+                return [run_one(task) for task in tasks]
+        if self._pool is None:
+            # Kept between rounds, so each thread keeps its working models.
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, initializer=torch.set_num_threads,
+                                            initargs=(1,), thread_name_prefix="pfl-client")
+        return list(self._pool.map(run_one, tasks))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+EXECUTORS = {"sequential": SequentialExecutor, "threaded": ThreadedExecutor}
+
+
+def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cpu") -> Executor:
+    """The executor ``name`` ('sequential' or 'threaded'); on a GPU, threads would only queue
+    kernels on one device, so ``threaded`` runs one task at a time there."""
+    if name not in EXECUTORS:
+        raise ValueError(f"executor must be one of {sorted(EXECUTORS)}, got {name!r}")
+    if name == "threaded":
+        return ThreadedExecutor(1 if torch.device(device).type != "cpu" else workers)
+    return SequentialExecutor()

@@ -1,0 +1,112 @@
+"""Local plans: what a client does with its data in a round, as a list of phases.
+
+A :class:`Phase` names the parameter groups it trains, how long (epochs or steps), its
+optimizer and learning rate with an optimizer state of its own (FedRep's head phase and body
+phase never mix their momentum or Adam's bias correction), its extra loss terms and its
+closed-form gradient terms.  The engine runs the phases in order on the client's bank rows.
+
+Hooks an algorithm can give a phase:
+
+* ``loss_terms``: ``term(batch) -> scalar`` added to the cross-entropy of each batch; a
+  :class:`Batch` shows the inputs, labels, logits and the body's embeddings (Fed-CMA).
+* ``grad_terms``: ``term(view) -> scalar or None`` adds a closed-form gradient to
+  ``view.grads`` in place (FedProx's μ(w − w_global) is one op) and returns the loss it
+  stands for, which is reported with the training loss.
+* ``gradient`` (the escape hatch for MAML-style and inner-loop updates):
+  ``gradient(view, batches) -> loss`` gets ``batches_per_step`` batches, leaves the
+  step's gradient in ``view.grads`` (it may move ``view.params`` meanwhile, as long as it
+  puts them back), and the engine's optimizer then takes the step.  Per-FedAvg and pFedMe
+  are written this way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from torch import Tensor, nn
+
+
+@dataclass
+class Batch:
+    """One training batch as a loss term sees it.
+
+    Attributes:
+        inputs, labels: the batch (labels as the client sees them, after its label map;
+            inputs after augmentation).
+        logits: the model's output.
+        embeddings: the body's output (models with ``body`` and ``head``), else None.
+        module: the client's working model.
+    """
+
+    inputs: Tensor
+    labels: Tensor
+    logits: Tensor
+    embeddings: Optional[Tensor]
+    module: nn.Module
+
+
+LossTerm = Callable[[Batch], Tensor]
+GradTerm = Callable[[Any], Optional[Tensor]]
+CustomGradient = Callable[[Any, list], Tensor]
+
+
+def _positive_or_none(name: str, value, *, allow_zero: bool) -> None:
+    if value is None:
+        return
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"Phase {name} must be an int >= {low} or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a client's local plan.
+
+    Attributes:
+        groups: the parameter groups trained (None: every group); the others stay fixed.
+        epochs / steps: how long (at most one of them; both None: the run's schedule).
+        batch_size: None: the run's.
+        optimizer: 'sgd' | 'adam' | 'adamw', None: the run's.  lr: None: the run's.
+        optimizer_settings: other settings of the optimizer (momentum, weight_decay, betas,
+            ...), replacing the run's where given; with another optimizer than the run's,
+            the run's settings are not used.
+        state: the name of this phase's optimizer state (None: the phase's position in its
+            plan, so phases never share state unless they name the same one).
+        loss_terms, grad_terms, gradient, batches_per_step: module docstring.
+    """
+
+    groups: Optional[tuple[str, ...]] = None
+    epochs: Optional[int] = None
+    steps: Optional[int] = None
+    batch_size: Optional[int] = None
+    optimizer: Optional[str] = None
+    lr: Optional[float] = None
+    optimizer_settings: Mapping[str, Any] = field(default_factory=dict)
+    state: Optional[str] = None
+    loss_terms: tuple[LossTerm, ...] = ()
+    grad_terms: tuple[GradTerm, ...] = ()
+    gradient: Optional[CustomGradient] = None
+    batches_per_step: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.groups, str):
+            object.__setattr__(self, "groups", (self.groups,))
+        if self.groups is not None:
+            object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "loss_terms", tuple(self.loss_terms))
+        object.__setattr__(self, "grad_terms", tuple(self.grad_terms))
+        _positive_or_none("epochs", self.epochs, allow_zero=True)
+        _positive_or_none("steps", self.steps, allow_zero=True)
+        _positive_or_none("batch_size", self.batch_size, allow_zero=False)
+        _positive_or_none("batches_per_step", self.batches_per_step, allow_zero=False)
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError(f"Phase takes epochs or steps, not both (epochs={self.epochs}, steps={self.steps})")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and self.lr >= 0):
+            raise ValueError(f"Phase lr must be a number >= 0 or None, got {self.lr!r}")
+        if self.batches_per_step != 1 and self.gradient is None:
+            raise ValueError("batches_per_step needs a custom gradient (one batch per step otherwise)")
+
+
+def state_names(plan) -> list[str]:
+    """The optimizer-state name of each phase of ``plan`` (its own, or ``phase<i>``)."""
+    return [phase.state if phase.state is not None else f"phase{i}" for i, phase in enumerate(plan)]

@@ -1,0 +1,68 @@
+"""Algorithm modules use only the public contract (``pfl_algorithms.api``), never engine internals."""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+import pfl_algorithms.algorithms as package
+from pfl_algorithms.algorithms import ALGORITHMS
+
+ALGORITHM_FILES = sorted(p for p in Path(package.__file__).parent.glob("*.py") if p.name != "__init__.py")
+THIRD_PARTY = {"torch", "pfl_kernels", "numpy"}
+
+
+def contract_violations(source: str, filename: str = "<module>") -> list[str]:
+    """The imports of an algorithm module that reach past the contract: anything of
+    ``pfl_algorithms`` other than ``api`` and sibling algorithm modules, and any third-party
+    package other than torch, numpy and pfl_kernels."""
+    bad = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1:  # a sibling algorithm module
+                continue
+            if node.level == 2:
+                if module != "api":
+                    bad.append(f"from {'.' * node.level}{module} import ...")
+                continue
+            if node.level > 2:
+                bad.append(f"from {'.' * node.level}{module} import ...")
+                continue
+            names = [module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if name == "pfl_algorithms.api" or name.startswith("pfl_algorithms.algorithms"):
+                continue
+            if top == "pfl_algorithms" or not (top in THIRD_PARTY or top in sys.stdlib_module_names):
+                bad.append(f"import {name}")
+    return bad
+
+
+@pytest.mark.parametrize("path", ALGORITHM_FILES, ids=lambda p: p.name)
+def test_algorithm_modules_import_only_the_contract(path):
+    assert contract_violations(path.read_text(), str(path)) == []
+
+
+@pytest.mark.parametrize("line", [
+    "from ..engine.federation import Federation",
+    "from ..engine import client",
+    "import pfl_algorithms.engine.rounds",
+    "from pfl_algorithms.engine.bank import ClientBank",
+    "from ..data import load_dataset",
+    "from ...pfl_algorithms import engine",
+    "import sklearn",
+])
+def test_the_check_catches_engine_imports(line):
+    assert contract_violations(f"from ..api import Algorithm\n{line}\n") != []
+
+
+def test_every_module_registers_what_it_defines():
+    names = {cls.__module__.rsplit(".", 1)[1] for cls in ALGORITHMS.values()}
+    assert names == {p.stem for p in ALGORITHM_FILES}
