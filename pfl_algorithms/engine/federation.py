@@ -23,7 +23,7 @@ from .comm import CommLedger
 from .executors import make_executor
 from .groups import BUFFERS, GroupRule, declare_groups
 from .local import LocalSchedule
-from .seeds import STREAMS
+from .seeds import stream_generator
 
 
 @dataclass(frozen=True)
@@ -179,8 +179,7 @@ class Federation:
 
     def generator(self, stream: str, round_: int, client: int = -1) -> torch.Generator:
         """The generator of one stream ('sample', 'train', 'finetune') of a round and client."""
-        seed = hash((self.settings.seed, STREAMS[stream], round_, client)) & 0x7FFF_FFFF_FFFF_FFFF
-        return torch.Generator().manual_seed(seed)
+        return stream_generator(self.settings.seed, stream, round_, client)
 
     def sample_clients(self, round_: int) -> torch.Tensor:
         """The clients of round ``round_`` (sorted), drawn without replacement."""
