@@ -1,0 +1,42 @@
+"""FedRep (Collins et al., ICML 2021, Algorithm 1): each round a client first trains its own head
+for ``head_epochs`` with the received body fixed, then the body for the run's local epochs with
+the head fixed; only the body is sent, and the server averages it weighted by data size.
+
+The two phases keep separate optimizer states (momentum, Adam's moments and step counts).
+Clients are evaluated, as in the authors' code, with the global body and their own head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..api import Phase
+from .fedavg import FedAvg
+
+
+@dataclass(frozen=True)
+class FedRepSettings:
+    head_epochs: int = 10  # the released code's local_ep - local_rep_ep for its default of 11 and 1
+
+    def __post_init__(self):
+        if isinstance(self.head_epochs, bool) or not isinstance(self.head_epochs, int) or self.head_epochs < 0:
+            raise ValueError(f"head_epochs must be an int >= 0, got {self.head_epochs!r}")
+
+
+class FedRep(FedAvg):
+    """Head phase, then body phase; share the body."""
+
+    name = "fedrep"
+    description = "each round: train the local head (body fixed), then the body (head fixed); average the body"
+    Settings = FedRepSettings
+
+    def local_groups(self, *, keep_head_local):
+        return {"head"}
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.keep_head_local is False:
+            raise ValueError("fedrep keeps the head local by definition: keep_head_local=False conflicts with it")
+
+    def plan(self, client):
+        return (Phase(groups=("head",), epochs=self.settings.head_epochs, state="head"),
+                Phase(groups=("body",), state="body"))

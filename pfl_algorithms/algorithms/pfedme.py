@@ -1,0 +1,88 @@
+"""pFedMe (Dinh, Tran and Nguyen, NeurIPS 2020): personalized models by Moreau envelopes.
+
+Each client keeps a personal model θ (an extra bank).  At each local step, on one batch D,
+it solves the inner problem (Eq. 7) approximately with ``inner_steps`` steps of gradient
+descent at lr ``personal_lr``, starting from θ (from the received model at a round's first
+step),
+
+    θ ← argmin_θ f(θ; D) + (λ/2)‖θ − w‖²,
+
+then moves its local model w ← w − η λ (w − θ) (η the run's learning rate, plain SGD).
+The server averages the local models weighted by data size and mixes them into the global
+model with β: w ← (1 − β) w + β Σ_i (n_i / n) w_i (Algorithm 1).  Clients are evaluated
+with their personal models θ (the paper's personalized accuracy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..api import Capabilities, Evaluation, Phase, StateSpec
+from .fedavg import FedAvg
+
+
+@dataclass(frozen=True)
+class PFedMeSettings:
+    lam: float = 15.0  # λ, the weight of the Moreau envelope's proximal term
+    personal_lr: float = 0.01  # the inner problem's step
+    inner_steps: int = 5  # K, steps of the inner problem per local step
+    beta: float = 1.0  # the server's mixing weight
+
+    def __post_init__(self):
+        if not self.lam > 0:
+            raise ValueError(f"lam must be > 0, got {self.lam}")
+        if not self.personal_lr > 0:
+            raise ValueError(f"personal_lr must be > 0, got {self.personal_lr}")
+        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be an int >= 1, got {self.inner_steps!r}")
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+
+
+def moreau_gradient(settings: PFedMeSettings):
+    """One pFedMe local step: solve for θ, leave λ(w − θ) as the gradient of w."""
+    lam, lr = settings.lam, settings.personal_lr
+
+    def gradient(view, batches):
+        (x, y), = batches
+        theta, w = view.state("personal"), view.params.clone()
+        with torch.no_grad():
+            view.params.copy_(w if view.step == 0 else theta)
+        for _ in range(settings.inner_steps):
+            loss = view.forward_backward(x, y)
+            with torch.no_grad():
+                view.grads.add_(view.params - w, alpha=lam)
+                view.params.sub_(view.grads, alpha=lr)
+        with torch.no_grad():
+            theta.copy_(view.params)
+            view.params.copy_(w)
+            torch.mul(w - theta, lam, out=view.grads)
+        return loss
+
+    return gradient
+
+
+class PFedMe(FedAvg):
+    """Moreau-envelope personalization with a β-mixing server."""
+
+    name = "pfedme"
+    description = "personal models from a Moreau-envelope inner problem; the server mixes with beta"
+    Settings = PFedMeSettings
+    capabilities = Capabilities(batchable=False)
+
+    def client_state(self):
+        return {"personal": StateSpec(init="params")}
+
+    def plan(self, client):
+        return (Phase(gradient=moreau_gradient(self.settings), optimizer="sgd", optimizer_settings={"momentum": 0.0}),)
+
+    def aggregate(self, round_, uploads):
+        if not uploads:
+            return
+        beta = self.settings.beta
+        average = uploads.weighted_mean()
+        self.global_model = {name: (1 - beta) * self.global_model[name] + beta * average[name] for name in average}
+
+    def evaluation(self, client):
+        return Evaluation(params="personal")

@@ -1,0 +1,78 @@
+"""``kill -9`` in the middle of a run, then ``--resume``: bitwise the run that was never killed,
+for algorithms with extra client state (pFedMe's personal models) and phases with kept
+optimizer states of their own (FedRep)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pfl_algorithms.engine.checkpoint import read_checkpoint
+
+ROUNDS = 12
+ARGS = ["--dataset", "digits", "--clients", "6", "--rounds", str(ROUNDS), "--quiet"]
+CASES = {"pfedme": ["--set", "inner_steps=2"], "fedrep": ["--set", "optimizer_state=keep", "--set", "head_epochs=1"]}
+
+
+def pfl(*args) -> list[str]:
+    return [sys.executable, "-m", "pfl_algorithms", "run", *args]
+
+
+def metric_lines(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            break  # the line a kill cut
+    return lines
+
+
+def assert_same(a, b, path="checkpoint"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("algorithm", sorted(CASES))
+def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    args = [algorithm, *ARGS, *CASES[algorithm]]
+    subprocess.run(pfl(*args, "--out", str(whole)), check=True, timeout=600)
+    process = subprocess.Popen(pfl(*args, "--out", str(killed)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while len(metric_lines(killed)) < 3 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert len(metric_lines(killed)) < ROUNDS  # it really was killed mid-run
+    subprocess.run(pfl(algorithm, "--out", str(killed), "--resume", "--quiet"), check=True, timeout=600,
+                   stderr=subprocess.DEVNULL)
+    resumed, reference = metric_lines(killed), metric_lines(whole)
+    assert [r["round"] for r in resumed] == list(range(ROUNDS))
+    for a, b in zip(resumed, reference):
+        a.pop("wall_s"), b.pop("wall_s")
+        assert a == b
+    final, want = read_checkpoint(killed / "checkpoint.pt"), read_checkpoint(whole / "checkpoint.pt")
+    assert_same(final["federation"], want["federation"])
+    assert_same(final["algorithm"], want["algorithm"])
