@@ -24,8 +24,9 @@ from .fedavg import FedAvg
 
 @dataclass(frozen=True)
 class PFedMeSettings:
+    # The released code's MNIST command: lamda 15, personal_learning_rate 0.1, K 5, beta 1.
     lam: float = 15.0  # λ, the weight of the Moreau envelope's proximal term
-    personal_lr: float = 0.01  # the inner problem's step
+    personal_lr: float = 0.1  # the inner problem's step
     inner_steps: int = 5  # K, steps of the inner problem per local step
     beta: float = 1.0  # the server's mixing weight
 
