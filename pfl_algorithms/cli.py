@@ -3,7 +3,7 @@
     pfl run <algorithm> [--config file.toml] [--scenario S] [--dataset D] [--model M]
                         [--clients N] [--rounds R] [--local-epochs E] [--batch-size B] [--lr LR]
                         [--samples-per-client N] [--seed S] [--device cpu|cuda] [--out DIR]
-                        [--resume] [--set key=value ...]
+                        [--resume | --overwrite] [--set key=value ...]
     pfl list                      algorithms, scenarios, datasets and models, one line each
     pfl compare DIR...            a table over finished runs: mean ± std over seeds, communication
     pfl demo [--out DIR] [--rounds R] [--seeds N]
@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
         run.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None)
     run.add_argument("--out", help="the run directory (default runs/<algorithm>-<scenario>-<dataset>-seed<S>)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the run in --out (never a directory that is not a pfl run)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                      help="any setting of the algorithm, scenario, dataset or model (repeatable)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -69,9 +71,11 @@ def config_from_args(args) -> RunConfig:
 
 
 def _cmd_run(args) -> int:
+    from .engine.rundir import RunDirectory
     from .runner import default_run_name, run
 
-    if args.resume and args.out and (Path(args.out) / "config.json").exists() and not args.config:
+    if args.resume and args.out and not args.config and RunDirectory(args.out).is_run() \
+            and (Path(args.out) / "config.json").exists():
         # Resume with the saved settings unless others are given explicitly.
         saved = load_config_file(Path(args.out) / "config.json")
         if saved.get("algorithm") != args.algorithm:
@@ -79,7 +83,7 @@ def _cmd_run(args) -> int:
         args.config = str(Path(args.out) / "config.json")
     config = config_from_args(args)
     out = Path(args.out) if args.out else Path("runs") / default_run_name(config)
-    summary = run(config, out, resume=args.resume, progress=not args.quiet)
+    summary = run(config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
     acc = summary["final_mean_accuracy"]
     print(f"{config.algorithm}: final mean accuracy {'-' if acc is None else f'{100 * acc:.2f}%'}, "
           f"communication {summary['comm_gb']['up'] + summary['comm_gb']['down']:.4f} Gb; run directory {out}")
@@ -114,6 +118,7 @@ def _cmd_compare(args) -> int:
 
 def _cmd_demo(args) -> int:
     from .compare import comparison_rows, find_summaries, format_table
+    from .engine.rundir import RunDirectory
     from .runner import run
 
     out = Path(args.out)
@@ -124,15 +129,31 @@ def _cmd_demo(args) -> int:
                                      model="digits-cnn", clients=20, rounds=args.rounds, seed=seed,
                                      local_epochs=2, batch_size=16, lr=0.05))
             run_dir = out / f"{algorithm}-seed{seed}"
-            if (run_dir / "summary.json").exists():
+            previous = RunDirectory(run_dir)
+            if previous.is_run() and previous.summary.exists():
+                _check_same_settings(previous, config)
                 print(f"{run_dir}: finished earlier, kept")
             else:
-                run(config, run_dir, resume=(run_dir / "checkpoint.pt").exists(), progress=not args.quiet)
+                # A run left by a killed demo resumes (from round 0 when it has no checkpoint).
+                run(config, run_dir, resume=previous.is_run(), progress=not args.quiet)
             dirs.append(str(run_dir))
     print()
     print(format_table(comparison_rows(find_summaries(dirs))))
     print(f"\nplots: {out}/<algorithm>-seed<S>/plots/*.png")
     return 0
+
+
+def _check_same_settings(rundir, config: RunConfig) -> None:
+    """Refuse to keep a finished demo run made with other settings (e.g. another --rounds)."""
+    import json
+
+    from .runner import json_value, setting_differences
+
+    differences = setting_differences(json_value(config.as_dict()), json.loads(rundir.config.read_text()),
+                                      ("now", "then"))
+    if differences:
+        raise ValueError(f"{rundir.root} holds a finished run with other settings: {', '.join(differences)}; "
+                         f"choose another --out")
 
 
 def main(argv=None) -> int:

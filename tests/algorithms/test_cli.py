@@ -8,6 +8,7 @@ import torch
 
 from pfl_algorithms.cli import main
 from pfl_algorithms.config import RunConfig, apply_sets, check
+from pfl_algorithms.engine.checkpoint import read_checkpoint
 from pfl_algorithms.runner import run
 
 TINY = ["--dataset", "gaussian-mixture", "--model", "mlp", "--scenario", "dirichlet", "--clients", "4",
@@ -49,8 +50,8 @@ def test_resume_reaches_the_same_final_state_bitwise(tmp_path):
         f.write('{"round": 2, "partial": tr')
     resumed = run(config, tmp_path / "killed", resume=True, progress=False)
     assert resumed["final_mean_accuracy"] == whole["final_mean_accuracy"]
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["federation"]
-    b = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["federation"]
+    a = read_checkpoint(tmp_path / "whole" / "checkpoint.pt")["federation"]
+    b = read_checkpoint(tmp_path / "killed" / "checkpoint.pt")["federation"]
     assert torch.equal(a["params"], b["params"])
     rounds = [json.loads(line)["round"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [0, 1, 2, 3, 4]
