@@ -27,6 +27,17 @@ def _flag_bool(text: str) -> bool:
     return words[text.lower()]
 
 
+def _positive_int(text: str) -> int:
+    """A count on the command line: an integer >= 1 (argparse reports anything else)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 # command-line flag -> (type, help); each sets the RunConfig field of its name.  The help
 # ends with the field's default (``_default_text``), so `pfl run --help` shows RunConfig's.
 FLAGS = {
@@ -118,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_argument("--out", default="runs/demo", help="folder of the demo's runs")
     demo.add_argument("--rounds", type=int, default=10, help="communication rounds")
-    demo.add_argument("--seeds", type=int, default=1, help="seeds per algorithm")
+    demo.add_argument("--seeds", type=_positive_int, default=1, help="seeds per algorithm")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -1,6 +1,8 @@
 """The settings of a run, from defaults, a TOML file and the command line, resolved and checked.
 
-Precedence: defaults < config file < command-line flags < ``--set key=value``.  A ``--set``
+Precedence: defaults < config file < command-line flags < ``--set key=value``.  Wherever a
+value comes from, ``check`` accepts it only if it has the type and range its setting declares
+(see ``option_types``), and otherwise names the key in a one-line ValueError.  A ``--set``
 key is routed to whichever of the algorithm, the scenario, the dataset or the model has a
 setting of that name (a name two of them share must be qualified, e.g.
 ``--set scenario.alpha=0.1``); an unknown key is an error listing the valid ones.

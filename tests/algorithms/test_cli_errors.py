@@ -144,6 +144,11 @@ def test_every_run_config_field_is_checked():
             check_value(name, math.nan, hint)
 
 
+def test_demo_needs_at_least_one_seed(capsys, tmp_path):
+    assert "argument --seeds: expected an integer >= 1, got '0'" in one_line_error(
+        capsys, ["demo", "--seeds", "0", "--out", str(tmp_path)])
+
+
 def test_compare_names_the_file_and_the_key(capsys, tmp_path):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
