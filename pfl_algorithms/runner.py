@@ -13,7 +13,7 @@ import torch
 
 from .algorithms import make_algorithm
 from .config import RunConfig, check
-from .data import load_dataset, make_partition
+from .data.run_data import load_run_data
 from .engine.federation import ClientData, EngineSettings, Federation, run_round
 from .engine.local import LocalSchedule
 from .atomic_io import atomic_write_json
@@ -34,11 +34,10 @@ def _optimizer_settings(config: RunConfig) -> dict:
 def build(config: RunConfig):
     """(federation, algorithm, partition) for ``config`` (checked first)."""
     check(config)
-    dataset = load_dataset(config.dataset, root=config.data_root, seed=config.seed, **config.dataset_options)
-    options = dict(config.scenario_options)
-    if config.samples_per_client is not None:
-        options["samples_per_client"] = config.samples_per_client
-    partition = make_partition(config.scenario, dataset, config.clients, seed=config.seed, **options)
+    dataset, partition = load_run_data(config.dataset, config.scenario, config.clients, seed=config.seed,
+                                       root=config.data_root, dataset_options=config.dataset_options,
+                                       scenario_options=config.scenario_options,
+                                       samples_per_client=config.samples_per_client)
     dataset = partition.apply_transforms(dataset)  # feature-shifted domains, fda's noisy target
     algorithm = make_algorithm(config.algorithm, **config.algorithm_settings)
     if partition.architectures is not None:

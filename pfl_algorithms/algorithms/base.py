@@ -3,7 +3,9 @@
 The engine (``engine.federation``) owns sampling, local training, evaluation, accounting
 and checkpoints.  An algorithm says only what is particular to it:
 
-* ``Settings``: its hyperparameters (a dataclass; any field can be set from the command line);
+* ``Settings``: its hyperparameters (a dataclass; any field can be set from the command line;
+  each field's type hint, with ``option_types.Range`` markers, is the type and range every
+  value is checked against);
 * ``local_parameter_names``: what never leaves a client;
 * ``begin_round``: what the sampled clients receive;
 * ``local_terms``: extra loss / gradient terms of the local objective;
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from ..engine.federation import Federation
+from ..option_types import check_options, field_hints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +30,14 @@ class NoSettings:
 
 
 def make_settings(cls, name: str, values: dict):
-    """``cls(**values)``, with unknown names reported together with the valid ones."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
+    """``cls(**values)``, with unknown names reported together with the valid ones and every
+    value checked against its field's declared type and range (ValueError naming it)."""
+    hints = field_hints(cls)
+    unknown = sorted(set(values) - set(hints))
     if unknown:
         raise ValueError(f"{name} has no setting {', '.join(map(repr, unknown))}; "
-                         f"valid: {', '.join(sorted(fields)) or 'none'}")
-    return cls(**values)
+                         f"valid: {', '.join(sorted(hints)) or 'none'}")
+    return cls(**check_options(name, values, hints))
 
 
 class Algorithm:

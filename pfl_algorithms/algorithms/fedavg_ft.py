@@ -9,16 +9,13 @@ import torch
 
 from ..engine.federation import Federation
 from ..engine.local import evaluate, train_locally
+from ..option_types import NonNegativeInt
 from .fedavg import FedAvg
 
 
 @dataclass(frozen=True)
 class FedAvgFTSettings:
-    finetune_epochs: int = 1
-
-    def __post_init__(self):
-        if self.finetune_epochs < 0:
-            raise ValueError(f"finetune_epochs must be >= 0, got {self.finetune_epochs}")
+    finetune_epochs: NonNegativeInt = 1
 
 
 class FedAvgFT(FedAvg):

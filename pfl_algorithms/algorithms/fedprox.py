@@ -5,16 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.federation import Federation
+from ..option_types import NonNegativeFloat
 from .fedavg import FedAvg
 
 
 @dataclass(frozen=True)
 class FedProxSettings:
-    mu: float = 0.01  # weight of the proximal term
-
-    def __post_init__(self):
-        if not self.mu >= 0.0:
-            raise ValueError(f"mu must be >= 0, got {self.mu}")
+    mu: NonNegativeFloat = 0.01  # weight of the proximal term
 
 
 class FedProx(FedAvg):

@@ -45,10 +45,11 @@ class EngineSettings:
     # "reset": every round starts from fresh optimizer state (a new torch.optim per client and
     # round, as FedAvg-style code does); "keep": each client's state persists in its bank rows.
     optimizer_state: str = "reset"
-    # Clients trained at once on CPU, each in its own thread on one core with its own copy of
-    # the template module (None: one per core).  Small models use cores far better this way
-    # than by splitting each client's small ops over threads.  A client's training is then
-    # single-threaded, so its result does not depend on how many run beside it.
+    # Clients trained (and evaluated) at once on CPU, each in its own thread on one core with
+    # its own copy of the template module (None: one per core).  Small models use cores far
+    # better this way than by splitting each client's small ops over threads.  Every client
+    # runs single-threaded, with workers=1 too, so its result does not depend on how many run
+    # beside it: any worker count gives bitwise the same run.
     workers: Optional[int] = None
 
     def __post_init__(self):
@@ -150,15 +151,22 @@ class Federation:
             return 1
         return self.settings.workers or (os.cpu_count() or 1)
 
-    def train_clients(self, clients: list[int], train_one) -> list:
-        """``train_one(client)`` for every client, ``workers`` at a time; results in order."""
-        if self.workers <= 1 or len(clients) <= 1:
-            return [train_one(c) for c in clients]
+    def for_each_client(self, clients: list[int], task) -> list:
+        """``task(client)`` (its training or evaluation) for every client, ``workers`` at a time;
+        results in order.
+
+        On CPU every call runs in a pool thread whose torch uses one intra-op thread, even
+        with one worker or one client: a client computed on the main thread would use
+        torch's default thread count, and reductions split over a different number of
+        threads round differently (1 worker differed from 2 by 6e-8).  On CUDA the clients
+        run one after another on the calling thread."""
+        if self.device.type != "cpu":
+            return [task(c) for c in clients]
         if self._pool is None:
             # Kept for the federation's lifetime, so each thread keeps its working model.
             self._pool = ThreadPoolExecutor(max_workers=self.workers, initializer=torch.set_num_threads,
                                             initargs=(1,), thread_name_prefix="pfl-client")
-        return list(self._pool.map(train_one, clients))
+        return list(self._pool.map(task, clients))
 
     @property
     def num_clients(self) -> int:
@@ -276,7 +284,7 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
     up0, down0 = fed.comm.total("up"), fed.comm.total("down")
     algorithm.begin_round(fed, clients, round_)
     losses, finite = {}, []
-    results = fed.train_clients(clients.tolist(), lambda client: algorithm.train_client(fed, client, round_))
+    results = fed.for_each_client(clients.tolist(), lambda client: algorithm.train_client(fed, client, round_))
     for client, result in zip(clients.tolist(), results):
         finite.append(result.finite)
         losses[client] = result.loss
@@ -292,10 +300,13 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
 
 
 def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:
-    """Personalized accuracy: every client's model on its own split; means over clients."""
+    """Personalized accuracy: every client's model on its own split; means over clients.
+    Clients are evaluated like they train (``Federation.for_each_client``: ``workers`` at a
+    time, each on one thread), so the numbers do not depend on the worker count either."""
     acc, loss = {}, {}
-    for client in range(fed.num_clients):
-        a, l, _ = algorithm.evaluate_client(fed, client, split)
+    results = fed.for_each_client(list(range(fed.num_clients)),
+                                  lambda client: algorithm.evaluate_client(fed, client, split))
+    for client, (a, l, _) in enumerate(results):
         acc[client], loss[client] = a, l
     valid = [a for a in acc.values() if a == a]
     return {"split": split, "accuracy": acc, "loss": loss,

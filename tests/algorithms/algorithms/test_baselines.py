@@ -135,8 +135,8 @@ def test_unknown_settings_and_names_raise():
 
 
 def test_concurrent_clients_give_the_same_result_for_any_worker_count():
-    """Each worker trains its client on one thread: 2 or 3 workers give bitwise the same round,
-    and the sequential run (intra-op threads) agrees to rounding."""
+    """Each worker trains its client on one thread, one worker too: 1, 2 or 3 workers give
+    bitwise the same round."""
     results = {}
     for workers in (1, 2, 3):
         algo = FedAvg()
@@ -144,5 +144,5 @@ def test_concurrent_clients_give_the_same_result_for_any_worker_count():
         for r in range(2):
             run_round(fed, algo, r)
         results[workers] = (algo.global_params.clone(), fed.params.data.clone())
-    assert torch.equal(results[2][0], results[3][0]) and torch.equal(results[2][1], results[3][1])
-    torch.testing.assert_close(results[1][0], results[2][0], rtol=1e-12, atol=1e-12)
+    for workers in (2, 3):
+        assert torch.equal(results[1][0], results[workers][0]) and torch.equal(results[1][1], results[workers][1])
