@@ -115,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="the run directory (default: runs/<algorithm>-<scenario>-<dataset>-seed<S>)")
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --out from its checkpoint (default: off)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the run in --out, never a directory that is not a pfl run (default: off)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                      help="any setting of the algorithm, scenario, dataset or model, e.g. mu=0.01 or "
                           "scenario.alpha=0.3; repeatable (default: none)")

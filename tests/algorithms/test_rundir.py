@@ -25,11 +25,11 @@ def no_data_loads(monkeypatch):
     """Fail the test if a dataset is loaded (the --out checks must come first)."""
     loaded = []
 
-    def load_dataset(*args, **kwargs):
+    def load_run_data(*args, **kwargs):
         loaded.append(args)
         raise AssertionError("the dataset was loaded before the --out checks")
 
-    monkeypatch.setattr(runner, "load_dataset", load_dataset)
+    monkeypatch.setattr(runner, "load_run_data", load_run_data)
     return loaded
 
 
