@@ -1,4 +1,4 @@
-"""CPU benchmark of the batched augmentation (``pfl_algorithms/data/augment.py``) against a per-sample loop.
+"""CPU benchmark of the batched augmentation (``pfl_algorithms/data/augment/``) against a per-sample loop.
 
 Two cases, on a batch of 256 CIFAR-shaped images (3x32x32, float32):
 

@@ -32,7 +32,7 @@ ROUNDS = 10
 def commands(out_dir: str) -> dict:
     pfl = [sys.executable, "-m", "pfl_algorithms", "run", "fedavg", "--dataset", "synthetic-cifar", "--model",
            "lenet5", "--scenario", "iid", "--clients", "20", "--samples-per-client", "250", "--set",
-           "samples=5000", "--set", "split=(1.0, 0.0, 0.0)", "--batch-size", "64", "--lr", "0.01", "--set",
+           "split=(1.0, 0.0, 0.0)", "--batch-size", "64", "--lr", "0.01", "--set",
            "momentum=0.0", "--local-epochs", "1", "--rounds", str(ROUNDS), "--eval-every", str(ROUNDS),
            "--checkpoint-every", str(ROUNDS), "--quiet", "--out", out_dir]
     plain = [sys.executable, str(ROOT / "benchmarks" / "plain_fedavg_loop.py"), "--rounds", str(ROUNDS)]

@@ -11,7 +11,8 @@ A method is a small class whose hooks say only what its paper says.
 The engine owns state, messages, accounting, executors and checkpoints.  An algorithm says:
 
 declarations
-  ``Settings``        its hyperparameters (a frozen dataclass; each field settable with --set)
+  ``Settings``        its hyperparameters: a frozen dataclass whose field types declare what
+                      each admits (``mu: NonNegativeFloat = 0.01``); each is a --set key
   ``capabilities``    what it needs and allows (:class:`Capabilities`)
   ``group_rules``     parameter groups beyond the model's ``body`` and ``head``
   ``local_groups``    the groups that never leave a client
@@ -43,9 +44,12 @@ from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import Message, Sparse
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
+from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
+                           check_options, field_hints)
 
-__all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClientView", "Evaluation", "GroupRule",
-           "Message", "NoSettings", "Phase", "Sparse", "StateSpec", "Uploads", "algorithm_class"]
+__all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClientView", "Evaluation", "Fraction",
+           "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
+           "PositiveFloat", "PositiveInt", "Range", "Sparse", "StateSpec", "Uploads", "algorithm_class"]
 
 ALGORITHMS: dict[str, type] = {}
 
@@ -74,13 +78,15 @@ class Capabilities:
 
 
 def make_settings(cls, name: str, values: dict):
-    """``cls(**values)``, with unknown names reported together with the valid ones."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
+    """``cls(**values)``, with unknown names reported together with the valid ones and every
+    value checked against its field's declared type and range (``option_types``: a field
+    ``mu: NonNegativeFloat = 0.01`` admits finite numbers >= 0), a ValueError naming it."""
+    hints = field_hints(cls)
+    unknown = sorted(set(values) - set(hints))
     if unknown:
         raise ValueError(f"{name} has no setting {', '.join(map(repr, unknown))}; "
-                         f"valid: {', '.join(sorted(fields)) or 'none'}")
-    return cls(**values)
+                         f"valid: {', '.join(sorted(hints)) or 'none'}")
+    return cls(**check_options(name, values, hints))
 
 
 class Algorithm:

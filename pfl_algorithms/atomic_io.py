@@ -4,16 +4,31 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
+# Mode asked for when a file is created; the kernel removes the user's umask from it (0644
+# under umask 022), as for a file any other tool writes.  tempfile.mkstemp would give 0600.
+_NEW_FILE_MODE = 0o666
+
+
+def _create_temporary(folder: Path, name: str) -> tuple[int, str]:
+    """(fd, path) of a new, empty, hidden file ``.<name>.<random>.tmp`` in ``folder``."""
+    while True:
+        tmp = str(folder / f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _NEW_FILE_MODE), tmp
+        except FileExistsError:  # another writer drew the same name: draw again
+            continue
+
 
 def atomic_write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and an atomic rename."""
+    """Write ``data`` to ``path`` through a temporary file and an atomic rename (the file's
+    mode follows the umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = _create_temporary(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

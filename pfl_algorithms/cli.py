@@ -3,7 +3,7 @@
     pfl run <algorithm> [--config file.toml] [--scenario S] [--dataset D] [--model M]
                         [--clients N] [--rounds R] [--local-epochs E] [--batch-size B] [--lr LR]
                         [--samples-per-client N] [--seed S] [--device cpu|cuda] [--out DIR]
-                        [--resume] [--set key=value ...]
+                        [--resume | --overwrite] [--set key=value ...]     (`pfl run --help`: every flag)
     pfl list                      algorithms, scenarios, datasets and models, one line each
     pfl compare DIR...            a table over finished runs: mean ± std over seeds, communication
     pfl demo [--out DIR] [--rounds R] [--seeds N]
@@ -13,45 +13,140 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from .config import RunConfig, apply_sets, check, config_from, load_config_file
 
-# command-line flag -> RunConfig field
+
+def _flag_bool(text: str) -> bool:
+    """A --keep-head-local value: true or false (argparse reports anything else)."""
+    words = {"true": True, "false": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return words[text.lower()]
+
+
+def _positive_int(text: str) -> int:
+    """A count on the command line: an integer >= 1 (argparse reports anything else)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+# command-line flag -> (type, help); each sets the RunConfig field of its name.  The help
+# ends with the field's default (``_default_text``), so `pfl run --help` shows RunConfig's.
 FLAGS = {
-    "scenario": str, "dataset": str, "model": str, "clients": int, "rounds": int, "local_epochs": int,
-    "local_steps": int, "batch_size": int, "lr": float, "samples_per_client": int, "seed": int, "device": str,
-    "sample": float, "eval_every": int, "workers": int, "checkpoint_every": int, "optimizer": str, "data_root": str,
-    "augment": str,
+    "scenario": (str, "how the data is dealt to clients"),
+    "dataset": (str, "the dataset"),
+    "model": (str, "the model"),
+    "clients": (int, "number of clients K"),
+    "rounds": (int, "communication rounds"),
+    "local_epochs": (int, "local epochs per round (>= 1)"),
+    "local_steps": (int, "local steps per round instead of epochs"),
+    "batch_size": (int, "local batch size"),
+    "optimizer": (str, "local optimizer: sgd, adam or adamw"),
+    "lr": (float, "local learning rate"),
+    "momentum": (float, "SGD momentum"),
+    "weight_decay": (float, "weight decay"),
+    "optimizer_state": (str, "reset: fresh optimizer state each round; keep: each client keeps its own"),
+    "sample": (float, "the fraction of clients drawn each round, in (0, 1] (1: all)"),
+    "clients_per_round": (int, "the number of clients drawn each round, instead of --sample"),
+    "samples_per_client": (int, "samples each client holds (synthetic data is generated to match; "
+                                "on real data a cap)"),
+    "seed": (int, "seed of the partition, the initialization and every draw"),
+    "device": (str, "cpu or cuda[:N]"),
+    "eval_every": (int, "evaluate every N rounds (and after the last)"),
+    "executor": (str, "where client tasks run: threaded or sequential (results do not depend on it)"),
+    "workers": (int, "tasks at once for the threaded executor, each on one thread (results do not depend on it)"),
+    "checkpoint_every": (int, "write checkpoint.pt every N rounds (and after the last)"),
+    "data_root": (str, "where dataset files are read"),
+    "augment": (str, "training-batch augmentation, e.g. crop,flip (`pfl list`)"),
+    "keep_head_local": (_flag_bool, "true: the classifier head never leaves a client"),
 }
-DEMO_ALGORITHMS = ("local", "fedavg", "fedprox", "fedper", "fedavg-ft")
+# What a default of None means, for the help of the flags whose RunConfig default is None.
+_NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "samples_per_client": "all of a client's share",
+               "workers": "one per CPU core", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
+               "keep_head_local": "true in the permuted and multi-domain scenarios, else false"}
+_METAVARS = {int: "N", float: "X", str: "NAME", _flag_bool: "true|false", "data_root": "DIR", "augment": "SPEC",
+             "device": "DEVICE"}
+
+
+def _default_text(flag: str) -> str:
+    value = getattr(RunConfig, flag)
+    return _NONE_MEANS[flag] if value is None else str(value)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors on one line like every other error of ``pfl``."""
+
+    def error(self, message: str):
+        self.exit(2, f"pfl: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _algorithm_names(text: str) -> tuple[str, ...]:
+    """``--algorithms``: registered algorithm names, comma-separated."""
+    from .algorithms import ALGORITHMS
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {unknown or [text]}; valid: {', '.join(ALGORITHMS)}")
+    return names
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pfl", description="Simulate personalized federated learning papers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from .algorithms import ALGORITHMS
+    from .data import DATASETS, SCENARIOS
+    from .models import MODELS
 
-    run = sub.add_parser("run", help="run one algorithm")
-    run.add_argument("algorithm")
-    run.add_argument("--config", help="a TOML file (or a run's config.json) with RunConfig fields")
-    for flag, kind in FLAGS.items():
-        run.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None)
-    run.add_argument("--out", help="the run directory (default runs/<algorithm>-<scenario>-<dataset>-seed<S>)")
-    run.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser = _Parser(prog="pfl", description="Simulate personalized federated learning papers.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    algorithms = "\n".join(f"  {name:<10}  {cls.description}" for name, cls in ALGORITHMS.items())
+    run = sub.add_parser("run", help="run one algorithm", formatter_class=argparse.RawDescriptionHelpFormatter,
+                         description="Run one algorithm; settings come from the defaults, then --config, then "
+                                     "the flags, then --set.",
+                         epilog=f"algorithms:\n{algorithms}\n\n`pfl list` names the scenarios, datasets, models "
+                                "and augmentations; --set reaches their options.")
+    run.add_argument("algorithm", help=f"one of: {', '.join(ALGORITHMS)}")
+    run.add_argument("--config", metavar="FILE",
+                     help="a TOML file (or a run's config.json) with RunConfig fields (default: none)")
+    names = {"scenario": SCENARIOS, "dataset": DATASETS, "model": MODELS}
+    for flag, (kind, text) in FLAGS.items():
+        if flag in names:
+            text = f"{text}: {', '.join(names[flag])}"
+        run.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None,
+                         metavar=_METAVARS.get(flag, _METAVARS.get(kind, "VALUE")),
+                         help=f"{text} (default: {_default_text(flag)})")
+    run.add_argument("--out", metavar="DIR",
+                     help="the run directory (default: runs/<algorithm>-<scenario>-<dataset>-seed<S>)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --out from its checkpoint (default: off)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the run in --out, never a directory that is not a pfl run (default: off)")
     run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                     help="any setting of the algorithm, scenario, dataset or model (repeatable)")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+                     help="any setting of the algorithm, scenario, dataset or model, e.g. mu=0.01 or "
+                          "scenario.alpha=0.3; repeatable (default: none)")
+    run.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
 
     sub.add_parser("list", help="list algorithms, scenarios, datasets and models")
 
     compare = sub.add_parser("compare", help="compare finished runs")
-    compare.add_argument("dirs", nargs="+")
+    compare.add_argument("dirs", nargs="+", metavar="DIR", help="run directories, or folders of them")
 
-    demo = sub.add_parser("demo", help="the CPU demo: every algorithm on permuted digits, then the table")
-    demo.add_argument("--out", default="runs/demo")
-    demo.add_argument("--rounds", type=int, default=10)
-    demo.add_argument("--seeds", type=int, default=1)
-    demo.add_argument("--quiet", action="store_true")
+    demo = sub.add_parser("demo", help="the CPU demo: every algorithm on permuted digits, then the table",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--out", default="runs/demo", help="folder of the demo's runs")
+    demo.add_argument("--rounds", type=int, default=10, help="communication rounds")
+    demo.add_argument("--seeds", type=_positive_int, default=1, help="seeds per algorithm")
+    demo.add_argument("--algorithms", type=_algorithm_names, default=None, metavar="A,B,...",
+                      help="the algorithms to run (default: every one, as `pfl list` names them)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -63,15 +158,17 @@ def config_from_args(args) -> RunConfig:
     for flag in FLAGS:
         value = getattr(args, flag)
         if value is not None:
-            setattr(config, flag, int(value) if flag == "sample" and float(value).is_integer() and value > 1 else value)
+            setattr(config, flag, value)
     apply_sets(config, args.sets)
     return check(config)
 
 
 def _cmd_run(args) -> int:
+    from .engine.rundir import RunDirectory
     from .runner import default_run_name, run
 
-    if args.resume and args.out and (Path(args.out) / "config.json").exists() and not args.config:
+    if args.resume and args.out and not args.config and RunDirectory(args.out).is_run() \
+            and (Path(args.out) / "config.json").exists():
         # Resume with the saved settings unless others are given explicitly.
         saved = load_config_file(Path(args.out) / "config.json")
         if saved.get("algorithm") != args.algorithm:
@@ -79,7 +176,7 @@ def _cmd_run(args) -> int:
         args.config = str(Path(args.out) / "config.json")
     config = config_from_args(args)
     out = Path(args.out) if args.out else Path("runs") / default_run_name(config)
-    summary = run(config, out, resume=args.resume, progress=not args.quiet)
+    summary = run(config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
     acc = summary["final_mean_accuracy"]
     print(f"{config.algorithm}: final mean accuracy {'-' if acc is None else f'{100 * acc:.2f}%'}, "
           f"communication {summary['comm_gb']['up'] + summary['comm_gb']['down']:.4f} Gb; run directory {out}")
@@ -113,21 +210,26 @@ def _cmd_compare(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    from .algorithms import ALGORITHMS
     from .compare import comparison_rows, find_summaries, format_table
+    from .engine.rundir import RunDirectory
     from .runner import run
 
     out = Path(args.out)
     dirs = []
     for seed in range(args.seeds):
-        for algorithm in DEMO_ALGORITHMS:
+        for algorithm in args.algorithms or ALGORITHMS:
             config = check(RunConfig(algorithm=algorithm, dataset="digits", scenario="permuted-iid",
                                      model="digits-cnn", clients=20, rounds=args.rounds, seed=seed,
                                      local_epochs=2, batch_size=16, lr=0.05))
             run_dir = out / f"{algorithm}-seed{seed}"
-            if (run_dir / "summary.json").exists():
+            previous = RunDirectory(run_dir)
+            if previous.is_run() and previous.summary.exists():
+                _check_same_settings(previous, config)
                 print(f"{run_dir}: finished earlier, kept")
             else:
-                run(config, run_dir, resume=(run_dir / "checkpoint.pt").exists(), progress=not args.quiet)
+                # A run left by a killed demo resumes (from round 0 when it has no checkpoint).
+                run(config, run_dir, resume=previous.is_run(), progress=not args.quiet)
             dirs.append(str(run_dir))
     print()
     print(format_table(comparison_rows(find_summaries(dirs))))
@@ -135,14 +237,49 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _check_same_settings(rundir, config: RunConfig) -> None:
+    """Refuse to keep a finished demo run made with other settings (e.g. another --rounds)."""
+    import json
+
+    from .runner import json_value, setting_differences
+
+    differences = setting_differences(json_value(config.as_dict()), json.loads(rundir.config.read_text()),
+                                      ("now", "then"))
+    if differences:
+        raise ValueError(f"{rundir.root} holds a finished run with other settings: {', '.join(differences)}; "
+                         f"choose another --out")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings of a command (a cap larger than a client's share, a repeated run) as one line."""
+    print(f"pfl: warning: {_one_line(message)}", file=sys.stderr if file is None else file)
+
+
 def main(argv=None) -> int:
-    """Entry point of the ``pfl`` console script."""
-    args = _parser().parse_args(argv)
+    """Entry point of the ``pfl`` console script.
+
+    A user's mistake (a bad value, a missing or malformed file) is one line ``pfl: error:
+    ...`` on stderr and exit status 2.  User input is checked where it enters (config types
+    in ``config.check``, files in ``load_config_file`` and ``compare.read_summary``), so the
+    errors caught here are ValueError (TOML and JSON decode errors are ValueErrors),
+    FileNotFoundError and ImportError (a missing optional package); a TypeError or KeyError
+    still shows its traceback, as the bug in pfl it then is.
+    """
     try:
-        return {"run": _cmd_run, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo}[args.command](args)
-    except (ValueError, FileNotFoundError, ImportError) as exc:
-        print(f"pfl: error: {exc}", file=sys.stderr)
-        return 2
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # --help (0), or a usage error already printed on one line (2)
+        return exit_.code
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return {"run": _cmd_run, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo}[args.command](args)
+        except (ValueError, FileNotFoundError, ImportError) as exc:
+            print(f"pfl: error: {_one_line(exc)}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

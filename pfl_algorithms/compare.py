@@ -1,10 +1,37 @@
-"""``pfl compare``: a table like the papers' over run directories, mean ± std over seeds."""
+"""``pfl compare``: a table like the papers' over run directories, mean ± std over seeds.
+
+A row pools the runs of one experiment: runs whose resolved configs (``summary.json``'s
+``config``, option tables completed with their defaults) agree in everything but the fields
+of ``config.NOT_IN_IDENTITY`` (the seed, and what cannot change the numbers).  Where several
+rows share algorithm, scenario, dataset and model, a ``settings`` column names what tells
+them apart (``lr=0.1, rounds=5``).  A run directory is counted once however often it is
+reached (given twice, or as ``runs/`` and ``runs/a``), and a second run of the same
+experiment with the same seed is left out with a warning.
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
+
+from .algorithms import ALGORITHMS
+from .config import NOT_IN_IDENTITY, RunConfig
+from .data import DATASETS, SCENARIOS
+from .models import MODELS
+
+NAMES = ("algorithm", "scenario", "dataset", "model")
+# Keys every summary.json has (``pfl compare`` refuses a file without one, naming it).
+_NUMBER_OR_NULL = ("final_mean_accuracy", "best_mean_accuracy")
+_NUMBER = ("comm_gb.up", "comm_gb.down", "train_wall_s_total")
+_TABLE_PREFIX = {"algorithm_settings": "algorithm", "scenario_options": "scenario", "dataset_options": "dataset",
+                 "model_options": "model"}
+
+
+class DuplicateSeedWarning(UserWarning):
+    """Two run directories hold the same experiment with the same seed."""
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -14,52 +41,170 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def find_summaries(paths: list[str]) -> list[dict]:
-    """The summary.json of each run directory in ``paths`` (a folder of runs is searched too)."""
-    summaries = []
+    """The summary.json of each run directory in ``paths`` (a folder of runs is searched one
+    level down), each directory once (by resolved path), with ``_path`` set to it.
+
+    Raises:
+        ValueError: a path with no finished run, or a summary that is not valid JSON or lacks
+            a key (the message names the file and the key).
+    """
+    summaries, seen = [], set()
     for path in map(Path, paths):
-        files = [path / "summary.json"] if (path / "summary.json").exists() else sorted(path.glob("*/summary.json"))
+        files = [path / "summary.json"] if (path / "summary.json").is_file() else sorted(path.glob("*/summary.json"))
         if not files:
             raise ValueError(f"{path} holds no finished run (no summary.json there or one level below)")
-        for f in files:
-            summary = json.loads(f.read_text())
-            summary["_path"] = str(f.parent)
+        for file in files:
+            where = file.parent.resolve()
+            if where in seen:
+                continue
+            seen.add(where)
+            summary = read_summary(file)
+            summary["_path"] = str(file.parent)
             summaries.append(summary)
     return summaries
 
 
+def read_summary(file: Path) -> dict:
+    """A run's summary.json after checking it has every key ``pfl compare`` reads."""
+    try:
+        summary = json.loads(Path(file).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{file}: not a readable summary.json ({error})") from error
+    if not isinstance(summary, dict):
+        raise ValueError(f"{file}: a summary must be a JSON object, not {type(summary).__name__}")
+    for key in _NUMBER_OR_NULL + _NUMBER:
+        value = _lookup(file, summary, key)
+        if not (value is None and key in _NUMBER_OR_NULL) and (isinstance(value, bool)
+                                                                or not isinstance(value, (int, float))):
+            raise ValueError(f"{file}: key {key!r} must be a number{' or null' if key in _NUMBER_OR_NULL else ''}, "
+                             f"got {value!r}")
+    config = _lookup(file, summary, "config")
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: key 'config' must be the run's resolved config (an object), got {config!r}")
+    for key in (*NAMES, "seed"):
+        _lookup(file, summary, f"config.{key}")
+    return summary
+
+
+def _lookup(file, summary: dict, dotted: str):
+    value = summary
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"{file}: no key {dotted!r} (is it a summary.json written by `pfl run`?)")
+        value = value[part]
+    return value
+
+
+def experiment(config: dict) -> dict:
+    """The identity of a run's experiment: its resolved config without ``NOT_IN_IDENTITY``,
+    with the option tables completed by their declared defaults (an option left at its
+    default and one set to the same value are the same experiment) and ``keep_head_local``
+    resolved, as JSON values."""
+    identity = {k: v for k, v in config.items() if k not in NOT_IN_IDENTITY}
+    for table, prefix in _TABLE_PREFIX.items():
+        identity[table] = {**_option_defaults(prefix, config.get(prefix)), **dict(identity.get(table) or {})}
+    identity["keep_head_local"] = RunConfig(scenario=config.get("scenario"),
+                                            keep_head_local=config.get("keep_head_local")).head_local()
+    return json.loads(json.dumps(identity, sort_keys=True))
+
+
+def _option_defaults(prefix: str, owner) -> dict:
+    """The declared defaults of ``owner``'s options (none for a name this version lacks)."""
+    registry = {"algorithm": ALGORITHMS, "scenario": SCENARIOS, "dataset": DATASETS, "model": MODELS}[prefix]
+    if not isinstance(owner, str) or owner not in registry:
+        return {}
+    if prefix == "algorithm":
+        return {f.name: f.default for f in dataclasses.fields(registry[owner].Settings)
+                if f.default is not dataclasses.MISSING}
+    defaults = dict(registry[owner].defaults)
+    defaults.pop("samples_per_client", None)  # a RunConfig field, not a scenario option
+    return defaults
+
+
+def _flat(identity: dict) -> dict:
+    """``{"lr": 0.1, "scenario.alpha": 0.3, ...}``: the identity's settings by display name."""
+    flat = {}
+    for key, value in identity.items():
+        if key in _TABLE_PREFIX:
+            flat.update({f"{_TABLE_PREFIX[key]}.{name}": v for name, v in value.items()})
+        elif key not in NAMES:
+            flat[key] = value
+    return flat
+
+
 def comparison_rows(summaries: list[dict]) -> list[dict]:
-    """One row per (algorithm, scenario, dataset, model): accuracy mean ± std over seeds, Gb;
-    in the fda scenario also the target client's best accuracy over rounds (FedDAF's metric)."""
-    groups = defaultdict(list)
+    """One row per experiment (see the module docstring): accuracy mean ± std over seeds, Gb;
+    in the fda scenario also the target client's best accuracy over rounds (FedDAF's metric).
+    ``settings`` holds what tells a row apart from rows of the same algorithm, scenario,
+    dataset and model (empty when no other row shares them)."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    identities = {}
     for s in summaries:
-        groups[(s["algorithm"], s["scenario"], s["dataset"], s["model"])].append(s)
+        identity = experiment(s["config"])
+        key = json.dumps(identity, sort_keys=True)
+        identities[key] = identity
+        twin = next((r for r in groups[key] if r["config"]["seed"] == s["config"]["seed"]), None)
+        if twin is not None:
+            warnings.warn(f"{s['_path']} repeats the run {twin['_path']} (same settings, seed "
+                          f"{s['config']['seed']}); it is counted once", DuplicateSeedWarning, stacklevel=2)
+            continue
+        groups[key].append(s)
+    settings = _distinguishing_settings(identities)
     rows = []
-    for (algorithm, scenario, dataset, model), runs in sorted(groups.items()):
+    for key, runs in groups.items():
+        identity = identities[key]
         final = [100 * r["final_mean_accuracy"] for r in runs if r["final_mean_accuracy"] is not None]
         best = [100 * r["best_mean_accuracy"] for r in runs if r["best_mean_accuracy"] is not None]
-        comm = [r["comm_gb"]["up"] + r["comm_gb"]["down"] for r in runs]
+        target = [100 * r["target_best_accuracy"] for r in runs if r.get("target_best_accuracy") is not None]
         rows.append({
-            "algorithm": algorithm, "scenario": scenario, "dataset": dataset, "model": model,
-            "seeds": sorted(r["seed"] for r in runs),
+            **{name: identity[name] for name in NAMES},
+            "settings": settings[key],
+            "seeds": sorted(r["config"]["seed"] for r in runs),
+            "runs": [r["_path"] for r in runs],
             "final_accuracy": _mean_std(final) if final else None,
             "best_accuracy": _mean_std(best) if best else None,
-            "target_best_accuracy": _mean_std(target) if (target := [
-                100 * r["target_best_accuracy"] for r in runs if r.get("target_best_accuracy") is not None]) else None,
-            "comm_gb": _mean_std(comm),
+            "target_best_accuracy": _mean_std(target) if target else None,
+            "comm_gb": _mean_std([r["comm_gb"]["up"] + r["comm_gb"]["down"] for r in runs]),
             "wall_s": _mean_std([r["train_wall_s_total"] for r in runs]),
         })
+    rows.sort(key=lambda r: (*(str(r[n]) for n in NAMES), format_settings(r["settings"])))
     return rows
 
 
+def _distinguishing_settings(identities: dict) -> dict:
+    """For each experiment, the settings whose values differ among the experiments that
+    share its algorithm, scenario, dataset and model ({} when it is alone)."""
+    by_names = defaultdict(list)
+    for key, identity in identities.items():
+        by_names[tuple(json.dumps(identity[n]) for n in NAMES)].append(key)
+    result = {}
+    for keys in by_names.values():
+        flats = {key: _flat(identities[key]) for key in keys}
+        names = sorted({name for flat in flats.values() for name in flat})
+        differing = [n for n in names if len({json.dumps(f.get(n, "-"), sort_keys=True) for f in flats.values()}) > 1]
+        for key in keys:
+            result[key] = {n: flats[key].get(n, "-") for n in differing}
+    return result
+
+
+def format_settings(settings: dict) -> str:
+    """``{"lr": 0.1, "rounds": 5}`` as ``"lr=0.1, rounds=5"``."""
+    return ", ".join(f"{name}={json.dumps(value) if isinstance(value, (dict, str)) else value}"
+                     for name, value in settings.items())
+
+
 def format_table(rows: list[dict]) -> str:
-    """The rows as an aligned text table."""
+    """The rows as an aligned text table (a ``settings`` column where rows need one)."""
     def pm(pair, digits=2):
         return "-" if pair is None else f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
     with_target = any(r.get("target_best_accuracy") is not None for r in rows)
-    header = ["algorithm", "scenario", "dataset", "model", "seeds", "final acc (%)", "best acc (%)",
-              *(["target best (%)"] if with_target else []), "comm (Gb)", "train time (s)"]
-    body = [[r["algorithm"], r["scenario"], r["dataset"], r["model"], str(len(r["seeds"])),
+    with_settings = any(r.get("settings") for r in rows)
+    header = ["algorithm", "scenario", "dataset", "model", *(["settings"] if with_settings else []), "seeds",
+              "final acc (%)", "best acc (%)", *(["target best (%)"] if with_target else []), "comm (Gb)",
+              "train time (s)"]
+    body = [[r["algorithm"], r["scenario"], r["dataset"], r["model"],
+             *([format_settings(r.get("settings") or {}) or "-"] if with_settings else []), str(len(r["seeds"])),
              pm(r["final_accuracy"]), pm(r["best_accuracy"]),
              *([pm(r.get("target_best_accuracy"))] if with_target else []), pm(r["comm_gb"], 4), pm(r["wall_s"], 1)]
             for r in rows]

@@ -1,6 +1,8 @@
 """The settings of a run, from defaults, a TOML file and the command line, resolved and checked.
 
-Precedence: defaults < config file < command-line flags < ``--set key=value``.  A ``--set``
+Precedence: defaults < config file < command-line flags < ``--set key=value``.  Wherever a
+value comes from, ``check`` accepts it only if it has the type and range its setting declares
+(see ``option_types``), and otherwise names the key in a one-line ValueError.  A ``--set``
 key is routed to whichever of the algorithm, the scenario, the dataset or the model has a
 setting of that name (a name two of them share must be qualified, e.g.
 ``--set scenario.alpha=0.1``); an unknown key is an error listing the valid ones.
@@ -19,11 +21,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from .algorithms import ALGORITHMS
 from .data import DATASETS, SCENARIOS
+from .engine.executors import EXECUTORS
+from .engine.optim import OPTIMIZERS
 from .models import MODELS
+from .option_types import (NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range, check_options,
+                           check_value, field_hints, keyword_hints)
 
 # Scenarios where the classifier never leaves the client by default (the papers do so for
 # fairness: a shared head cannot serve permuted label ids or different domains).
@@ -33,31 +39,37 @@ OPTION_TABLES = ("algorithm_settings", "scenario_options", "dataset_options", "m
 
 @dataclass
 class RunConfig:
-    """Everything that defines a run (saved resolved as ``config.json`` in the run directory)."""
+    """Everything that defines a run (saved resolved as ``config.json`` in the run directory).
+
+    Each field's type hint is its declaration: ``check`` accepts only values of that type
+    and range (see ``option_types``)."""
 
     algorithm: str = "fedavg"
     dataset: str = "digits"
     scenario: str = "permuted-iid"
     model: str = "digits-cnn"
-    clients: int = 20
-    rounds: int = 10
-    local_epochs: int = 1
-    local_steps: Optional[int] = None
-    batch_size: int = 32
-    optimizer: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    optimizer_state: str = "reset"
-    sample: Union[float, int] = 1.0
-    eval_every: int = 1
-    checkpoint_every: int = 1
-    seed: int = 0
+    clients: PositiveInt = 20
+    rounds: NonNegativeInt = 10
+    local_epochs: PositiveInt = 1  # 0 would train nothing yet still count the round's communication
+    local_steps: Optional[PositiveInt] = None
+    batch_size: PositiveInt = 32
+    optimizer: Annotated[str, OneOf(tuple(OPTIMIZERS))] = "sgd"
+    lr: PositiveFloat = 0.05
+    momentum: NonNegativeFloat = 0.9
+    weight_decay: NonNegativeFloat = 0.0
+    optimizer_state: Annotated[str, OneOf(("reset", "keep"))] = "reset"
+    # The clients of a round: a fraction of all (1 and 1.0 alike mean all), or a count.
+    sample: Annotated[float, Range(gt=0, le=1)] = 1.0
+    clients_per_round: Optional[PositiveInt] = None  # a count; None: use sample
+    eval_every: PositiveInt = 1
+    checkpoint_every: PositiveInt = 1
+    seed: NonNegativeInt = 0
     device: str = "cpu"
-    workers: Optional[int] = None  # clients trained at once on CPU (None: one per core)
+    executor: Annotated[str, OneOf(tuple(EXECUTORS))] = "threaded"  # where client tasks run
+    workers: Optional[PositiveInt] = None  # tasks at once for the threaded executor (None: one per core)
     data_root: Optional[str] = None  # None: $PFL_DATA_ROOT, else ./data
     augment: Optional[str] = None  # training-batch augmentation, e.g. "crop,flip" (see `pfl list`)
-    samples_per_client: Optional[int] = None
+    samples_per_client: Optional[PositiveInt] = None
     keep_head_local: Optional[bool] = None  # None: True in HEAD_LOCAL_SCENARIOS
     algorithm_settings: dict = field(default_factory=dict)
     scenario_options: dict = field(default_factory=dict)
@@ -71,29 +83,43 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _valid(kind: str, name: str, registry: dict) -> None:
-    if name not in registry:
+def _valid(kind: str, name, registry: dict) -> None:
+    if not isinstance(name, str) or name not in registry:
         raise ValueError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
 
 
-def _settings_fields(algorithm: str) -> dict:
-    cls = ALGORITHMS[algorithm].Settings
-    return {f.name: f.default for f in dataclasses.fields(cls)}
+def option_hints(table: str, owner: str) -> dict:
+    """The declared type of every option of ``owner`` (an algorithm, scenario, dataset or
+    model name, after ``_valid``), by ``table`` prefix."""
+    if table == "algorithm":
+        return field_hints(ALGORITHMS[owner].Settings)
+    if table == "scenario":
+        return SCENARIOS[owner].hints
+    if table == "dataset":
+        return keyword_hints(DATASETS[owner].loader)
+    return keyword_hints(MODELS[owner].builder)
+
+
+# TOML-like words a --set value may use besides Python literals: nan and inf are numbers
+# here so that ``--set alpha=nan`` is refused as a number out of range, not as a word.
+_WORDS = {"true": True, "false": False, "none": None, "null": None, "nan": float("nan"), "inf": float("inf"),
+          "+inf": float("inf"), "-inf": float("-inf")}
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set`` value: a Python/TOML-like literal (numbers, true/false, lists), else the string."""
-    lowered = {"true": True, "false": False, "none": None, "null": None}
-    if text.lower() in lowered:
-        return lowered[text.lower()]
+    """A ``--set`` value: a Python/TOML-like literal (numbers, true/false, none, nan, inf,
+    lists), else the string itself."""
+    if text.lower() in _WORDS:
+        return _WORDS[text.lower()]
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return text
 
 
 def apply_sets(config: RunConfig, assignments: list[str]) -> None:
-    """Route ``key=value`` assignments (``--set``) to the right table of ``config``."""
+    """Route ``key=value`` assignments (``--set``) to the right table of ``config``
+    (``check`` then validates the values)."""
     for assignment in assignments:
         if "=" not in assignment:
             raise ValueError(f"--set expects key=value, got {assignment!r}")
@@ -129,7 +155,7 @@ def _owners(config: RunConfig) -> dict:
     _valid("dataset", config.dataset, DATASETS)
     _valid("model", config.model, MODELS)
     return {
-        "algorithm": ("algorithm_settings", set(_settings_fields(config.algorithm)), config.algorithm),
+        "algorithm": ("algorithm_settings", set(option_hints("algorithm", config.algorithm)), config.algorithm),
         "scenario": ("scenario_options", set(SCENARIOS[config.scenario].defaults) - {"samples_per_client"},
                      config.scenario),
         "dataset": ("dataset_options", set(DATASETS[config.dataset].defaults), config.dataset),
@@ -138,54 +164,75 @@ def _owners(config: RunConfig) -> dict:
 
 
 def load_config_file(path: Union[str, Path]) -> dict:
-    """The tables of a TOML config file (``.toml``) or a resolved ``config.json``."""
+    """The tables of a TOML config file (``.toml``) or a resolved ``config.json``.
+
+    Raises:
+        ValueError: naming the file, when it is missing, unreadable or not valid TOML/JSON.
+    """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    import tomllib
+        raise ValueError(f"config file {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
+    try:
+        if path.suffix == ".json":
+            values = json.loads(path.read_text())
+        else:
+            import tomllib
 
-    with path.open("rb") as f:
-        return tomllib.load(f)
+            with path.open("rb") as f:
+                values = tomllib.load(f)
+    except OSError as error:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {error.strerror or error}") from error
+    except ValueError as error:  # TOMLDecodeError, JSONDecodeError and UnicodeDecodeError are ValueErrors
+        kind = "JSON" if path.suffix == ".json" else "TOML"
+        raise ValueError(f"config file {str(path)!r} is not valid {kind}: {error}") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a table of settings, not a {type(values).__name__}")
+    return values
 
 
 def config_from(values: dict) -> RunConfig:
-    """A RunConfig from a dict of its fields (unknown keys raise, listing the valid ones)."""
+    """A RunConfig from a dict of its fields (unknown keys raise, listing the valid ones;
+    ``check`` validates the values)."""
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ValueError(f"unknown config keys {unknown}; valid: {', '.join(sorted(fields))}")
-    config = RunConfig(**{k: (dict(v) if k in OPTION_TABLES else v) for k, v in values.items()})
-    return config
+    tables = {}
+    for table in OPTION_TABLES:
+        if table in values:
+            tables[table] = dict(check_value(table, values[table], dict))
+    return RunConfig(**{**values, **tables})
+
+
+# Fields whose values do not change a run's numbers, so runs that differ only in them are
+# the same experiment (``pfl compare`` pools them): where the data files are read from; where
+# and how many client tasks run at once (each runs on one intra-op thread, so every executor
+# and worker count gives bitwise the same run, see engine.executors); how often a checkpoint
+# is written (a resumed run is bitwise the same).  ``seed`` is left out too, since the seeds
+# are what an experiment is repeated over.
+NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "checkpoint_every")
 
 
 def check(config: RunConfig) -> RunConfig:
-    """Validate names, option names and conflicting settings; returns ``config``."""
+    """Validate every field and option against its declared type and range (the message
+    names the key), the names against their registries, and conflicting settings; values are
+    normalized in place (an int given for a float becomes a float).  Returns ``config``."""
+    for name, hint in field_hints(RunConfig).items():
+        setattr(config, name, check_value(name, getattr(config, name), hint))
     owners = _owners(config)
     for table, (attr, names, owner) in owners.items():
-        unknown = sorted(set(getattr(config, attr)) - names)
+        options = getattr(config, attr)
+        unknown = sorted(set(options) - names)
         if unknown:
             raise ValueError(f"{table} {owner!r} has no setting {unknown}; valid: {', '.join(sorted(names)) or 'none'}")
-    for name in ("clients", "batch_size", "eval_every", "checkpoint_every"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if isinstance(config.rounds, bool) or not isinstance(config.rounds, int) or config.rounds < 0:
-        raise ValueError(f"rounds must be an integer >= 0, got {config.rounds!r}")
+        setattr(config, attr, check_options(table, options, option_hints(table, owner)))
     if config.local_steps is not None and config.local_epochs != RunConfig.local_epochs:
         raise ValueError("local_steps and local_epochs conflict: give one of them "
                          f"(local_steps={config.local_steps}, local_epochs={config.local_epochs})")
-    if isinstance(config.sample, int) and not isinstance(config.sample, bool) and config.sample > config.clients:
-        raise ValueError(f"sample={config.sample} clients per round but only clients={config.clients}")
-    if config.algorithm == "fedper" and config.keep_head_local is False:
-        raise ValueError("fedper keeps the head local by definition: keep_head_local=False conflicts with it")
-    architectures = config.scenario_options.get("architectures")
-    if architectures is not None:
-        from .models.heterogeneous import parse_architecture
-
-        for entry in [architectures] if isinstance(architectures, str) else list(architectures):
-            parse_architecture(entry)
+    if config.clients_per_round is not None and config.clients_per_round > config.clients:
+        raise ValueError(f"clients_per_round={config.clients_per_round} but only clients={config.clients}")
+    ALGORITHMS[config.algorithm].check_config(config)
+    _check_scenario_values(config)
     if config.augment is not None:
         from .data.augment import make_augmentation
 
@@ -198,3 +245,24 @@ def check(config: RunConfig) -> RunConfig:
     elif config.device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     return config
+
+
+def _check_scenario_values(config: RunConfig) -> None:
+    """What the scenario options' types cannot say: fractions that sum to 1, architecture
+    entries that parse and whose options are of their model's declared types."""
+    from .data.scenarios import check_split
+    from .models.heterogeneous import parse_architecture
+
+    for key in ("split", "target_split"):
+        if key in config.scenario_options:
+            check_split(config.scenario_options[key], f"scenario.{key}")
+    architectures = config.scenario_options.get("architectures")
+    if architectures is not None:
+        for entry in [architectures] if isinstance(architectures, str) else list(architectures):
+            name, options = parse_architecture(entry)
+            hints = option_hints("model", name)
+            unknown = sorted(set(options) - set(hints))
+            if unknown:
+                raise ValueError(f"architectures entry {entry!r}: model {name!r} has no option {unknown}; "
+                                 f"valid: {', '.join(sorted(hints)) or 'none'}")
+            check_options(f"architectures entry {entry!r}: {name}", options, hints)

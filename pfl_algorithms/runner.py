@@ -13,7 +13,7 @@ import torch
 
 from .algorithms import make_algorithm
 from .config import RunConfig, check
-from .data import load_dataset, make_partition
+from .data.run_data import load_run_data
 from .engine.federation import EngineSettings, Federation
 from .engine.rounds import federation_for, run_round
 from .engine.local import LocalSchedule
@@ -35,14 +35,12 @@ def _optimizer_settings(config: RunConfig) -> dict:
 def build(config: RunConfig):
     """(federation, algorithm, partition) for ``config`` (checked first)."""
     check(config)
-    dataset = load_dataset(config.dataset, root=config.data_root, seed=config.seed, **config.dataset_options)
-    options = dict(config.scenario_options)
-    if config.samples_per_client is not None:
-        options["samples_per_client"] = config.samples_per_client
-    partition = make_partition(config.scenario, dataset, config.clients, seed=config.seed, **options)
+    dataset, partition = load_run_data(config.dataset, config.scenario, config.clients, seed=config.seed,
+                                       root=config.data_root, dataset_options=config.dataset_options,
+                                       scenario_options=config.scenario_options,
+                                       samples_per_client=config.samples_per_client)
     dataset = partition.apply_transforms(dataset)  # feature-shifted domains, fda's noisy target
     algorithm = make_algorithm(config.algorithm, **config.algorithm_settings)
-    type(algorithm).check_config(config)
     torch.manual_seed(config.seed)  # the models' initialization; the same for every client of a cohort
     architectures = partition.architectures
     if architectures is not None:
@@ -56,10 +54,10 @@ def build(config: RunConfig):
         models = build_model(config.model, input_shape=dataset.input_shape, num_classes=partition.classes_seen,
                              **config.model_options)
     schedule = LocalSchedule(batch_size=config.batch_size, epochs=config.local_epochs, steps=config.local_steps)
-    sample, per_round = (1.0, config.sample) if isinstance(config.sample, int) else (config.sample, None)
-    settings = EngineSettings(rounds=config.rounds, sample=sample, clients_per_round=per_round, schedule=schedule,
-                              optimizer=config.optimizer, optimizer_settings=_optimizer_settings(config),
-                              eval_every=config.eval_every, seed=config.seed, optimizer_state=config.optimizer_state,
+    settings = EngineSettings(rounds=config.rounds, sample=config.sample, clients_per_round=config.clients_per_round,
+                              schedule=schedule, optimizer=config.optimizer,
+                              optimizer_settings=_optimizer_settings(config), eval_every=config.eval_every,
+                              seed=config.seed, optimizer_state=config.optimizer_state, executor=config.executor,
                               workers=config.workers)
     augment = None
     if config.augment is not None:
@@ -98,38 +96,59 @@ class Progress:
             self.stream.flush()
 
 
-def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = True,
+def run(config: RunConfig, out: Path, *, resume: bool = False, overwrite: bool = False, progress: bool = True,
         stop_after: Optional[int] = None, on_round: Optional[Callable[[dict], None]] = None) -> dict:
     """Run ``config`` into the run directory ``out``; returns the summary.
 
-    ``resume``: continue from ``out/checkpoint.pt`` (the config saved there is used; a
-    different one is an error).  ``stop_after``: stop after that many rounds of this call
-    (tests use it to simulate a kill).
+    ``out`` must be new, empty or one of our runs (see :class:`RunDirectory`); it is locked
+    for the whole run, and checked before any data loads.  ``resume``: continue from
+    ``out/checkpoint.pt``, which must belong to this directory's run and hold ``config``
+    (and the same settings as ``config.json``); a run that stopped before its first
+    checkpoint restarts from round 0, said on stderr.  ``overwrite``: replace the run in
+    ``out`` (never a directory that is not a run).  ``stop_after``: stop after that many
+    rounds of this call (tests use it to simulate a kill).
     """
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     rundir = RunDirectory(out)
-    if resume:
-        saved = json.loads(rundir.config.read_text()) if rundir.config.exists() else None
-        if saved is None:
-            raise ValueError(f"--resume: {rundir.config} does not exist")
-        if saved != json.loads(json.dumps(config.as_dict())):
-            changed = sorted(k for k in saved if saved[k] != json.loads(json.dumps(config.as_dict())).get(k))
-            raise ValueError(f"--resume: the settings differ from the saved run in {changed}; "
-                             f"resume with the same settings (or none: the saved config is used)")
-    elif rundir.metrics.exists() or rundir.checkpoint.exists():
-        raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-    fed, algorithm, partition = build(config)
-    rundir.create()
-    first = 0
-    history: list[dict] = []
-    if resume:
-        state = rundir.load_checkpoint()
-        fed.load_state_dict(state["federation"])
-        algorithm.load_state_dict(state["algorithm"])
-        first = fed.round
-        history = rundir.truncate_metrics(first)
-    else:
-        atomic_write_json(rundir.config, config.as_dict())
-        partition.save(rundir.partition)
+    with rundir.claimed():
+        identity = rundir.identity()
+        if resume and identity is None:
+            raise ValueError(f"--resume: {out} holds no run to resume")
+        if not resume and identity is not None and not overwrite:
+            raise ValueError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
+                             f"or choose another --out")
+        state = None
+        if resume and rundir.checkpoint.exists():
+            state = rundir.load_checkpoint()
+            _check_resumable(rundir, state, identity["run_id"], config)
+        elif resume:
+            print(f"pfl: {out} has no checkpoint (the run stopped before its first one): restarting it from round 0",
+                  file=sys.stderr, flush=True)
+        fed, algorithm, partition = build(config)
+        history: list[dict] = []
+        if state is not None:
+            try:
+                fed.load_state_dict(state["federation"])
+                algorithm.load_state_dict(state["algorithm"])
+            except (KeyError, TypeError, AttributeError, RuntimeError, ValueError) as error:
+                raise ValueError(f"--resume: {rundir.checkpoint} does not fit this run's model and algorithm "
+                                 f"({type(error).__name__}: {error})") from None
+            run_id = identity["run_id"]
+            history = rundir.resume_metrics(fed.round)
+        else:
+            if resume:
+                rundir.resume_metrics(0)  # a restart sets the lines of the stopped attempt aside
+            run_id = rundir.begin()
+            atomic_write_json(rundir.config, config.as_dict())
+            partition.save(rundir.partition)
+        return _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, progress=progress,
+                           stop_after=stop_after, on_round=on_round)
+
+
+def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, progress, stop_after, on_round):
+    """The rounds from ``fed.round`` on (metrics, checkpoints, progress), then the summary."""
+    first = fed.round
     bar = Progress(config.rounds, config.algorithm) if progress else None
     wall_start = time.perf_counter()
     for round_ in range(first, config.rounds):
@@ -145,8 +164,10 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = 
         if on_round is not None:
             on_round(record)
         if (round_ + 1) % config.checkpoint_every == 0 or round_ + 1 == config.rounds:
-            rundir.save_checkpoint({"federation": fed.state_dict(), "algorithm": algorithm.state_dict(),
-                                    "config": config.as_dict()})
+            # Plain values only (see engine/checkpoint.py); the run id and config let a
+            # resume refuse another run's checkpoint or a config.json edited since.
+            rundir.save_checkpoint({"run_id": run_id, "config": json_value(config.as_dict()),
+                                    "federation": fed.state_dict(), "algorithm": algorithm.state_dict()})
         if bar is not None:
             bar.update(round_ + 1, first, record.get("eval", {}).get("mean_accuracy"))
     if bar is not None:
@@ -158,6 +179,49 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, progress: bool = 
         summary["plots"] = write_plots(rundir, history)
         atomic_write_json(rundir.summary, summary)
     return summary
+
+
+def json_value(value):
+    """``value`` as it reads back from JSON (tuples become lists), for comparisons."""
+    return json.loads(json.dumps(value))
+
+
+def setting_differences(a: dict, b: dict, names: tuple[str, str], prefix: str = "") -> list[str]:
+    """The (dotted) keys whose values differ between two resolved configs, each with both
+    values labelled by ``names``: ``lr (given 0.2, saved 0.1)``."""
+    differences = []
+    for key in sorted(set(a) | set(b), key=str):
+        x, y = a.get(key, "<missing>"), b.get(key, "<missing>")
+        if isinstance(x, dict) and isinstance(y, dict):
+            differences += setting_differences(x, y, names, f"{prefix}{key}.")
+        elif x != y:
+            differences.append(f"{prefix}{key} ({names[0]} {x!r}, {names[1]} {y!r})")
+    return differences
+
+
+def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: RunConfig) -> None:
+    """Refuse a checkpoint of another run, a config.json edited since it was written, and
+    settings other than the checkpoint's, naming what differs."""
+    missing = sorted({"run_id", "config", "federation", "algorithm"} - set(state))
+    if missing:
+        raise ValueError(f"--resume: {rundir.checkpoint} is not a checkpoint of a pfl run (no {missing})")
+    if state["run_id"] != run_id:
+        raise ValueError(f"--resume: {rundir.checkpoint} belongs to another run (run id {state['run_id']}), not to "
+                         f"the run in {rundir.root} (run id {run_id} in {rundir.marker.name}); put back this run's "
+                         f"checkpoint, or start over with --overwrite")
+    try:
+        saved = json.loads(rundir.config.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--resume: cannot read {rundir.config} ({error})") from None
+    edited = setting_differences(saved, state["config"], ("config.json", "checkpoint"))
+    if edited:
+        raise ValueError(f"--resume: {rundir.config} differs from the settings saved in {rundir.checkpoint} in "
+                         f"{', '.join(edited)}; it was changed after the run started: restore it, or start over "
+                         f"with --overwrite")
+    changed = setting_differences(json_value(config.as_dict()), state["config"], ("given", "saved"))
+    if changed:
+        raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
+                         f"the same settings (or none: the saved config is used)")
 
 
 def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: float,

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..api import Evaluation, Message, Phase
+from ..api import Evaluation, Message, NonNegativeInt, Phase
 from .fedavg import FedAvg
 
 
 @dataclass(frozen=True)
 class FedAvgFTSettings:
-    finetune_epochs: int = 1
-
-    def __post_init__(self):
-        if self.finetune_epochs < 0:
-            raise ValueError(f"finetune_epochs must be >= 0, got {self.finetune_epochs}")
+    finetune_epochs: NonNegativeInt = 1
 
 
 class FedAvgFT(FedAvg):

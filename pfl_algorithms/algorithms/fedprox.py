@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..api import Phase
+from ..api import NonNegativeFloat, Phase
 from .fedavg import FedAvg
 
 
 @dataclass(frozen=True)
 class FedProxSettings:
-    mu: float = 0.01  # weight of the proximal term
-
-    def __post_init__(self):
-        if not self.mu >= 0.0:
-            raise ValueError(f"mu must be >= 0, got {self.mu}")
+    mu: NonNegativeFloat = 0.01  # weight of the proximal term
 
 
 def proximal_term(mu: float):

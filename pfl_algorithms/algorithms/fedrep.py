@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..api import Phase
+from ..api import NonNegativeInt, Phase
 from .fedavg import FedAvg
 
 
 @dataclass(frozen=True)
 class FedRepSettings:
-    head_epochs: int = 10  # the released code's local_ep - local_rep_ep for its default of 11 and 1
-
-    def __post_init__(self):
-        if isinstance(self.head_epochs, bool) or not isinstance(self.head_epochs, int) or self.head_epochs < 0:
-            raise ValueError(f"head_epochs must be an int >= 0, got {self.head_epochs!r}")
+    head_epochs: NonNegativeInt = 10  # the released code's local_ep - local_rep_ep (11 - 1)
 
 
 class FedRep(FedAvg):

@@ -13,10 +13,11 @@ A client is evaluated after one step of SGD at lr α from the global model on it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
-from ..api import Capabilities, Evaluation, Message, Phase
+from ..api import Capabilities, Evaluation, Message, OneOf, Phase, PositiveFloat
 from .fedavg import FedAvg
 
 PLAIN_SGD = {"momentum": 0.0}
@@ -24,20 +25,10 @@ PLAIN_SGD = {"momentum": 0.0}
 
 @dataclass(frozen=True)
 class PerFedAvgSettings:
-    alpha: float = 0.01  # the inner (adaptation) step
-    variant: str = "fo"  # 'fo' (first order) or 'hf' (Hessian-free)
-    hvp: str = "exact"  # for 'hf': 'exact' or 'finite-difference'
-    delta: float = 1e-3  # the finite difference's step
-
-    def __post_init__(self):
-        if not self.alpha > 0:
-            raise ValueError(f"alpha must be > 0, got {self.alpha}")
-        if self.variant not in ("fo", "hf"):
-            raise ValueError(f"variant must be 'fo' or 'hf', got {self.variant!r}")
-        if self.hvp not in ("exact", "finite-difference"):
-            raise ValueError(f"hvp must be 'exact' or 'finite-difference', got {self.hvp!r}")
-        if not self.delta > 0:
-            raise ValueError(f"delta must be > 0, got {self.delta}")
+    alpha: PositiveFloat = 0.01  # the inner (adaptation) step
+    variant: Annotated[str, OneOf(("fo", "hf"))] = "fo"  # first order or Hessian-free
+    hvp: Annotated[str, OneOf(("exact", "finite-difference"))] = "exact"  # for 'hf'
+    delta: PositiveFloat = 1e-3  # the finite difference's step
 
 
 def finite_difference_hvp(view, inputs, labels, vector, delta: float) -> torch.Tensor:

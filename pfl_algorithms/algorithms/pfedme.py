@@ -18,27 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import Capabilities, Evaluation, Phase, StateSpec
+from ..api import Capabilities, Evaluation, Phase, PositiveFloat, PositiveInt, StateSpec
 from .fedavg import FedAvg
 
 
 @dataclass(frozen=True)
 class PFedMeSettings:
     # The released code's MNIST command: lamda 15, personal_learning_rate 0.1, K 5, beta 1.
-    lam: float = 15.0  # λ, the weight of the Moreau envelope's proximal term
-    personal_lr: float = 0.1  # the inner problem's step
-    inner_steps: int = 5  # K, steps of the inner problem per local step
-    beta: float = 1.0  # the server's mixing weight
-
-    def __post_init__(self):
-        if not self.lam > 0:
-            raise ValueError(f"lam must be > 0, got {self.lam}")
-        if not self.personal_lr > 0:
-            raise ValueError(f"personal_lr must be > 0, got {self.personal_lr}")
-        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
-            raise ValueError(f"inner_steps must be an int >= 1, got {self.inner_steps!r}")
-        if not self.beta > 0:
-            raise ValueError(f"beta must be > 0, got {self.beta}")
+    lam: PositiveFloat = 15.0  # λ, the weight of the Moreau envelope's proximal term
+    personal_lr: PositiveFloat = 0.1  # the inner problem's step
+    inner_steps: PositiveInt = 5  # K, steps of the inner problem per local step
+    beta: PositiveFloat = 1.0  # the server's mixing weight
 
 
 def moreau_gradient(settings: PFedMeSettings):

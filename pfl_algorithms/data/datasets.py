@@ -17,11 +17,12 @@ import inspect
 import math
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable, Optional, Sequence, Union
+from typing import Annotated, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from ..option_types import NonNegativeFloat, OneOf, PositiveFloat, PositiveInt, Range
 from . import readers
 from .readers import RawData
 
@@ -199,8 +200,11 @@ class DatasetSpec:
     Attributes:
         name: registry key.  description: one line for ``pfl list``.
         loader: ``loader(root, seed, **options) -> ArrayDataset``.
-        defaults: the options the loader accepts and their defaults.
+        defaults: the options the loader accepts and their defaults (their declared types
+            are the hints of the loader's keyword-only parameters).
         available: False for names whose reader is not implemented yet.
+        size_option: for synthetic data, the option that says how many samples to
+            generate (``run_data.load_run_data`` sets it from ``samples_per_client``).
     """
 
     name: str
@@ -208,6 +212,7 @@ class DatasetSpec:
     loader: Callable[..., ArrayDataset]
     defaults: dict = field(default_factory=dict)
     available: bool = True
+    size_option: Optional[str] = None
 
 
 def load_digits_dataset(root=None, seed: int = 0) -> ArrayDataset:
@@ -227,8 +232,9 @@ def load_digits_dataset(root=None, seed: int = 0) -> ArrayDataset:
     return ArrayDataset("digits", inputs, labels, 10, mean=mean, std=std, class_names=tuple(str(d) for d in range(10)))
 
 
-def load_gaussian_mixture(root=None, seed: int = 0, *, num_classes: int = 4, dim: int = 2, samples: int = 1000,
-                          radius: float = 2.0, std: float = 0.75) -> ArrayDataset:
+def load_gaussian_mixture(root=None, seed: int = 0, *, num_classes: Annotated[int, Range(ge=2)] = 4,
+                          dim: Annotated[int, Range(ge=2)] = 2, samples: PositiveInt = 1000,
+                          radius: NonNegativeFloat = 2.0, std: PositiveFloat = 0.75) -> ArrayDataset:
     """Fed-CMA's synthetic toy: a mixture of ``num_classes`` Gaussians in R^dim (paper: 4 in R^2).
 
     Class k is N(m_k, std²·I) with m_k on a circle of ``radius`` in the first two coordinates
@@ -253,7 +259,8 @@ def load_gaussian_mixture(root=None, seed: int = 0, *, num_classes: int = 4, dim
     return ArrayDataset("gaussian-mixture", inputs, labels.to(torch.int64), int(num_classes))
 
 
-def load_synthetic_cifar(root=None, seed: int = 0, *, samples: int = 1024, num_classes: int = 10) -> ArrayDataset:
+def load_synthetic_cifar(root=None, seed: int = 0, *, samples: PositiveInt = 1024,
+                         num_classes: PositiveInt = 10) -> ArrayDataset:
     """Random CIFAR-shaped data for speed tests: [samples, 3, 32, 32] standard normal inputs
     (already "normalized") with uniform random labels, deterministic for ``seed``.
     Nothing in it can be learned beyond memorization."""
@@ -282,7 +289,8 @@ def load_mnist(root=None, seed: int = 0, *, download: bool = False) -> ArrayData
     return from_raw("mnist", readers.read_mnist(readers.data_root(root), download=download))
 
 
-def load_emnist(root=None, seed: int = 0, *, split: str = "balanced", download: bool = False) -> ArrayDataset:
+def load_emnist(root=None, seed: int = 0, *, split: Annotated[str, OneOf(tuple(readers.EMNIST_CLASSES))] = "balanced",
+                download: bool = False) -> ArrayDataset:
     """EMNIST ``split`` (byclass 62 classes, bymerge 47, balanced 47, letters 26, digits 10,
     mnist 10), [N, 1, 28, 28] with images as stored in the files (transposed, as
     torchvision's ``EMNIST.data``); ``letters`` labels shifted from 1..26 to 0..25.
@@ -290,7 +298,7 @@ def load_emnist(root=None, seed: int = 0, *, split: str = "balanced", download: 
     return from_raw("emnist", readers.read_emnist(readers.data_root(root), split=split, download=download))
 
 
-def load_femnist(root=None, seed: int = 0, *, max_writers: Optional[int] = None,
+def load_femnist(root=None, seed: int = 0, *, max_writers: Optional[PositiveInt] = None,
                  download: bool = False) -> ArrayDataset:
     """FEMNIST as LEAF splits it: [N, 1, 28, 28], 62 classes, ``writers``/``writer_names``
     (writers sorted by LEAF id), ``test_mask`` from LEAF's test files.  ``max_writers`` keeps
@@ -321,8 +329,8 @@ def load_svhn(root=None, seed: int = 0, *, extra: bool = False, download: bool =
 
 
 def _image_folder_loader(layout: readers.ImageFolderLayout) -> Callable[..., ArrayDataset]:
-    def loader(root=None, seed: int = 0, *, domains: Union[None, str, Sequence[str]] = None, image_size: int = 64,
-               download: bool = False) -> ArrayDataset:
+    def loader(root=None, seed: int = 0, *, domains: Union[None, str, Sequence[str]] = None,
+               image_size: PositiveInt = 64, download: bool = False) -> ArrayDataset:
         return from_raw(layout.dataset, readers.read_image_folder(readers.data_root(root), layout, domains=domains,
                                                                    image_size=image_size, download=download))
 
@@ -349,7 +357,8 @@ MIXABLE = {
 
 
 def load_mixed(root=None, seed: int = 0, *, datasets: Union[str, Sequence[str]] = ("mnist", "svhn", "cifar10"),
-               image_size: int = 32, channels: int = 3, download: bool = False) -> ArrayDataset:
+               image_size: PositiveInt = 32, channels: Annotated[int, OneOf((1, 3))] = 3,
+               download: bool = False) -> ArrayDataset:
     """Several datasets side by side: each part read raw, brought to [channels, image_size,
     image_size] (grey repeated to 3 channels or colour reduced to luma, antialiased bilinear
     resize where the size differs), part d's class c relabelled ``offset_d + c`` so the parts'
@@ -366,20 +375,20 @@ def load_mixed(root=None, seed: int = 0, *, datasets: Union[str, Sequence[str]] 
     return from_raw("mixed", readers.mix(parts, image_size=image_size, channels=channels))
 
 
-def _spec(name: str, description: str, loader) -> DatasetSpec:
+def _spec(name: str, description: str, loader, size_option: Optional[str] = None) -> DatasetSpec:
     # The loader's keyword-only arguments are its options; read them so the two cannot drift.
     params = inspect.signature(loader).parameters.values()
     defaults = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    return DatasetSpec(name, description, loader, defaults)
+    return DatasetSpec(name, description, loader, defaults, size_option=size_option)
 
 
 DATASETS: dict[str, DatasetSpec] = {
     "digits": _spec("digits", "scikit-learn's 8x8 digits, 1,797 real images, 10 classes (no download)",
                     load_digits_dataset),
     "gaussian-mixture": _spec("gaussian-mixture", "Fed-CMA's toy: a mixture of Gaussians in R^dim (synthetic)",
-                              load_gaussian_mixture),
+                              load_gaussian_mixture, size_option="samples"),
     "synthetic-cifar": _spec("synthetic-cifar", "random 3x32x32 tensors with random labels, for speed tests",
-                             load_synthetic_cifar),
+                             load_synthetic_cifar, size_option="samples"),
     "mnist": _spec("mnist", "MNIST handwritten digits (28x28 grey, 10 classes; IDX files)", load_mnist),
     "emnist": _spec("emnist", "EMNIST handwritten characters (28x28 grey, 10 to 62 classes by split; IDX files)",
                     load_emnist),

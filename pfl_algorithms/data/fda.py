@@ -20,11 +20,13 @@ the train split is left out.  ``Partition.info["target_client"]`` names the targ
 from __future__ import annotations
 
 import math
+from typing import Annotated, Optional, Union
 
 import torch
 
 from .datasets import ArrayDataset
 from .deal import ClientDeal, Deal, deal_by_domain, subset_deal
+from ..option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat, Range, SplitFractions
 from .label_skew import dirichlet, shuffle
 
 CIFAR10_TARGET_SHARE = 10_000 / 60_000
@@ -44,9 +46,14 @@ def _resolve_domain(dataset: ArrayDataset, target_domain) -> int:
                      f"got {target_domain!r}")
 
 
-def fda(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, *, alpha: float = 1.0,
-        min_samples: int = 10, target_domain=None, noise: float = 0.0, target_fraction: float = 1.0,
-        target_split=(0.2, 0.0, 0.8), target_share=None) -> Deal:
+def fda(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, *,
+        alpha: PositiveFloat = 1.0,
+        min_samples: NonNegativeInt = 10,
+        target_domain: Union[None, str, NonNegativeInt] = None,
+        noise: NonNegativeFloat = 0.0,
+        target_fraction: Annotated[float, Range(gt=0, le=1)] = 1.0,
+        target_split: SplitFractions = (0.2, 0.0, 0.8),
+        target_share: Optional[Annotated[float, Range(gt=0, lt=1)]] = None) -> Deal:
     """Deal ``dataset`` to ``num_clients - 1`` sources and one target (module docstring)."""
     sources = num_clients - 1
     if sources < 1:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..option_types import NonNegativeInt, PositiveFloat, PositiveInt
+
 MAX_DIRICHLET_DRAWS = 1000
 
 
@@ -39,7 +41,7 @@ def iid(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator
 
 
 def dirichlet(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
-              alpha: float = 0.5, min_samples: int = 10) -> list[Tensor]:
+              alpha: PositiveFloat = 0.5, min_samples: NonNegativeInt = 10) -> list[Tensor]:
     """Label skew: for each class, the clients' shares are drawn from Dirichlet(α·1) and the
     class's (shuffled) samples cut at floor(cumulative share · count), as the released code
     (and NIID-Bench) do.  The whole draw is repeated, from the same generator, until every
@@ -71,7 +73,7 @@ def dirichlet(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Gen
 
 
 def pathological(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
-                 classes_per_client: int = 2) -> list[Tensor]:
+                 classes_per_client: PositiveInt = 2) -> list[Tensor]:
     """Every client holds exactly ``classes_per_client`` classes.  Classes are laid out in a
     seeded random order and client i takes the next k of them, cyclically, so each class is
     held by about num_clients·k/num_classes clients; a class's samples are dealt evenly over

@@ -25,8 +25,12 @@ client a random permutation of the labels it sees.
 """
 from __future__ import annotations
 
+from typing import Annotated, Optional, Sequence
+
 import torch
 from torch import Tensor
+
+from ..option_types import NonNegativeInt, OneOf, PositiveFloat
 
 from .datasets import ArrayDataset
 from .deal import ClientDeal, Deal, deal_by_domain
@@ -85,8 +89,12 @@ def _sample_domains(dataset: ArrayDataset, mode: str, shifts, gen: torch.Generat
     return domains, list(shifts)
 
 
-def multi_domain(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, *, domains: str = "dataset",
-                 shifts=DEFAULT_SHIFTS, alpha=None, min_samples: int = 1, relabel=None,
+def multi_domain(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, *,
+                 domains: Annotated[str, OneOf(DOMAIN_MODES)] = "dataset",
+                 shifts: Sequence[str] = DEFAULT_SHIFTS,
+                 alpha: Optional[PositiveFloat] = None,
+                 min_samples: NonNegativeInt = 1,
+                 relabel: Optional[bool] = None,
                  permute_labels: bool = False) -> Deal:
     """Deal ``dataset`` over clients on different domains (see the module docstring)."""
     sample_domain, names = _sample_domains(dataset, domains, shifts, gen)

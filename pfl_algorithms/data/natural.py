@@ -13,11 +13,12 @@ import torch
 
 from .datasets import ArrayDataset
 from .deal import ClientDeal, Deal
+from ..option_types import PositiveInt
 from .label_skew import shuffle
 
 
-def natural(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, *, min_samples: int = 10,
-            official_split: bool = True) -> Deal:
+def natural(dataset: ArrayDataset, num_clients: int, gen: torch.Generator, *,
+            min_samples: PositiveInt = 10, official_split: bool = True) -> Deal:
     """Deal one writer per client (see the module docstring)."""
     if dataset.writers is None:
         raise ValueError(f"scenario 'natural' needs a dataset with writers (femnist); {dataset.name!r} has none")

@@ -10,12 +10,16 @@ client's share into train/val/test.  Options shared by all scenarios:
   gets at least one sample in every split whose fraction is > 0 (taken from the others).
   The split is random within the client (not stratified by class).
 - ``samples_per_client``: None, or a cap on each client's share (its first ones in a seeded
-  random order), for synthetic data and CPU-sized runs.
+  random order), for CPU-sized runs.  A client holding fewer samples keeps them all, with a
+  ``ShortShareWarning``.  (``run_data.load_run_data`` also sizes synthetic data so that every
+  client gets that many.)
 - ``architectures``: None, or a list of model names (Fed-CMA's model heterogeneity): client
   k gets ``architectures[k % len(architectures)]``, recorded in the manifest.  The models
   must end in the same embedding size (``models.build_client_models`` checks it).
 
-Scenario-specific options are in ``SCENARIOS[name].defaults`` and the docstrings of
+Scenario-specific options are in ``SCENARIOS[name].defaults`` (their declared types in
+``SCENARIOS[name].hints``: the common ones below, the others the keyword-only parameters of
+the scenario's function) and the docstrings of
 ``label_skew.py``, ``multi_domain.py``, ``fda.py`` and ``natural.py``.  Scenarios that shift
 inputs (feature-shift domains, fda's noisy target) record the shifts in the partition;
 ``Partition.apply_transforms(dataset)`` gives the inputs the clients see.
@@ -23,8 +27,9 @@ inputs (feature-shift domains, fda's noisy target) record the shifts in the part
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -35,9 +40,16 @@ from .fda import fda
 from .label_skew import dirichlet, iid, pathological
 from .multi_domain import DEFAULT_SHIFTS, multi_domain
 from .natural import natural
+from ..option_types import PositiveInt, SplitFractions, keyword_hints
 from .partition import ClientSplit, Partition
 
 COMMON_DEFAULTS = {"split": (0.8, 0.1, 0.1), "samples_per_client": None, "architectures": None}
+COMMON_HINTS = {"split": SplitFractions, "samples_per_client": Optional[PositiveInt],
+                "architectures": Union[None, str, Sequence[str]]}
+
+
+class ShortShareWarning(UserWarning):
+    """``samples_per_client`` asks for more samples than some client holds."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,11 @@ class ScenarioSpec:
     fn: Callable[..., Deal]
     defaults: dict = field(default_factory=dict)
 
+    @property
+    def hints(self) -> dict:
+        """The declared type of every option (see ``option_types``)."""
+        return {**COMMON_HINTS, **keyword_hints(self.fn)}
+
 
 def _label_skew(partitioner, permute_labels: bool):
     """A label-skew partitioner (``label_skew.py``) as a scenario function; with
@@ -71,6 +88,7 @@ def _label_skew(partitioner, permute_labels: bool):
         return Deal(clients)
 
     deal.__doc__ = partitioner.__doc__
+    deal.__wrapped__ = partitioner  # so that its options' declared types are found
     return deal
 
 
@@ -109,13 +127,16 @@ def split_sizes(n: int, fractions) -> tuple[int, int, int]:
     return n - n_val - n_test, n_val, n_test
 
 
-def _check_split(split) -> tuple[float, float, float]:
+def check_split(split, key: str = "split") -> tuple[float, float, float]:
+    """``split`` as (train, val, test) fractions, after checking they are 3 finite numbers
+    >= 0 that sum to 1 (ValueError naming ``key`` otherwise)."""
     try:
-        fractions = tuple(float(f) for f in split)
-    except TypeError:
+        fractions = tuple(float(f) for f in split) if not isinstance(split, (str, bytes)) else ()
+    except (TypeError, ValueError):
         fractions = ()
-    if len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1) > 1e-6:
-        raise ValueError(f"split must be 3 non-negative fractions (train, val, test) summing to 1, got {split!r}")
+    if (len(fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in fractions)
+            or abs(sum(fractions) - 1) > 1e-6):
+        raise ValueError(f"{key} must be 3 fractions >= 0 (train, val, test) summing to 1, got {split!r}")
     return fractions
 
 
@@ -139,7 +160,19 @@ def make_partition(name: str, dataset: ArrayDataset, num_clients: int, *, seed: 
     Raises:
         ValueError: an unknown scenario or option (the message lists the valid ones), a bad
             option value, or a client left with no samples.
+
+    Warns:
+        ShortShareWarning: ``samples_per_client`` is more than some client holds.
     """
+    partition, shares = partition_with_shares(name, dataset, num_clients, seed=seed, **options)
+    warn_short_shares(partition.options["samples_per_client"], shares)
+    return partition
+
+
+def partition_with_shares(name: str, dataset: ArrayDataset, num_clients: int, *, seed: int,
+                          **options) -> tuple[Partition, list[int]]:
+    """``make_partition`` without its warning: (the partition, how many samples each client
+    was dealt before the ``samples_per_client`` cap)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; valid scenarios: {sorted(SCENARIOS)}")
     spec = SCENARIOS[name]
@@ -149,10 +182,10 @@ def make_partition(name: str, dataset: ArrayDataset, num_clients: int, *, seed: 
     if int(num_clients) != num_clients or num_clients < 1:
         raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
     resolved = {**spec.defaults, **options}
-    fractions = _check_split(resolved["split"])
+    fractions = check_split(resolved["split"])
     resolved["split"] = fractions
     cap = resolved["samples_per_client"]
-    if cap is not None and (int(cap) != cap or cap < 1):
+    if cap is not None and (isinstance(cap, bool) or int(cap) != cap or cap < 1):
         raise ValueError(f"samples_per_client must be None or a positive int, got {cap!r}")
 
     architectures = _check_architectures(resolved["architectures"])
@@ -169,8 +202,23 @@ def make_partition(name: str, dataset: ArrayDataset, num_clients: int, *, seed: 
             clients[-1].architecture = architectures[client % len(architectures)]
     # Noise seeds come from the same generator, after everything else, and are recorded.
     transforms = [{**t, "seed": int(torch.randint(0, 2**62, (1,), generator=gen))} for t in deal.transforms]
-    return Partition(name, clients, dataset.num_classes, resolved, int(seed), dataset.name, len(dataset),
-                     deal.output_classes, deal.domain_names, transforms, deal.info)
+    partition = Partition(name, clients, dataset.num_classes, resolved, int(seed), dataset.name, len(dataset),
+                          deal.output_classes, deal.domain_names, transforms, deal.info)
+    return partition, [int(share.indices.numel()) for share in deal.clients]
+
+
+def short_shares(cap, shares: list[int]) -> list[int]:
+    """The clients dealt fewer than ``cap`` samples (none when ``cap`` is None)."""
+    return [] if cap is None else [client for client, size in enumerate(shares) if size < cap]
+
+
+def warn_short_shares(cap, shares: list[int]) -> None:
+    """A ``ShortShareWarning`` when ``samples_per_client=cap`` exceeds some client's share."""
+    short = short_shares(cap, shares)
+    if short:
+        fewest = min(short, key=lambda client: shares[client])
+        warnings.warn(f"samples_per_client={cap} is more than {len(short)} of {len(shares)} clients hold (client "
+                      f"{fewest} has {shares[fewest]}); they keep all their samples", ShortShareWarning, stacklevel=3)
 
 
 def _split_client(scenario: str, client: int, share: ClientDeal, fractions, cap, num_samples: int,
@@ -181,7 +229,7 @@ def _split_client(scenario: str, client: int, share: ClientDeal, fractions, cap,
     if idx.numel() + (0 if fixed_test is None else fixed_test.numel()) == 0:
         raise ValueError(f"scenario {scenario!r} left client {client} with no samples "
                          f"({num_samples} samples, {num_clients} clients); use fewer clients")
-    own = fractions if share.split is None else _check_split(share.split)
+    own = fractions if share.split is None else check_split(share.split, f"client {client}'s split")
     if fixed_test is not None:
         total = own[0] + own[1]
         own = (own[0] / total, own[1] / total, 0.0) if total > 0 else (1.0, 0.0, 0.0)

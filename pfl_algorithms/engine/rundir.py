@@ -1,24 +1,52 @@
 """The run directory: what a run writes, each file written so that a kill never corrupts it.
 
+    run.json         the run's identity, written first: format, run id, creation time
+    run.lock         locked (flock) while a run writes here, so a second one is refused
     config.json      the resolved configuration
     partition.json   the scenario's manifest (which indices and label map each client got)
     metrics.jsonl    one JSON line per round
     summary.json     final and best mean accuracy, communication in Gb, wall time
-    checkpoint.pt    banks, optimizer state and server state after the last checkpointed round
+    checkpoint.pt    banks, optimizer state and server state after the last checkpointed round,
+                     with the run id and the config (see ``checkpoint.py``: checksummed, and
+                     read without unpickling anything but tensors and plain values)
     plots/           accuracy vs round, accuracy vs communicated bits, per-client accuracy
+    metrics.jsonl.unused-<time>   lines a resume could not use, set aside (never deleted)
 
-JSON and checkpoints are written to a temporary file in the same folder and moved over the
-old one with ``os.replace`` (atomic on POSIX), so a killed run leaves the previous version.
+A directory is one of our runs when it holds a valid ``run.json``; any other non-empty
+directory is refused, so a run never writes over a user's files.  JSON and checkpoints are
+written to a temporary file in the same folder and moved over the old one with
+``os.replace`` (atomic on POSIX), so a killed run leaves the previous version.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import json
 import os
+import shutil
+import sys
+import time
+import uuid
 from pathlib import Path
+from typing import Optional
 
-import torch
+from ..atomic_io import atomic_write_bytes, atomic_write_json
+from .checkpoint import read_checkpoint, write_checkpoint
 
-from ..atomic_io import atomic_write_bytes
+RUN_FORMAT = "pfl-run"
+RUN_FORMAT_VERSION = 1
+# What a run writes, removed when a new run replaces it (the set-aside metrics are kept).
+_RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoint.pt")
+
+
+def warn(message: str) -> None:
+    """A warning line on stderr."""
+    print(f"pfl: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _metrics_line(record: dict) -> str:
+    return json.dumps(record, sort_keys=True) + "\n"
 
 
 class RunDirectory:
@@ -26,6 +54,8 @@ class RunDirectory:
 
     def __init__(self, root):
         self.root = Path(root)
+        self.marker = self.root / "run.json"
+        self.lock = self.root / "run.lock"
         self.config = self.root / "config.json"
         self.partition = self.root / "partition.json"
         self.metrics = self.root / "metrics.jsonl"
@@ -33,41 +63,164 @@ class RunDirectory:
         self.checkpoint = self.root / "checkpoint.pt"
         self.plots = self.root / "plots"
 
-    def create(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+    # ------------------------------------------------------------------ identity and lock
+
+    def identity(self) -> Optional[dict]:
+        """The run's ``run.json`` (format, run_id, created); None when the directory is
+        missing or empty (a lone lock file aside).
+
+        Raises:
+            ValueError: when the path is a file, or a non-empty directory that is not a run
+                (no valid ``run.json``): its files are not ours to write over.
+        """
+        if not self.root.exists():
+            return None
+        if not self.root.is_dir():
+            raise ValueError(f"run directory {self.root} is a file, not a directory; choose another --out")
+        if not self.marker.exists():
+            entries = sorted(p.name for p in self.root.iterdir() if p != self.lock)
+            if not entries:
+                return None
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise ValueError(f"run directory {self.root} is not empty ({shown}) and is not a pfl run (it has no "
+                             f"run.json); refusing to write over its files: choose a new or empty --out")
+        try:
+            identity = json.loads(self.marker.read_text())
+            if identity.get("format") != RUN_FORMAT or not isinstance(identity.get("run_id"), str):
+                raise ValueError("no 'format': 'pfl-run' and 'run_id'")
+        except (ValueError, AttributeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{self.marker}: not a pfl run marker ({error}); refusing to use {self.root}: choose "
+                             f"another --out") from None
+        return identity
+
+    def is_run(self) -> bool:
+        """Whether the directory holds one of our runs (a valid ``run.json``)."""
+        try:
+            return self.identity() is not None
+        except ValueError:
+            return False
+
+    @contextlib.contextmanager
+    def claimed(self):
+        """Create the directory if needed and hold its lock for the ``with`` block.
+
+        Checked before anything is loaded, each a one-line ValueError naming the directory:
+        a path that is a file, a non-empty directory that is not a run, a directory that
+        cannot be written, and one another run holds (the lock is taken without waiting).
+        When the block ends before a run was started here (no ``run.json``), what this made
+        is removed again, so a failed start leaves nothing behind.
+        """
+        self.identity()  # refuse a file or someone else's directory before touching it
+        created = not self.root.exists()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as error:
+            raise ValueError(f"run directory {self.root} cannot be written ({error.strerror}); choose another "
+                             f"--out") from None
+        held = False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # A lock file unlinked (by a failed start) after we opened it locks nothing.
+                held = os.fstat(fd).st_ino == os.stat(self.lock).st_ino
+            except (BlockingIOError, FileNotFoundError):
+                held = False
+            if not held:
+                raise ValueError(f"run directory {self.root} is in use by another pfl run (it holds "
+                                 f"{self.lock.name}); wait for that run to end or choose another --out")
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise ValueError(f"run directory {self.root} cannot be written (permission denied); choose "
+                                 f"another --out")
+            yield self
+        finally:
+            if held and not self.marker.exists():
+                with contextlib.suppress(OSError):
+                    self.lock.unlink()
+                    if created:
+                        self.root.rmdir()
+            os.close(fd)
+
+    def begin(self) -> str:
+        """Make the directory a new run: a new ``run.json`` (written first, so that a kill
+        from here on leaves a directory recognized as ours), then the files of a run it
+        replaces removed.  Returns the new run id."""
+        identity = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "run_id": uuid.uuid4().hex,
+                    "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        atomic_write_json(self.marker, identity)
+        for name in _RUN_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / name).unlink()
+        shutil.rmtree(self.plots, ignore_errors=True)
+        for tmp in self.root.glob(".*.tmp"):  # temporary files of writes a kill cut short
+            tmp.unlink(missing_ok=True)
+        return identity["run_id"]
+
+    # ------------------------------------------------------------------ metrics
 
     def append_metrics(self, record: dict) -> None:
         """Append one round's line (flushed and synced, so a kill loses at most that line)."""
         with self.metrics.open("a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.write(_metrics_line(record))
             f.flush()
             os.fsync(f.fileno())
 
-    def read_metrics(self) -> list[dict]:
+    def resume_metrics(self, rounds: int) -> list[dict]:
+        """The lines of rounds < ``rounds`` (those the checkpoint covers), one per round in
+        order; ``metrics.jsonl`` is rewritten with them.  Every other line (unreadable, of a
+        round the checkpoint lacks, or a repeated round) is moved to
+        ``metrics.jsonl.unused-<time>``, with a warning, never deleted."""
         if not self.metrics.exists():
             return []
-        lines = []
-        for line in self.metrics.read_text().splitlines():
+        kept: dict[int, dict] = {}
+        unused: list[bytes] = []
+        reasons = {"unreadable": 0, "of a round the checkpoint lacks": 0, "repeating a round": 0}
+        for line in self.metrics.read_bytes().splitlines():
+            if not line.strip():
+                continue
             try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut by a kill: the rounds after it are redone on resume
-        return lines
+                record = json.loads(line)
+                round_ = record["round"]
+                if not isinstance(round_, int) or isinstance(round_, bool):
+                    raise TypeError("round is not an integer")
+            except (ValueError, KeyError, TypeError):
+                reason = "unreadable"
+            else:
+                reason = ("of a round the checkpoint lacks" if not 0 <= round_ < rounds
+                          else "repeating a round" if round_ in kept else None)
+                if reason is None:
+                    kept[round_] = record
+                    continue
+            reasons[reason] += 1
+            unused.append(line)
+        if unused:
+            aside = self._unused_metrics_path()
+            atomic_write_bytes(aside, b"".join(line + b"\n" for line in unused))
+            counts = ", ".join(f"{n} {why}" for why, n in reasons.items() if n)
+            warn(f"{self.metrics}: {len(unused)} line(s) resuming from round {rounds} cannot use ({counts}) were "
+                 f"moved to {aside}")
+        missing = sorted(set(range(rounds)) - set(kept))
+        if missing:
+            warn(f"{self.metrics}: no readable line for round(s) {missing}; the summary is computed without them")
+        history = [kept[r] for r in sorted(kept)]
+        atomic_write_bytes(self.metrics, "".join(map(_metrics_line, history)).encode())
+        return history
 
-    def truncate_metrics(self, rounds: int) -> list[dict]:
-        """Keep the lines of rounds < ``rounds`` (those the checkpoint covers); returns them."""
-        kept = [m for m in self.read_metrics() if m["round"] < rounds]
-        atomic_write_bytes(self.metrics, "".join(json.dumps(m, sort_keys=True) + "\n" for m in kept).encode())
-        return kept
+    def _unused_metrics_path(self) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        path, n = self.root / f"{self.metrics.name}.unused-{stamp}", 1
+        while path.exists():
+            path, n = self.root / f"{self.metrics.name}.unused-{stamp}-{n}", n + 1
+        return path
+
+    # ------------------------------------------------------------------ checkpoint
 
     def save_checkpoint(self, state: dict) -> None:
-        import io
-
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        atomic_write_bytes(self.checkpoint, buffer.getvalue())
+        """Write ``state`` (plain values and tensors) as the checkpoint, atomically."""
+        write_checkpoint(self.checkpoint, state)
 
     def load_checkpoint(self) -> dict:
+        """The checkpoint's state, verified (see :func:`read_checkpoint`)."""
         if not self.checkpoint.exists():
             raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
-        return torch.load(self.checkpoint, map_location="cpu", weights_only=False)
+        return read_checkpoint(self.checkpoint)

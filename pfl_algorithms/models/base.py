@@ -6,10 +6,12 @@ only it, Factorized-FL never sends it in the permuted settings).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Annotated, Optional, Sequence
 
 import torch
 from torch import nn
+
+from ..option_types import OneOf
 
 
 class BodyHeadModel(nn.Module):
@@ -81,10 +83,15 @@ def check_num_classes(num_classes: int) -> int:
     return int(num_classes)
 
 
+ACTIVATIONS = ("relu", "sigmoid", "tanh")
+Activation = Optional[Annotated[str, OneOf(ACTIVATIONS)]]  # the declared type of an activation option
+
+
 def make_activation(name, *, what: str) -> nn.Module:
     """'relu' / 'sigmoid' / 'tanh' / None (identity) as a module; never in place, so the
     models stay usable under ``torch.func.functional_call`` and ``vmap``."""
     table = {"relu": lambda: nn.ReLU(inplace=False), "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, None: nn.Identity}
+    assert set(table) == {*ACTIVATIONS, None}
     if name not in table:
         raise ValueError(f"{what} must be one of 'relu', 'sigmoid', 'tanh' or None, got {name!r}")
     return table[name]()

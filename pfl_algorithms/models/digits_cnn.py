@@ -9,13 +9,14 @@ from typing import Sequence
 
 from torch import nn
 
+from ..option_types import PositiveInt
 from .base import BodyHeadModel, check_num_classes, image_shape
 
 
 class DigitsCNN(BodyHeadModel):
     """The digits CNN with a 64-d embedding; needs inputs of at least 2x2."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, *, embedding_dim: int = 64):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, embedding_dim: PositiveInt = 64):
         channels, height, width = image_shape("digits-cnn", input_shape, 2)
         body = nn.Sequential(
             nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(inplace=False),

@@ -8,18 +8,19 @@ embedding in [0, 1] as Fed-CMA's analysis assumes, None leaves the linear output
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 from torch import nn
 
-from .base import BodyHeadModel, check_num_classes, image_shape, make_activation
+from ..option_types import PositiveInt
+from .base import Activation, BodyHeadModel, check_num_classes, image_shape, make_activation
 
 
 class FedGenCNN(BodyHeadModel):
     """FedGen's CNN with an ``embedding_dim``-wide (32) embedding; needs inputs of at least 1x1."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, *,
-                 embedding_activation: Optional[str] = "relu", embedding_dim: int = 32):
+                 embedding_activation: Activation = "relu", embedding_dim: PositiveInt = 32):
         channels, height, width = image_shape("fedgen-cnn", input_shape, 1)
         # k3 s2 p1 maps n to ceil(n / 2); twice.
         flat_h = (((height + 1) // 2) + 1) // 2

@@ -6,11 +6,12 @@ Linear(2, 2) → Linear(2, 2) → Linear(2, 4); ``hidden=()`` is logistic regres
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence, Union
 
 from torch import nn
 
-from .base import BodyHeadModel, check_num_classes, make_activation
+from ..option_types import PositiveInt
+from .base import Activation, BodyHeadModel, check_num_classes, make_activation
 
 
 class MLP(BodyHeadModel):
@@ -18,7 +19,7 @@ class MLP(BodyHeadModel):
     width (or the flattened input when ``hidden`` is empty) to the classes."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, *,
-                 hidden: Sequence[int] = (128,), activation: Optional[str] = "relu"):
+                 hidden: Union[PositiveInt, Sequence[PositiveInt]] = (128,), activation: Activation = "relu"):
         shape = tuple(int(s) for s in input_shape)
         if not shape or min(shape) < 1:
             raise ValueError(f"mlp needs a non-empty input_shape of positive sizes, got {tuple(input_shape)}")

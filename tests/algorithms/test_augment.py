@@ -1,4 +1,4 @@
-"""Batched augmentation (pfl_algorithms/data/augment.py) against float64 per-sample references.
+"""Batched augmentation (pfl_algorithms/data/augment/) against float64 per-sample references.
 
 torchvision cannot be imported here (a CPU build of torch), so each reference below is
 written straight from torchvision's definitions (RandomCrop, RandomHorizontalFlip,

@@ -8,6 +8,8 @@ import torch
 
 from pfl_algorithms.cli import main
 from pfl_algorithms.config import RunConfig, apply_sets, check
+from pfl_algorithms.engine.checkpoint import read_checkpoint
+from tests.algorithms.engine.test_executors import assert_same
 from pfl_algorithms.runner import run
 
 TINY = ["--dataset", "gaussian-mixture", "--model", "mlp", "--scenario", "dirichlet", "--clients", "4",
@@ -49,9 +51,10 @@ def test_resume_reaches_the_same_final_state_bitwise(tmp_path):
         f.write('{"round": 2, "partial": tr')
     resumed = run(config, tmp_path / "killed", resume=True, progress=False)
     assert resumed["final_mean_accuracy"] == whole["final_mean_accuracy"]
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=False)["federation"]
-    b = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["federation"]
-    assert torch.equal(a["params"], b["params"])
+    a = read_checkpoint(tmp_path / "whole" / "checkpoint.pt")
+    b = read_checkpoint(tmp_path / "killed" / "checkpoint.pt")
+    assert_same(a["federation"], b["federation"])  # every bank, the kept optimizer state, the ledger
+    assert_same(a["algorithm"], b["algorithm"])
     rounds = [json.loads(line)["round"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [0, 1, 2, 3, 4]
 
@@ -83,7 +86,7 @@ def test_list_names_everything(capsys):
     (["run", "fedavg", "--scenario", "nope"], "unknown scenario"),
     (["run", "fedavg", "--set", "tau=0.5"], "no setting of that name"),
     (["run", "fedavg", "--set", "scenario.beta=1"], "has no setting 'beta'"),
-    (["run", "fedavg", "--clients", "4", "--set", "sample=8"], "only clients=4"),
+    (["run", "fedavg", "--clients", "4", "--set", "clients_per_round=8"], "only clients=4"),
     (["run", "fedper", "--set", "keep_head_local=false"], "conflicts"),
     (["run", "fedavg", "--local-steps", "3", "--local-epochs", "2"], "conflict"),
 ])
@@ -114,18 +117,33 @@ def test_unknown_config_key_is_reported(tmp_path, capsys):
 
 def test_a_diverged_client_is_logged_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
     """A client whose update is NaN is reported on stderr and in metrics.jsonl; others go on."""
-    from pfl_algorithms.engine import federation
+    from pfl_algorithms.engine import rounds
 
-    original = federation.Federation.train_client
+    original = rounds.run_train_task
 
-    def diverge_client_1(self, client, round_, **kwargs):
-        if client == 1 and round_ == 1:
-            self.inputs[self.clients[1].train] = float("nan")
-        return original(self, client, round_, **kwargs)
+    def diverge_client_1(fed, algorithm, task):
+        if task.client == 1 and task.round == 1:
+            fed.inputs[fed.clients[1].train] = float("nan")
+        return original(fed, algorithm, task)
 
-    monkeypatch.setattr(federation.Federation, "train_client", diverge_client_1)
+    monkeypatch.setattr(rounds, "run_train_task", diverge_client_1)
     summary = run(tiny_config(rounds=3, workers=1), tmp_path / "r", progress=False)
     lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert lines[1]["skipped_non_finite"] == [1] and lines[0]["skipped_non_finite"] == []
     assert "client 1's update holds NaN or Inf" in capsys.readouterr().err
     assert summary["rounds"] == 3
+
+
+@pytest.mark.parametrize("how", ["flag", "set", "toml"])
+def test_sample_1_means_every_client_on_every_path(tmp_path, how):
+    """``sample`` is a fraction wherever it is given (1 and 1.0: every client); a count of
+    clients is ``clients_per_round``."""
+    from pfl_algorithms.cli import _parser, config_from_args
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("sample = 1\n")
+    extra = {"flag": ["--sample", "1"], "set": ["--set", "sample=1"], "toml": ["--config", str(toml)]}[how]
+    config = config_from_args(_parser().parse_args(["run", "fedavg", "--clients", "5", *extra]))
+    assert config.sample == 1.0 and isinstance(config.sample, float) and config.clients_per_round is None
+    counted = config_from_args(_parser().parse_args(["run", "fedavg", "--clients", "5", "--clients-per-round", "1"]))
+    assert counted.clients_per_round == 1 and counted.sample == 1.0

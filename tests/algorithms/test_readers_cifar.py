@@ -115,3 +115,57 @@ def test_torchvision_gives_the_same_tensors(tmp_path, monkeypatch):
     through = [load_dataset(name, root=tmp_path) for name in ("cifar10", "cifar100")]
     for a, b in zip(direct, through):
         assert_same_dataset(a, b)
+
+
+def _numpy_scalar_batch(protocol: int, old_numpy_name: bool = False) -> tuple[bytes, list]:
+    """A CIFAR-10 batch whose labels are numpy scalars (as a script that writes
+    ``labels=list(np.int64 array)`` makes), pickled with ``protocol``; optionally naming numpy's
+    modules as numpy 1.x did (``numpy.core``)."""
+    labels = [np.int64(3), np.int64(7)]
+    content = pickle.dumps({b"data": np.zeros((2, 3072), np.uint8), b"labels": labels,
+                            b"batch_label": np.str_("numpy text")}, protocol=protocol)
+    if old_numpy_name:
+        assert protocol == 2  # GLOBAL opcodes are text lines, so the name can be swapped in place
+        content = content.replace(b"numpy._core.", b"numpy.core.")
+    return content, [int(v) for v in labels]
+
+
+@pytest.mark.parametrize("protocol, old_numpy_name", [(2, False), (2, True), (4, False), (5, False)])
+def test_labels_written_as_numpy_scalars_load(tmp_path, protocol, old_numpy_name):
+    write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(7))
+    content, labels = _numpy_scalar_batch(protocol, old_numpy_name)
+    (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(content)
+    data = load_dataset("cifar10", root=tmp_path)
+    assert data.labels[-2:].tolist() == labels
+
+
+class _RunsAShellCommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("payload", ["os.system", "builtins.eval", "numpy.load"])
+def test_a_malicious_pickle_is_refused_and_nothing_runs(tmp_path, payload):
+    write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(8))
+    marker = tmp_path / "pwned"
+    gadget = {"os.system": _RunsAShellCommand(marker),
+              "builtins.eval": _Reduce(eval, (f"open({str(marker)!r}, 'w')",)),
+              "numpy.load": _Reduce(np.load, (str(marker),))}[payload]
+    content = pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "labels": [np.int64(0), gadget]}, protocol=2)
+    (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(content)
+    with pytest.raises(ValueError, match="refusing to load the global"):
+        load_dataset("cifar10", root=tmp_path)
+    assert not marker.exists()
+
+
+class _Reduce:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args

@@ -22,7 +22,7 @@ are parsed directly.  Both paths give identical tensors.
 from .cifar import read_cifar10, read_cifar100
 from .common import (DEFAULT_DATA_ROOT, ENV_DATA_ROOT, ENV_NO_TORCHVISION, RawData, data_root, name_list,
                      torchvision_datasets)
-from .idx import read_emnist, read_idx, read_mnist
+from .idx import EMNIST_CLASSES, read_emnist, read_idx, read_mnist
 from .image_folder import OFFICE_CALTECH, PACS, VLCS, ImageFolderLayout, read_image_folder
 from .leaf import read_femnist
 from .mixed import mix
@@ -31,6 +31,6 @@ from .svhn import read_svhn
 __all__ = [
     "DEFAULT_DATA_ROOT", "ENV_DATA_ROOT", "ENV_NO_TORCHVISION", "RawData", "data_root", "name_list",
     "torchvision_datasets",
-    "read_idx", "read_mnist", "read_emnist", "read_cifar10", "read_cifar100", "read_svhn", "read_femnist",
+    "EMNIST_CLASSES", "read_idx", "read_mnist", "read_emnist", "read_cifar10", "read_cifar100", "read_svhn", "read_femnist",
     "ImageFolderLayout", "PACS", "VLCS", "OFFICE_CALTECH", "read_image_folder", "mix",
 ]

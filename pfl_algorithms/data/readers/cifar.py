@@ -7,8 +7,9 @@ Each batch is a Python 2 pickle of a dict: ``data`` [n, 3072] uint8 (the red, gr
 32x32 planes of each image), ``labels`` (CIFAR-10) or ``fine_labels`` and ``coarse_labels``
 (CIFAR-100).  The meta files hold ``label_names`` (CIFAR-10) or ``fine_label_names`` and
 ``coarse_label_names``.  Like torchvision they are unpickled with ``encoding="latin1"``; keys
-written as bytes are accepted too.  The unpickler only builds numpy arrays and plain Python
-values, so a tampered file cannot run code.  CIFAR-100's coarse labels are read from the
+written as bytes are accepted too.  The unpickler only builds numpy arrays, numpy scalars
+(labels written as ``np.int64`` values) and plain Python values, so a tampered file cannot
+run code.  CIFAR-100's coarse labels are read from the
 pickles on both paths (torchvision's class ignores them).
 """
 from __future__ import annotations
@@ -27,18 +28,24 @@ CIFAR10_HOW = ("download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz
 CIFAR100_HOW = ("download https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz and extract it in the data root, "
                 "or pass download=True where torchvision is installed and a network is reachable")
 
-# The globals a CIFAR pickle needs: numpy's array reconstruction (both module names numpy
-# has used) and the codec Python 3 uses for bytes in protocol-2 pickles.
-_ALLOWED_GLOBALS = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+# The globals a CIFAR pickle needs: numpy's array and scalar reconstruction (under both
+# module names numpy has used: numpy.core before 2.0, numpy._core since; ``_frombuffer`` is
+# how protocol 5 writes arrays), the dtype objects they take, and the codec Python 3 uses for
+# bytes in protocol-2 pickles.  None of them calls anything the file names: they only copy
+# bytes into a value of the given dtype, and an object dtype's items must themselves be built
+# from these globals.
+_ALLOWED_GLOBALS = {(f"{package}.multiarray", name) for package in ("numpy.core", "numpy._core")
+                    for name in ("_reconstruct", "scalar")}
+_ALLOWED_GLOBALS |= {(f"{package}.numeric", "_frombuffer") for package in ("numpy.core", "numpy._core")}
+_ALLOWED_GLOBALS |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
 
 class _ArrayUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) not in _ALLOWED_GLOBALS:
             raise pickle.UnpicklingError(f"refusing to load the global {module}.{name}")
-        if module == "numpy.core.multiarray" and hasattr(np, "_core"):
-            module = "numpy._core.multiarray"  # numpy 2 moved it; the old name warns
+        if module.startswith("numpy.core.") and hasattr(np, "_core"):
+            module = "numpy._core." + module[len("numpy.core."):]  # numpy 2 moved them; the old name warns
         return super().find_class(module, name)
 
 

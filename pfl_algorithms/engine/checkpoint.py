@@ -1,0 +1,91 @@
+"""The checkpoint file: a one-line header with the SHA-256 of what follows, then the state as
+``torch.save`` writes it.
+
+    pfl-checkpoint {"sha256": "<hex digest of the payload>", "size": <payload bytes>, "version": 1}\\n
+    <payload: torch.save of a dict of dicts, lists, tensors, numbers and strings>
+
+Reading checks the header, then the digest (so a flipped byte anywhere in the payload is
+refused, instead of resuming with different numbers), then unpickles with
+``torch.load(weights_only=True)``, which builds only tensors and plain containers: a file
+crafted to run code when unpickled is refused, whatever its header says.  Everything a
+checkpoint holds is saved as such plain values for that reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..atomic_io import atomic_write_bytes
+
+MAGIC = b"pfl-checkpoint "
+VERSION = 1
+_HEADER_LIMIT = 4096  # bytes searched for the header's end: a longer first line is not ours
+
+
+def write_checkpoint(path, state: dict) -> None:
+    """Save ``state`` (plain containers, numbers, strings and tensors) to ``path`` atomically,
+    under a header holding its SHA-256."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    header = {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload), "version": VERSION}
+    atomic_write_bytes(path, MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
+
+
+def _header(path: Path, data: bytes) -> dict:
+    end = data.find(b"\n", 0, _HEADER_LIMIT)
+    if not data.startswith(MAGIC) or end < 0:
+        raise ValueError(f"{path}: not a pfl checkpoint (it lacks the 'pfl-checkpoint' header line: a file from "
+                         f"an older pfl, or not a checkpoint at all); refusing to load it")
+    try:
+        header = json.loads(data[len(MAGIC):end])
+        if header["version"] != VERSION:
+            raise ValueError(f"format version {header['version']!r}, this pfl reads {VERSION}")
+        digest, size = str(header["sha256"]), int(header["size"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: unreadable checkpoint header ({error}); refusing to load it") from None
+    return {"sha256": digest, "size": size, "start": end + 1}
+
+
+def _refusal_reason(error: Exception) -> str:
+    """The line of torch's (multi-paragraph) weights_only message that says what was refused."""
+    for line in str(error).splitlines():
+        line = re.sub(r"^.*WeightsUnpickler error:\s*", "", line).strip()
+        if line and not line.startswith(("Weights only load failed", "Check the documentation")):
+            return line
+    return type(error).__name__
+
+
+def read_checkpoint(path) -> dict:
+    """The state saved by :func:`write_checkpoint` at ``path``.
+
+    Raises:
+        ValueError: naming the file, when it has no valid header, when its content does not
+            match the header's SHA-256 (corrupted), or when it holds anything but tensors,
+            plain containers, numbers and strings (nothing in it is executed).
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    header = _header(path, data)
+    payload = memoryview(data)[header["start"]:]
+    if len(payload) != header["size"]:
+        raise ValueError(f"{path}: corrupt checkpoint: {len(payload)} bytes of content, the header says "
+                         f"{header['size']} (truncated or extended); refusing to load it")
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest != header["sha256"]:
+        raise ValueError(f"{path}: corrupt checkpoint: the SHA-256 of its content is {digest[:16]}..., the header "
+                         f"says {header['sha256'][:16]}... (changed since it was written); refusing to load it")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as error:  # weights_only refuses with UnpicklingError; a crafted zip may fail otherwise
+        raise ValueError(f"{path}: refusing to load the checkpoint: it holds something other than tensors, "
+                         f"numbers, strings and containers ({_refusal_reason(error)}); nothing in it was "
+                         f"run") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a pfl checkpoint (it holds a {type(state).__name__}, not a dict)")
+    return state

@@ -1,0 +1,179 @@
+"""--out protection: a run writes only into a new, empty or its own directory, holds a lock
+on it for the whole run, reports a file or unwritable path before any data loads, and
+creates its files with the user's umask."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pfl_algorithms import runner
+from pfl_algorithms.cli import main
+from pfl_algorithms.runner import run
+from tests.algorithms.test_cli import TINY, tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def no_data_loads(monkeypatch):
+    """Fail the test if a dataset is loaded (the --out checks must come first)."""
+    loaded = []
+
+    def load_run_data(*args, **kwargs):
+        loaded.append(args)
+        raise AssertionError("the dataset was loaded before the --out checks")
+
+    monkeypatch.setattr(runner, "load_run_data", load_run_data)
+    return loaded
+
+
+def one_line_error(capsys, *fragments) -> str:
+    """The command's stderr, checked to be one ``pfl: error:`` line holding ``fragments``."""
+    err = capsys.readouterr().err
+    assert err.startswith("pfl: error: ") and err.count("\n") == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
+@pytest.mark.parametrize("files", [{"config.json": '{"mine": 1}\n'}, {"notes.txt": "my notes\n"},
+                                   {".hidden": "x"}])
+@pytest.mark.parametrize("flag", [[], ["--overwrite"], ["--resume"]])
+def test_a_directory_that_is_not_a_run_is_never_written(tmp_path, capsys, no_data_loads, files, flag):
+    out = tmp_path / "mine"
+    out.mkdir()
+    for name, text in files.items():
+        (out / name).write_text(text)
+    assert main(["run", "fedavg", *TINY, "--out", str(out), *flag]) == 2
+    one_line_error(capsys, str(out))
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    assert all((out / name).read_text() == text for name, text in files.items())
+    assert not no_data_loads
+
+
+@pytest.mark.parametrize("where", ["file", "below a file"])
+def test_an_out_path_that_is_a_file_is_one_line_before_data_loads(tmp_path, capsys, no_data_loads, where):
+    file = tmp_path / "results.txt"
+    file.write_text("keep me\n")
+    out = file if where == "file" else file / "run"
+    assert main(["run", "fedavg", *TINY, "--out", str(out)]) == 2
+    one_line_error(capsys, str(out))
+    assert file.read_text() == "keep me\n" and not no_data_loads
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only directories")
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_read_only_out_is_one_line_before_data_loads(tmp_path, capsys, no_data_loads, exists):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    out = parent if exists else parent / "run"
+    parent.chmod(0o555)
+    try:
+        assert main(["run", "fedavg", *TINY, "--out", str(out)]) == 2
+    finally:
+        parent.chmod(0o755)
+    one_line_error(capsys, str(out), "cannot be written")
+    assert not no_data_loads
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_an_unwritable_out_is_one_line_before_data_loads(tmp_path, capsys, monkeypatch, no_data_loads, exists):
+    """The read-only case as root (who may write anywhere but on a read-only mount): every
+    attempt to create a file or folder under ``out`` fails with EROFS."""
+    out = tmp_path / "ro"
+    if exists:
+        out.mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def refuse(real):
+        def call(path, *args, **kwargs):
+            if str(path).startswith(str(out)):
+                raise OSError(30, "Read-only file system", str(path))
+            return real(path, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "open", refuse(real_open))
+    monkeypatch.setattr(os, "mkdir", refuse(real_mkdir))
+    assert main(["run", "fedavg", *TINY, "--out", str(out)]) == 2
+    monkeypatch.undo()
+    one_line_error(capsys, str(out), "cannot be written", "Read-only file system")
+    assert not no_data_loads
+
+
+def test_a_second_run_into_a_locked_directory_fails_at_once(tmp_path, capsys):
+    """While a run goes on, another run into its directory (fresh or --resume) is refused."""
+    out = tmp_path / "r"
+    errors = []
+
+    def start_another(record):
+        if record["round"] == 0:
+            errors.append(main(["run", "fedavg", *TINY, "--out", str(out)]))
+            errors.append(main(["run", "fedavg", *TINY, "--out", str(out), "--overwrite"]))
+            errors.append(capsys.readouterr().err)
+
+    run(tiny_config(), out, progress=False, on_round=start_another)
+    assert errors[:2] == [2, 2]
+    assert errors[2].count("is in use by another pfl run") == 2 and str(out) in errors[2]
+    assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_a_second_process_cannot_resume_a_running_run(tmp_path):
+    """Another process's ``pfl run --resume`` on a directory a run is writing fails at once
+    (it used to resume too, and the two interleaved their metrics)."""
+    out = tmp_path / "r"
+    seen = []
+
+    def resume_from_another_process(record):
+        if record["round"] == 1:  # the checkpoint of round 0 exists
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            seen.append(subprocess.run([sys.executable, "-m", "pfl_algorithms", "run", "fedavg", *TINY, "--out",
+                                        str(out), "--resume"], capture_output=True, text=True, env=env, cwd=ROOT))
+
+    run(tiny_config(checkpoint_every=1), out, progress=False, on_round=resume_from_another_process)
+    other = seen[0]
+    assert other.returncode == 2, other.stderr
+    assert "is in use by another pfl run" in other.stderr and str(out) in other.stderr
+    assert other.stderr.count("\n") == 1
+    assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_a_failed_start_leaves_nothing_behind(tmp_path, capsys):
+    out = tmp_path / "new" / "r"
+    assert main(["run", "fedavg", "--dataset", "mnist", "--data-root", str(tmp_path / "nothing"), "--quiet",
+                 "--out", str(out)]) == 2
+    assert "nothing" in capsys.readouterr().err
+    assert not out.exists()
+    # ... and an existing empty directory stays empty.
+    out.mkdir()
+    assert main(["run", "fedavg", "--dataset", "mnist", "--data-root", str(tmp_path / "nothing"), "--quiet",
+                 "--out", str(out)]) == 2
+    assert list(out.iterdir()) == []
+
+
+def test_an_empty_directory_is_accepted(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    run(tiny_config(rounds=1), out, progress=False)
+    identity = json.loads((out / "run.json").read_text())
+    assert identity["format"] == "pfl-run" and len(identity["run_id"]) == 32 and identity["created"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_run_files_follow_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        run(tiny_config(rounds=2), tmp_path / "r", progress=False)
+    finally:
+        os.umask(old)
+    paths = [tmp_path / "r", *(tmp_path / "r").rglob("*")]
+    assert {p.name for p in paths} >= {"config.json", "partition.json", "metrics.jsonl", "summary.json",
+                                       "checkpoint.pt"}
+    for path in paths:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, (path, oct(path.stat().st_mode))
