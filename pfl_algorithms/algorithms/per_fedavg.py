@@ -5,7 +5,9 @@ Each local step draws batches D, D' (and D'' for the Hessian-free variant) and m
     w ← w − β (I − α ∇²f(w; D'')) ∇f(w − α ∇f(w; D); D')        (Eq. 8; HF)
     w ← w − β ∇f(w − α ∇f(w; D); D')                             (first order, FO)
 
-with α the inner step (``alpha``) and β the run's learning rate (plain SGD, no momentum).
+with α the inner step (``alpha``, plain gradient descent) and the outer step taken by the
+run's optimizer at its learning rate β (as every method's local step is; plain SGD, as in the
+paper, with ``--momentum 0``).
 The Hessian-vector product is exact (double backward through the model) or, with
 ``hvp='finite-difference'``, the paper's estimate (∇f(w + δg; D'') − ∇f(w − δg; D''))/(2δ).
 A client is evaluated after one step of SGD at lr α from the global model on its own data.
@@ -81,8 +83,7 @@ class PerFedAvg(FedAvg):
 
     def plan(self, client):
         steps = 3 if self.settings.variant == "hf" else 2
-        return (Phase(gradient=maml_gradient(self.settings), batches_per_step=steps, optimizer="sgd",
-                      optimizer_settings=PLAIN_SGD),)
+        return (Phase(gradient=maml_gradient(self.settings), batches_per_step=steps),)
 
     def evaluation(self, client):
         adapt = Phase(steps=1, optimizer="sgd", lr=self.settings.alpha, optimizer_settings=PLAIN_SGD)

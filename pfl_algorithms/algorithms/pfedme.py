@@ -7,7 +7,8 @@ step),
 
     θ ← argmin_θ f(θ; D) + (λ/2)‖θ − w‖²,
 
-then moves its local model w ← w − η λ (w − θ) (η the run's learning rate, plain SGD).
+then moves its local model w ← w − η λ (w − θ): the run's optimizer steps w along λ(w − θ)
+at its learning rate η (plain SGD, as in the paper, with ``--momentum 0``).
 The server averages the local models weighted by data size and mixes them into the global
 model with β: w ← (1 − β) w + β Σ_i (n_i / n) w_i (Algorithm 1).  Clients are evaluated
 with their personal models θ (the paper's personalized accuracy).
@@ -66,7 +67,7 @@ class PFedMe(FedAvg):
         return {"personal": StateSpec(init="params")}
 
     def plan(self, client):
-        return (Phase(gradient=moreau_gradient(self.settings), optimizer="sgd", optimizer_settings={"momentum": 0.0}),)
+        return (Phase(gradient=moreau_gradient(self.settings)),)
 
     def aggregate(self, round_, uploads):
         if not uploads:

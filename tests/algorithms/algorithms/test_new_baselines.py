@@ -70,7 +70,7 @@ def test_fedrep_trains_the_head_then_the_body_each_with_its_own_momentum():
 def test_per_fedavg_step_is_the_maml_update(variant, hvp):
     alpha, beta = 0.05, 0.1
     algo = PerFedAvg(alpha=alpha, variant=variant, hvp=hvp, delta=1e-5)
-    fed = make_federation(algo, steps=1, optimizer_settings={"lr": beta, "momentum": 0.9})  # the step takes no momentum
+    fed = make_federation(algo, steps=1, optimizer_settings={"lr": beta, "momentum": 0.9})  # 1 step: no momentum yet
     f = loss_fn(fed, 0)
     w = row(fed, 0).clone()
     batches = list(client_batches(fed.clients[0].train, phase_schedule(algo.plan(0)[0], fed.settings.schedule),
@@ -108,7 +108,7 @@ def test_per_fedavg_evaluates_after_one_step_from_the_global_model():
 def test_pfedme_step_solves_the_moreau_problem_then_moves_w():
     lam, plr, k, eta, beta = 2.0, 0.05, 3, 0.1, 0.7
     algo = PFedMe(lam=lam, personal_lr=plr, inner_steps=k, beta=beta)
-    fed = make_federation(algo, steps=2, optimizer_settings={"lr": eta, "momentum": 0.9})
+    fed = make_federation(algo, steps=2, optimizer_settings={"lr": eta})  # plain SGD, as in the paper
     cohort = fed.cohorts[0]
     global_before = {g: v.clone() for g, v in algo.global_model.items()}
     want = []
