@@ -15,7 +15,7 @@ import torch
 
 from pfl_algorithms.engine.checkpoint import read_checkpoint
 
-ROUNDS = 12
+ROUNDS = 8
 ARGS = ["--dataset", "digits", "--clients", "6", "--rounds", str(ROUNDS), "--quiet"]
 CASES = {"pfedme": ["--set", "inner_steps=2"], "fedrep": ["--set", "optimizer_state=keep", "--set", "head_epochs=1"]}
 
