@@ -23,9 +23,11 @@ import torch
 from benchmarks import _common as common
 from benchmarks import plain_fedavg_loop
 from benchmarks._common import Shape
-from pfl_algorithms.algorithms import FedAvg
-from pfl_algorithms.engine.federation import ClientData, EngineSettings, Federation, run_round
+from pfl_algorithms.algorithms.fedavg import FedAvg
+from pfl_algorithms.data.partition import ClientSplit
+from pfl_algorithms.engine.federation import EngineSettings
 from pfl_algorithms.engine.local import LocalSchedule
+from pfl_algorithms.engine.rounds import federation_for, run_round
 from pfl_algorithms.models import build_model
 
 CLIENTS, SAMPLES, BATCH, LR = (plain_fedavg_loop.CLIENTS, plain_fedavg_loop.SAMPLES, plain_fedavg_loop.BATCH,
@@ -45,13 +47,12 @@ def job():
 
 def engine_round():
     inputs, labels, model = job()
-    clients = [ClientData(train=torch.arange(k * SAMPLES, (k + 1) * SAMPLES), val=torch.empty(0, dtype=torch.int64),
-                          test=torch.empty(0, dtype=torch.int64)) for k in range(CLIENTS)]
+    clients = [ClientSplit(train=torch.arange(k * SAMPLES, (k + 1) * SAMPLES), val=torch.empty(0, dtype=torch.int64),
+                           test=torch.empty(0, dtype=torch.int64)) for k in range(CLIENTS)]
     settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer_settings={"lr": LR, "momentum": 0.0},
                               schedule=LocalSchedule(batch_size=BATCH, epochs=1))
-    fed = Federation(model, inputs, labels, clients, settings)
     algorithm = FedAvg()
-    algorithm.setup(fed)
+    fed = federation_for(algorithm, model, inputs, labels, clients, settings)
     state = {"round": 0}
 
     def fn():

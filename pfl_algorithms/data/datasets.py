@@ -202,7 +202,6 @@ class DatasetSpec:
         loader: ``loader(root, seed, **options) -> ArrayDataset``.
         defaults: the options the loader accepts and their defaults (their declared types
             are the hints of the loader's keyword-only parameters).
-        available: False for names whose reader is not implemented yet.
         size_option: for synthetic data, the option that says how many samples to
             generate (``run_data.load_run_data`` sets it from ``samples_per_client``).
     """
@@ -211,7 +210,6 @@ class DatasetSpec:
     description: str
     loader: Callable[..., ArrayDataset]
     defaults: dict = field(default_factory=dict)
-    available: bool = True
     size_option: Optional[str] = None
 
 
@@ -428,8 +426,7 @@ def load_dataset(name: str, *, root=None, seed: int = 0, **options) -> ArrayData
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid datasets: {sorted(DATASETS)}")
     spec = DATASETS[name]
-    if spec.available:
-        unknown = sorted(set(options) - set(spec.defaults))
-        if unknown:
-            raise ValueError(f"dataset {name!r} got unknown options {unknown}; valid options: {sorted(spec.defaults)}")
+    unknown = sorted(set(options) - set(spec.defaults))
+    if unknown:
+        raise ValueError(f"dataset {name!r} got unknown options {unknown}; valid options: {sorted(spec.defaults)}")
     return spec.loader(root, seed, **options)

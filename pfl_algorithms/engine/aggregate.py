@@ -22,11 +22,3 @@ def average_rows(rows: torch.Tensor, weights: torch.Tensor, *, out: Optional[tor
     result = weighted_average(weights.to(device=rows.device, dtype=acc)[None], rows,
                               out=None if out is None else out[None])
     return result[0]
-
-
-def sender_weights(num_clients: int, senders: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """[K] float64 weights n_i / Σ n over ``senders`` (0 for every other client)."""
-    weights = torch.zeros(num_clients, dtype=torch.float64)
-    chosen = sizes[senders].to(torch.float64)
-    weights[senders] = chosen / chosen.sum()
-    return weights
