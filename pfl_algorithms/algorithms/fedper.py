@@ -16,4 +16,4 @@ class FedPer(FedAvg):
     @classmethod
     def check_config(cls, config) -> None:
         if config.keep_head_local is False:
-            raise ValueError("fedper keeps the head local by definition: keep_head_local=False conflicts with it")
+            raise ValueError(f"{cls.name} keeps the head local by definition: keep_head_local=False conflicts with it")

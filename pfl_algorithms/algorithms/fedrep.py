@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..api import NonNegativeInt, Phase
-from .fedavg import FedAvg
+from .fedper import FedPer
 
 
 @dataclass(frozen=True)
@@ -18,20 +18,12 @@ class FedRepSettings:
     head_epochs: NonNegativeInt = 10  # the released code's local_ep - local_rep_ep (11 - 1)
 
 
-class FedRep(FedAvg):
-    """Head phase, then body phase; share the body."""
+class FedRep(FedPer):
+    """FedPer's sharing (the body; every head stays with its client), trained head first."""
 
     name = "fedrep"
     description = "each round: train the local head (body fixed), then the body (head fixed); average the body"
     Settings = FedRepSettings
-
-    def local_groups(self, *, keep_head_local):
-        return {"head"}
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        if config.keep_head_local is False:
-            raise ValueError("fedrep keeps the head local by definition: keep_head_local=False conflicts with it")
 
     def plan(self, client):
         return (Phase(groups=("head",), epochs=self.settings.head_epochs, state="head"),

@@ -9,7 +9,7 @@ import torch
 from pfl_algorithms.cli import main
 from pfl_algorithms.config import RunConfig, apply_sets, check
 from pfl_algorithms.engine.checkpoint import read_checkpoint
-from tests.algorithms.engine.test_executors import assert_same
+from tests.algorithms.state_checks import assert_same
 from pfl_algorithms.runner import run
 
 TINY = ["--dataset", "gaussian-mixture", "--model", "mlp", "--scenario", "dirichlet", "--clients", "4",

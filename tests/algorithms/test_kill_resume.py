@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
-import torch
 
 from pfl_algorithms.engine.checkpoint import read_checkpoint
+from tests.algorithms.state_checks import assert_same
 
 ROUNDS = 8
 ARGS = ["--dataset", "digits", "--clients", "6", "--rounds", str(ROUNDS), "--quiet"]
@@ -35,21 +35,6 @@ def metric_lines(out) -> list[dict]:
         except ValueError:
             break  # the line a kill cut
     return lines
-
-
-def assert_same(a, b, path="checkpoint"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, path
 
 
 @pytest.mark.parametrize("algorithm", sorted(CASES))

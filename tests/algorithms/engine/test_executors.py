@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
 from pfl_algorithms.engine.executors import make_executor
 from pfl_algorithms.engine.rounds import run_round
 
 from ..algorithms.federation_cases import make_federation
+from ..state_checks import assert_same
 
 
 def run(name, executor, workers):
@@ -19,21 +19,6 @@ def run(name, executor, workers):
     for r in records:
         r.pop("wall_s")
     return records, fed.state_dict(), algo.state_dict()
-
-
-def assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), path
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))

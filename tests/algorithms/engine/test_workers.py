@@ -9,7 +9,7 @@ from pfl_algorithms.config import RunConfig, check
 from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.runner import build
 
-from .test_executors import assert_same
+from ..state_checks import assert_same
 
 pytest.importorskip("sklearn")  # the digits ship inside scikit-learn
 
