@@ -18,16 +18,18 @@ from torch.nn import functional as F
 from ..ops import project_simplex_
 from ..ops._checks import positive_int
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
+from ._read_only import RebuiltAttributes, read_only
 
 SIMPLEX_MODES = ("softmax", "project")
 
 
-class _MultiBranchMixin:
+class _MultiBranchMixin(RebuiltAttributes):
     """Parameters, α on the simplex and the combined weight, shared by both layers."""
 
     branch_weight: nn.Parameter
     branch_bias: Optional[nn.Parameter]
     alpha_param: nn.Parameter
+    _rebuilt_attributes = ("weight", "bias")
 
     def _init_parameters(self, shape, branches, simplex, bias, device, dtype) -> None:
         if simplex not in SIMPLEX_MODES:
@@ -68,15 +70,29 @@ class _MultiBranchMixin:
 
     @property
     def weight(self) -> torch.Tensor:
-        """Σ_b α_b W_b, in the shape of the dense layer's weight."""
-        return torch.ops.pfl.branch_combine(self.branch_weight, self.alpha)
+        """Σ_b α_b W_b, in the shape of the dense layer's weight.
+
+        Read-only: it is rebuilt on every access, so writing to it (``nn.init.*_``,
+        ``.zero_()``, ``.data = ...``, assigning it) raises ``ReadOnlyWeightError``;
+        initialise ``branch_weight`` and ``alpha_param`` instead.
+        """
+        return read_only(torch.ops.pfl.branch_combine(self.branch_weight, self.alpha), self._write_error("weight"))
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
-        """Σ_b α_b bias_b, or None without bias."""
+        """Σ_b α_b bias_b, or None without bias (read-only, as ``weight``)."""
         if self.branch_bias is None:
             return None
-        return torch.ops.pfl.branch_combine(self.branch_bias, self.alpha)
+        return read_only(torch.ops.pfl.branch_combine(self.branch_bias, self.alpha), self._write_error("bias"))
+
+    def _write_error(self, name: str) -> str:
+        cls = type(self).__name__
+        branches = "branch_weight" if name == "weight" else "branch_bias"
+        return (f"{cls}.{name} is the sum over b of alpha_b * {branches}[b], rebuilt on every access, so "
+                f"writing to it would change nothing; initialise the branches instead: reset_parameters(), "
+                f"{cls}.from_dense(dense_layer), or write layer.{branches} (and layer.alpha_param) under "
+                f"torch.no_grad() (e.g. layer.{branches}.copy_(value.expand_as(layer.{branches}))); "
+                f"for a copy you can write to, use layer.{name}.detach().clone()")
 
     def _combined(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         # The ops themselves, not the validating wrappers (shapes are fixed at construction
@@ -115,7 +131,8 @@ class MultiBranchConv2d(_MultiBranchMixin, nn.Module):
     """``nn.Conv2d`` whose weight and bias are convex combinations of B branches (pFedMB Eq. 1–2).
 
     Takes every ``nn.Conv2d`` argument with the same meaning, plus ``branches`` (B >= 1) and
-    ``simplex`` ('softmax' or 'project').  ``weight``, ``bias`` and ``alpha`` are properties.
+    ``simplex`` ('softmax' or 'project').  ``weight``, ``bias`` and ``alpha`` are properties
+    (writing to ``weight`` or ``bias`` raises ``ReadOnlyWeightError``).
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
