@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..ops import project_simplex_
+from ._convertible import check_allow_subclasses, check_convertible
 from .factorized import FactorizedConv2d, FactorizedLinear
 from .multibranch import MultiBranchConv2d, MultiBranchLinear
 
@@ -30,7 +31,7 @@ def _check_exclude(model: nn.Module, exclude: Iterable[str]) -> set[str]:
 
 
 def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", sparse: bool = True,
-              exclude: Iterable[str] = ()) -> nn.Module:
+              exclude: Iterable[str] = (), allow_subclasses=False) -> nn.Module:
     """Replace every ``nn.Conv2d`` and ``nn.Linear`` of ``model`` (at any depth) in place.
 
     Each layer becomes ``FactorizedConv2d.from_dense`` / ``FactorizedLinear.from_dense``
@@ -43,40 +44,51 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
             linears always use 'linear'.
         exclude: qualified module names (as in ``model.named_modules()``) to leave dense,
             e.g. the classifier; a module inside an excluded one is left dense too.
+        allow_subclasses: convert subclasses of Conv2d/Linear that override ``forward``
+            (refused by default, since the factorized layer computes the base class's
+            function): True for all, or a class or classes to accept exactly those.
 
     Returns:
         ``model`` itself.
 
     Raises:
         ValueError: a name in ``exclude`` that the model does not have; ``model`` itself a
-            Conv2d/Linear.
+            Conv2d/Linear; a module that cannot be replaced exactly (a subclass overriding
+            ``forward`` not allowed by ``allow_subclasses``, parametrizations, hooks, an
+            uninitialised lazy module), named with its class.  Nothing is changed when it raises.
     """
     def make(module):
         if isinstance(module, nn.Conv2d):
-            return FactorizedConv2d.from_dense(module, rank=rank, layout=layout, sparse=sparse)
-        return FactorizedLinear.from_dense(module, rank=rank, sparse=sparse)
+            return FactorizedConv2d.from_dense(module, rank=rank, layout=layout, sparse=sparse,
+                                               allow_subclasses=allow_subclasses)
+        return FactorizedLinear.from_dense(module, rank=rank, sparse=sparse, allow_subclasses=allow_subclasses)
 
-    return _convert(model, exclude, make, "FactorizedConv2d.from_dense or FactorizedLinear.from_dense")
+    return _convert(model, exclude, allow_subclasses, make, "FactorizedConv2d.from_dense or FactorizedLinear.from_dense")
 
 
-def _convert(model: nn.Module, exclude: Iterable[str], make, from_dense_names: str) -> nn.Module:
-    """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place."""
+def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make, from_dense_names: str) -> nn.Module:
+    """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place.  Checks
+    every module first, so nothing changes when it raises."""
     if isinstance(model, (nn.Conv2d, nn.Linear)):
         raise ValueError(f"model is itself a Conv2d/Linear; use {from_dense_names} on it")
+    check_allow_subclasses(allow_subclasses)
     exclude = _check_exclude(model, exclude)
-    targets = []
+    found = []
     for name, module in model.named_modules():
         if not name or any(name == e or name.startswith(e + ".") for e in exclude):
             continue
         if isinstance(module, (nn.Conv2d, nn.Linear)):
-            targets.append((name, make(module)))
+            kind = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
+            check_convertible(module, kind, allow_subclasses=allow_subclasses, where=repr(name))
+            found.append((name, module))
+    targets = [(name, make(module)) for name, module in found]
     for name, new in targets:
         _replace(model, name, new)
     return model
 
 
 def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", shared_alpha: bool = False,
-                exclude: Iterable[str] = (), noise: float = 0.0) -> nn.Module:
+                exclude: Iterable[str] = (), noise: float = 0.0, allow_subclasses=False) -> nn.Module:
     """Replace every ``nn.Conv2d`` and ``nn.Linear`` of ``model`` by its multi-branch version, in place.
 
     Each layer becomes ``MultiBranchConv2d.from_dense`` / ``MultiBranchLinear.from_dense`` of
@@ -88,19 +100,20 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
             every converted layer then holds the same ``alpha_param`` Parameter.
         exclude: qualified module names to leave dense (their children too).
         noise: symmetry-breaking noise of the branches, relative to each weight's std.
+        allow_subclasses: as for ``factorize``.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        ValueError: unknown names in ``exclude``; ``model`` itself a Conv2d/Linear; bad
-            branches/simplex/noise.
+        ValueError: bad branches/simplex/noise; and every error of ``factorize``.
     """
     def make(module):
         kind = MultiBranchConv2d if isinstance(module, nn.Conv2d) else MultiBranchLinear
-        return kind.from_dense(module, branches=branches, noise=noise, simplex=simplex)
+        return kind.from_dense(module, branches=branches, noise=noise, simplex=simplex,
+                               allow_subclasses=allow_subclasses)
 
-    _convert(model, exclude, make, "MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense")
+    _convert(model, exclude, allow_subclasses, make, "MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense")
     layers = multibranch_layers(model)
     if shared_alpha and layers:
         shared = layers[0].alpha_param

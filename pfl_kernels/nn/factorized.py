@@ -18,6 +18,7 @@ from .._layout import LAYOUTS, layout_geometry
 from ..ops._checks import positive_int
 from ..reference.factorized import unplace
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
+from ._convertible import check_convertible
 from ._read_only import RebuiltAttributes, read_only
 
 
@@ -153,14 +154,20 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Conv2d, *, rank: int = 1, layout: str = "spatial",
-                   sparse: bool = True) -> "FactorizedConv2d":
+                   sparse: bool = True, allow_subclasses=False) -> "FactorizedConv2d":
         """A factorized copy of ``module``: u, v the best rank-r part of its weight (SVD), μ the rest.
 
         With sparse=True the new layer computes the same function as ``module``; with
         sparse=False it keeps only the rank-r approximation.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Conv2d``.
+            ValueError: ``module`` computes something the new layer would not: a subclass
+                overriding ``forward`` (unless ``allow_subclasses`` is True or holds its
+                class), parametrizations, hooks, or lazy uninitialised parameters (see
+                ``factorize``).
         """
-        if not isinstance(module, nn.Conv2d):
-            raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
+        check_convertible(module, nn.Conv2d, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, rank=rank, layout=layout,
                     sparse=sparse)
@@ -189,10 +196,11 @@ class FactorizedLinear(_FactorizedMixin, nn.Module):
         return F.linear(input, self._reconstructed_weight(), self.bias)
 
     @classmethod
-    def from_dense(cls, module: nn.Linear, *, rank: int = 1, sparse: bool = True) -> "FactorizedLinear":
-        """A factorized copy of ``module`` (exact with sparse=True; see FactorizedConv2d.from_dense)."""
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
+    def from_dense(cls, module: nn.Linear, *, rank: int = 1, sparse: bool = True,
+                   allow_subclasses=False) -> "FactorizedLinear":
+        """A factorized copy of ``module`` (exact with sparse=True; the arguments and errors of
+        FactorizedConv2d.from_dense)."""
+        check_convertible(module, nn.Linear, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*linear_arguments(module), device=w.device, dtype=w.dtype, rank=rank, sparse=sparse)
         layer._load_dense(module)

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from ..ops import project_simplex_
 from ..ops._checks import positive_int
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
+from ._convertible import check_convertible
 from ._read_only import RebuiltAttributes, read_only
 
 SIMPLEX_MODES = ("softmax", "project")
@@ -148,14 +149,20 @@ class MultiBranchConv2d(_MultiBranchMixin, nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Conv2d, *, branches: int = 2, noise: float = 0.0,
-                   simplex: str = "softmax") -> "MultiBranchConv2d":
+                   simplex: str = "softmax", allow_subclasses=False) -> "MultiBranchConv2d":
         """A multi-branch copy of ``module``: every branch starts as its weight (and bias).
 
         With noise=0 the layer computes the dense function (up to rounding of Σ α_b = 1);
         noise > 0 adds Gaussian noise of std noise·std(weight) to each branch to break symmetry.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Conv2d``.
+            ValueError: a bad noise; ``module`` computes something the new layer would not:
+                a subclass overriding ``forward`` (unless ``allow_subclasses`` is True or holds
+                its class), parametrizations, hooks, or lazy uninitialised parameters (see
+                ``multibranch``).
         """
-        if not isinstance(module, nn.Conv2d):
-            raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
+        check_convertible(module, nn.Conv2d, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, branches=branches, simplex=simplex)
         layer._load_dense(module, noise)
@@ -180,10 +187,9 @@ class MultiBranchLinear(_MultiBranchMixin, nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Linear, *, branches: int = 2, noise: float = 0.0,
-                   simplex: str = "softmax") -> "MultiBranchLinear":
-        """A multi-branch copy of ``module`` (see ``MultiBranchConv2d.from_dense``)."""
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
+                   simplex: str = "softmax", allow_subclasses=False) -> "MultiBranchLinear":
+        """A multi-branch copy of ``module`` (the arguments and errors of ``MultiBranchConv2d.from_dense``)."""
+        check_convertible(module, nn.Linear, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*linear_arguments(module), device=w.device, dtype=w.dtype, branches=branches, simplex=simplex)
         layer._load_dense(module, noise)
