@@ -1,5 +1,5 @@
 """What the converters (factorize, multibranch) and from_dense refuse or keep: subclasses whose
-forward differs, parametrized / hooked / lazy modules."""
+forward differs, parametrized / hooked / lazy modules, shared modules and tied parameters."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pfl_kernels.nn import (FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, MultiBranchLinear, factorize,
-                            multibranch)
+from pfl_kernels.nn import (FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, MultiBranchLinear,
+                            alpha_parameters, branch_parameters, factorize, factorized_layers, multibranch,
+                            multibranch_layers, sparsity_loss)
 from tests.tolerances import assert_close
 
 CONVERTERS = {
@@ -149,3 +150,169 @@ def test_multihead_attention_out_proj_is_converted_and_computes_the_same(convert
     CONVERTERS[converter](model)
     assert isinstance(attention.out_proj, CONVERTED)
     assert_close(attention(x, x, x)[0], y, torch.float64, "output")
+
+
+# ---- shared modules --------------------------------------------------------------------
+
+class SharedTwice(nn.Module):
+    """One Linear registered under two names (named_modules() yields it once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(6, 6)
+        self.body = nn.Sequential(nn.Tanh(), self.first)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.body(self.first(x)))
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_a_shared_module_becomes_one_layer_under_every_name(converter):
+    torch.manual_seed(2)
+    model = SharedTwice().double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    y = model(x)
+    CONVERTERS[converter](model)
+    assert isinstance(model.first, CONVERTED) and model.body[1] is model.first
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert_close(model(x), y, torch.float64, "output")
+    layers = factorized_layers(model) + multibranch_layers(model)
+    assert len(layers) == 2
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_a_shared_module_excluded_under_one_name_only_is_refused(converter):
+    with pytest.raises(ValueError, match=r"'body\.1' and 'first' are the same Linear module, excluded under the "
+                                         "first name only; exclude both names or neither"):
+        CONVERTERS[converter](SharedTwice(), exclude=["body"])
+    model = CONVERTERS[converter](SharedTwice(), exclude=["first", "body.1"])
+    assert type(model.first) is nn.Linear and model.body[1] is model.first
+    assert isinstance(model.head, CONVERTED)
+
+
+# ---- tied parameters -------------------------------------------------------------------
+
+class TiedLinears(nn.Module):
+    """Two Linears sharing one weight Parameter (own biases), and a third sharing the second's bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(5, 5)
+        self.decoder = nn.Linear(5, 5)
+        self.decoder.weight = self.encoder.weight
+        self.extra = nn.Linear(7, 5)
+        self.extra.bias = self.decoder.bias
+
+    def forward(self, x, z):
+        return self.decoder(torch.tanh(self.encoder(x))) + self.extra(z)
+
+
+class TiedConvs(nn.Module):
+    """Weight sharing across scales: one kernel at stride 1 and stride 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fine = nn.Conv2d(3, 4, 3, padding=1)
+        self.coarse = nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False)
+        self.coarse.weight = self.fine.weight
+
+    def forward(self, x):
+        return self.fine(x).mean((2, 3)) + self.coarse(x).mean((2, 3))
+
+
+def _train_step(model, inputs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(*inputs).square().sum().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_tied_linears_stay_tied_through_training(converter):
+    torch.manual_seed(3)
+    model = TiedLinears().double()
+    inputs = (torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 7, dtype=torch.float64))
+    y = model(*inputs)
+    CONVERTERS[converter](model, **({"noise": 0.1} if converter == "multibranch" else {}))
+    if converter == "factorize":
+        assert_close(model(*inputs), y, torch.float64, "output")
+        shared = ("u", "v", "mu")
+        assert model.extra.bias is model.decoder.bias
+    else:
+        shared = ("branch_weight", "alpha_param")
+        # The bias tie links extra to decoder, and so to encoder: all three share one α.
+        assert model.extra.alpha_param is model.encoder.alpha_param
+        assert model.extra.branch_bias is model.decoder.branch_bias
+        assert model.encoder.branch_bias is not model.decoder.branch_bias
+    for attr in shared:
+        assert getattr(model.encoder, attr) is getattr(model.decoder, attr), attr
+    _train_step(model, inputs)
+    assert torch.equal(model.encoder.weight, model.decoder.weight)
+    assert torch.equal(model.extra.bias, model.decoder.bias)
+    assert not torch.equal(model.encoder.bias, model.decoder.bias)
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_tied_convolutions_with_different_strides_stay_tied(converter):
+    torch.manual_seed(4)
+    model = TiedConvs().double()
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    y = model(x)
+    CONVERTERS[converter](model)
+    assert_close(model(x), y, torch.float64, "output")
+    _train_step(model, (x,))
+    assert torch.equal(model.fine.weight, model.coarse.weight)
+    assert model.coarse.bias is None
+
+
+def test_tied_factors_count_once():
+    model = factorize(TiedLinears())
+    with torch.no_grad():
+        for layer in factorized_layers(model):
+            layer.mu.fill_(0.5)
+    # encoder and decoder share μ [5, 5]; extra has its own [7, 5].
+    assert torch.isclose(sparsity_loss(model), torch.tensor(0.5 * (25 + 35)))
+    model = multibranch(TiedLinears(), branches=2)
+    params = branch_parameters(model)
+    # Weights: encoder's = decoder's, extra's; biases: encoder's, decoder's = extra's.
+    assert len(params) == len({id(p) for p in params}) == 4
+    assert len(alpha_parameters(model)) == 1
+
+
+class EmbeddingTiedClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.classifier = nn.Linear(4, 10, bias=False)
+        self.classifier.weight = self.embed.weight
+
+
+class TiedToExcluded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+
+class TiedToParentParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.scale = self.proj.bias
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+@pytest.mark.parametrize("make,exclude,message", [
+    (EmbeddingTiedClassifier, (), r"the weight of 'classifier' \(Linear\) is the same Parameter as 'embed\.weight', "
+                                  r"which {converter} does not convert, so converting would untie them; exclude "
+                                  r"'classifier', or untie the two first"),
+    (TiedToExcluded, ("a",), r"the weight of 'b' \(Linear\) is the same Parameter as 'a\.weight'"),
+    (TiedToParentParameter, (), r"the bias of 'proj' \(Linear\) is the same Parameter as 'scale'"),
+], ids=["embedding", "excluded", "parent"])
+def test_a_tie_to_something_left_unconverted_is_refused(converter, make, exclude, message):
+    model = make()
+    before = _layers(model)
+    with pytest.raises(ValueError, match=message.format(converter=converter)):
+        CONVERTERS[converter](model, exclude=exclude)
+    assert _layers(model) == before
