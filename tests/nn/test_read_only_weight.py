@@ -113,9 +113,9 @@ def test_assigning_the_rebuilt_weight_raises(name, value):
 
 def test_caught_as_attribute_error_or_runtime_error():
     layer = FactorizedLinear(4, 3)
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="rebuilt"):
         layer.weight = torch.zeros(3, 4)
-    with pytest.raises(RuntimeError):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="rebuilt"):
         layer.weight.zero_()
 
 
