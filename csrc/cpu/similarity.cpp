@@ -309,7 +309,7 @@ Product product(const at::Tensor& x_in, const std::optional<at::Tensor>& y_in) {
 // row whose squared norm q lies in the safe band [low, high] (see safe_band): no partial sum
 // can overflow (|x·y| <= ‖x‖‖y‖ <= high, and ‖x‖² + ‖y‖² − 2 x·y <= 4 high < max), and what
 // underflow loses (at most the smallest normal per term, D terms) is below 2^-24 of the
-// norms.  A row outside the band is one of:
+// norms for D < 2^38.  A row outside the band is one of:
 //
 //   non-finite (a NaN or ±Inf entry): its row (and column when y is None) of the result is NaN;
 //   zero: nothing to fix, its products are exactly 0;
@@ -342,7 +342,8 @@ std::pair<acc_t, acc_t> safe_band() {
 template <typename acc_t>
 constexpr int kScaleExponentLimit = std::numeric_limits<acc_t>::max_exponent - 3;
 
-// Classifies the rows of t (unit inner stride) whose squared norm q[r] lies outside the safe band.
+// Classifies the rows of t (unit inner stride) whose squared norm q[r] lies outside the safe
+// band, reading each such row once (threads over them: all rows are zero at initialization).
 template <typename scalar_t, typename acc_t>
 RowInfo<acc_t> classify_rows(const at::Tensor& t, const acc_t* q) {
   const int64_t R = t.size(0), D = t.size(1), sr = t.stride(0);
@@ -351,21 +352,36 @@ RowInfo<acc_t> classify_rows(const at::Tensor& t, const acc_t* q) {
   RowInfo<acc_t> info;
   info.sigma.assign(R, acc_t(1));
   info.finite.assign(R, 1);
+  std::vector<int64_t> outside;
   for (int64_t r = 0; r < R; ++r) {
-    if (q[r] >= low && q[r] <= high) continue;  // NaN fails both
-    acc_t m = 0;
-    bool finite = true;
-    for (int64_t d = 0; d < D && finite; ++d) {
-      const acc_t v = std::abs(static_cast<acc_t>(p[r * sr + d]));
-      finite = std::isfinite(v);
-      m = std::max(m, v);
+    if (!(q[r] >= low && q[r] <= high)) outside.push_back(r);  // NaN fails both
+  }
+  // Per row outside the band: max |entry|, or Inf where one is NaN or ±Inf.
+  std::vector<acc_t> m(outside.size(), acc_t(0));
+  const int64_t n = static_cast<int64_t>(outside.size());
+  at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(D, 1)), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const scalar_t* row = p + outside[u] * sr;
+      acc_t mu = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const acc_t v = std::abs(static_cast<acc_t>(row[d]));
+        if (!std::isfinite(v)) {
+          mu = std::numeric_limits<acc_t>::infinity();
+          break;
+        }
+        mu = std::max(mu, v);
+      }
+      m[u] = mu;
     }
-    if (!finite) {
+  });
+  for (int64_t u = 0; u < n; ++u) {
+    const int64_t r = outside[u];
+    if (!std::isfinite(m[u])) {
       info.finite[r] = 0;
       info.any_non_finite = true;
-    } else if (m > 0) {
+    } else if (m[u] > 0) {
       int e = 0;
-      std::frexp(m, &e);
+      std::frexp(m[u], &e);
       e = std::clamp(e, -kScaleExponentLimit<acc_t>, kScaleExponentLimit<acc_t>);
       info.sigma[r] = std::ldexp(acc_t(1), -e);
       info.extreme.push_back(r);
