@@ -117,22 +117,24 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` share memory (e.g. an expanded dim, or strides such as
-    [3, 6, 1] for [3, 2, 3]), exactly, from its sizes and strides alone (meta tensors too).
+    [3, 6, 1] for [3, 2, 3]), exactly, from its sizes and strides alone (meta and fake tensors
+    too).
 
     torch's own check answers "too hard" for many layouts (and ``copy_`` then writes them
-    silently); here those get a sufficient test (each stride beyond the span of the smaller
-    ones) and, only for the rare layouts it cannot settle, a count of distinct offsets.
+    silently).  Here: a sufficient test first (each stride beyond the span of the smaller
+    ones: plain arithmetic, which torch.compile traces), then, for the rare layouts it cannot
+    settle, a count of distinct offsets (while torch.compile traces, where that count cannot
+    run, such a layout counts as overlapping: a clear error, never a silent write).
     """
-    status = torch._debug_has_internal_overlap(t)  # 0: no, 1: yes, 2: too hard
-    if status != 2:
-        return status == 1
-    span = 0
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
-        if stride <= span:
-            break
-        span += (size - 1) * stride
-    else:
+    # Dim i (of size > 1) is clear when its stride exceeds the span of the dims below it in
+    # (stride, index) order; all clear: no overlap.  Pairs, not sorted(): torch.compile cannot
+    # sort symbolic strides.
+    dims = [(s, n) for n, s in zip(t.shape, t.stride()) if n > 1]
+    if all(si > sum((nj - 1) * sj for j, (sj, nj) in enumerate(dims) if sj < si or (sj == si and j < i))
+           for i, (si, ni) in enumerate(dims)):
         return False
+    if torch.compiler.is_compiling():
+        return True
     # numpy, not torch: this runs on shapes alone, also under FakeTensorMode.
     offsets = np.zeros((), dtype=np.int64)
     for size, stride in zip(t.shape, t.stride()):

@@ -253,7 +253,8 @@ def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
+    # Comparisons, not math.isfinite: torch.compile(dynamic=True) traces them on symbolic floats.
+    if not -math.inf < value < math.inf:
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 

@@ -85,39 +85,50 @@ def test_meta_out_checks_hold():
                                            out=torch.empty(8, device=m).as_strided((3, 5), (1, 1)))
 
 
-def _server_round(x, branch_params, alpha, counts, features, labels, bank):
-    """One round of every server-side op, through the wrappers."""
+def _server_round(x, branch_params, alpha, counts, features, labels, bank, global_branches):
+    """One round of every server-side op, through the wrappers (out= included)."""
     sim = pairwise_cosine(x)
     w = similarity_weights(sim, tau=0.0, scale=4.0, min_keep=2)
     d = pairwise_sqdist(x)
     new = weighted_average(reflection_weights(w), x)
     weighted_average(w, x, out=bank)
     branches = branch_aggregate(branch_params, alpha, counts)
+    branch_aggregate(branch_params, alpha, counts, out=global_branches)
     means, n = class_means(features, labels, 3)
-    return sim, w, d, new, bank, branches, means, n
+    return sim, w, d, new, bank, branches, global_branches, means, n
 
 
 def _round_inputs():
     g = torch.Generator().manual_seed(0)
     return (torch.randn(5, 7, generator=g), torch.randn(4, 2, 6, generator=g), torch.rand(4, 2, generator=g),
             torch.tensor([3, 1, 4, 2]), torch.randn(9, 5, generator=g), torch.randint(0, 3, (9,), generator=g),
-            torch.empty(5, 7))
+            torch.empty(5, 7), torch.empty(2, 6))
 
 
-def test_compile_fullgraph_through_the_wrappers():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_compile_fullgraph_through_the_wrappers(dynamic):
     torch._dynamo.reset()
     args = _round_inputs()
     eager = _server_round(*args)
-    compiled = torch.compile(_server_round, fullgraph=True, dynamic=False)(*args[:-1], torch.empty(5, 7))
+    compiled = torch.compile(_server_round, fullgraph=True, dynamic=dynamic)(*args[:-2], torch.empty(5, 7),
+                                                                             torch.empty(2, 6))
     for a, b in zip(compiled, eager):
         assert torch.allclose(a.double(), b.double(), atol=1e-5)
+
+
+def test_compiled_out_with_elements_sharing_memory_is_refused():
+    torch._dynamo.reset()
+    x, branch_params, alpha, counts, *_ = _round_inputs()
+    fn = torch.compile(lambda p, a, c, o: branch_aggregate(p, a, c, out=o) * 1)
+    with pytest.raises(ValueError, match="out must not have elements that share memory"):
+        fn(branch_params, alpha, counts, torch.empty(6).expand(2, 6))
 
 
 @pytest.mark.parametrize("bad", ["nan row", "negative count", "label"])
 def test_compiled_ops_still_check_values(bad):
     """The checks that left the wrappers run in the kernels, inside the compiled code too."""
     torch._dynamo.reset()
-    x, branch_params, alpha, counts, features, labels, bank = _round_inputs()
+    x, branch_params, alpha, counts, features, labels, bank, global_branches = _round_inputs()
     if bad == "nan row":
         x[2, 3] = float("nan")
         match = "sim must be finite"
@@ -129,4 +140,4 @@ def test_compiled_ops_still_check_values(bad):
         match = r"labels must be in \[0, num_classes=3\), got labels\[4\] = 7"
     with pytest.raises(ValueError, match=match):
         torch.compile(_server_round, fullgraph=True, dynamic=False)(x, branch_params, alpha, counts, features,
-                                                                    labels, bank)
+                                                                    labels, bank, global_branches)
