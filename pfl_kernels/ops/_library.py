@@ -1,10 +1,17 @@
-"""The ``pfl`` operator namespace and the registry behind ``backend_info()``.
+"""The ``pfl`` operator namespace, the registry behind ``backend_info()``, and what every op
+gets from autograd whatever its kernel.
 
 Schemas, fake kernels and autograd are defined in Python (``ops/<family>.py``); C++
 kernels register per device with ``TORCH_LIBRARY_IMPL(pfl, CPU, m)``; Triton kernels
 register for CUDA; the plain-PyTorch reference is the default for every other device.
+
+``register_autograd`` registers a backward (and a forward-mode) formula that also works
+inside ``torch.func`` transforms.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -13,6 +20,15 @@ LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 # qualified op name -> {device: name of the fast implementation meant for it}
 FAST_PATHS: dict[str, dict[str, str]] = {}
+
+try:  # the base class functorch runs autograd.Functions on inside a transform
+    from torch._functorch.utils import enable_single_level_autograd_function
+    from torch.autograd.function import _SingleLevelFunction as _FunctionBase
+except ImportError:  # pragma: no cover  (a torch without it: no torch.func support, a clear error there)
+    import contextlib
+
+    _FunctionBase = torch.autograd.Function
+    enable_single_level_autograd_function = contextlib.nullcontext
 
 
 def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton") -> str:
@@ -31,6 +47,83 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton")
     return qualname
 
 
+def op_overload(qualname: str) -> torch._ops.OpOverload:
+    """``torch.ops.pfl.<name>.<overload>`` for ``'pfl::<name>[.<overload>]'``."""
+    name, _, overload = qualname.split("::", 1)[1].partition(".")
+    return getattr(getattr(torch.ops.pfl, name), overload or "default")
+
+
 def has_kernel(qualname: str, dispatch_key: str) -> bool:
     """Whether a kernel is registered for ``qualname`` under ``dispatch_key`` (e.g. 'CPU')."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
+
+
+@dataclass
+class _Call:
+    """What the autograd kernel passes through the Function to the redispatch."""
+
+    keyset: torch._C.DispatchKeySet
+    kwargs: dict
+
+
+def register_autograd(qualname: str, backward: Callable, setup_context: Callable,
+                      jvp: Optional[Callable] = None) -> None:
+    """Register ``backward`` (and ``jvp``, forward mode) as the autograd of ``qualname``.
+
+    The contract is ``torch.library.register_autograd``'s: ``setup_context(ctx, inputs,
+    keyword_only_inputs, output)`` (defaults filled in); ``backward(ctx, *grads)`` returns
+    one gradient per positional input; ``jvp(ctx, *tangents)`` gets one tangent per
+    positional input (None where there is none) and returns one per output.
+
+    Unlike ``torch.library.register_autograd``, the formula also runs inside ``torch.func``
+    transforms (grad, jacrev, vmap of grad): torch wraps it in an ``autograd.Function`` that
+    functorch refuses (pytorch/pytorch#168393).  Here it is a single-level Function, which
+    is how functorch itself runs autograd inside a transform and what newer torch uses for
+    the same fix (pytorch/pytorch#184974): the kernel runs at the transform's level, like a
+    built-in op's autograd kernel, and the redispatch below autograd reaches the levels
+    underneath (a vmap rule, the kernels).
+    """
+    op = op_overload(qualname)
+    name = qualname.split("::", 1)[1].split(".")[0]
+
+    def forward(ctx, *args):
+        call = args[-1]
+        args = args[:-1]
+        with torch._C._AutoDispatchBelowAutograd():
+            output = op.redispatch(call.keyset & torch._C._after_autograd_keyset, *args, **call.kwargs)
+        ctx.set_materialize_grads(False)
+        inputs, keyword_only = torch._library.utils.fill_defaults(op._schema, args, call.kwargs)
+        setup_context(ctx, inputs, keyword_only, output)
+        return output
+
+    # The dispatcher leaves out trailing arguments at their defaults: the formulas see every
+    # positional input (False / None for those), and return one gradient per input given.
+    n_positional = sum(not arg.kwarg_only for arg in op._schema.arguments)
+
+    def function_backward(ctx, *grads):
+        previous = ctx.needs_input_grad
+        given = len(previous) - 1
+        try:
+            ctx.needs_input_grad = previous[:-1] + (False,) * (n_positional - given)
+            return (*tuple(backward(ctx, *grads))[:given], None)
+        finally:
+            ctx.needs_input_grad = previous
+
+    def function_jvp(ctx, *tangents):
+        if jvp is None:
+            raise NotImplementedError(f"{qualname} has no forward-mode derivative (jvp)")
+        given = tangents[:-1]
+        return jvp(ctx, *given, *(None,) * (n_positional - len(given)))
+
+    function = type(f"{name.title().replace('_', '')}Backward", (_FunctionBase,), {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(function_backward),
+        "jvp": staticmethod(function_jvp),
+    })
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        call = _Call(keyset, kwargs)
+        with enable_single_level_autograd_function():
+            return function.apply(*args, call)
+
+    LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
