@@ -5,8 +5,13 @@ Schemas, fake kernels and autograd are defined in Python (``ops/<family>.py``); 
 kernels register per device with ``TORCH_LIBRARY_IMPL(pfl, CPU, m)``; Triton kernels
 register for CUDA; the plain-PyTorch reference is the default for every other device.
 
-``register_autograd`` registers a backward (and a forward-mode) formula that also works
-inside ``torch.func`` transforms.
+Two things are registered here for every op, above the kernels, so no kernel can miss them:
+
+* an op that writes one of its arguments (``Tensor(a!)`` in its schema) bumps the autograd
+  version counter of that argument, and refuses inputs that need a gradient
+  (``_guard_mutation``);
+* ``register_autograd`` registers a backward (and a forward-mode) formula that also works
+  inside ``torch.func`` transforms.
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton")
     """Define ``pfl::<schema>`` with ``reference`` as the default kernel for every device.
 
     ``cpu`` / ``cuda`` name the fast implementations expected for those devices (they
-    register themselves); ``backend_info()`` reports whether they did.
+    register themselves); ``backend_info()`` reports whether they did.  An op that mutates
+    an argument also gets ``_guard_mutation``'s kernels.
     """
     name = schema.split("(", 1)[0]
     LIB.define(schema)
@@ -44,6 +50,9 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton")
     LIB.impl(name, reference, "CompositeExplicitAutograd")
     qualname = f"{NAMESPACE}::{name}"
     FAST_PATHS[qualname] = {"cpu": cpu, "cuda": cuda}
+    op = op_overload(qualname)
+    if op._schema.is_mutable:
+        _guard_mutation(name, op)
     return qualname
 
 
@@ -56,6 +65,48 @@ def op_overload(qualname: str) -> torch._ops.OpOverload:
 def has_kernel(qualname: str, dispatch_key: str) -> bool:
     """Whether a kernel is registered for ``qualname`` under ``dispatch_key`` (e.g. 'CPU')."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
+
+
+def _guard_mutation(name: str, op: torch._ops.OpOverload) -> None:
+    """Make autograd see every write of ``op`` (an op whose schema mutates an argument).
+
+    A kernel that writes through a raw pointer (C++, Triton) leaves the version counter of
+    the tensor alone, so autograd would silently use the new values where it saved the old
+    ones; the ADInplaceOrView kernel bumps it for every written argument, whichever kernel
+    runs below (torch's own ``custom_op`` does the same).  These ops have no derivative, so
+    the Autograd kernel refuses inputs that need one, as torch's ``out=`` variants do,
+    rather than leave a gradient that ignores the write.
+    """
+    written = [i for i, arg in enumerate(op._schema.arguments) if arg.alias_info is not None
+               and arg.alias_info.is_write]
+    arg_names = [arg.name for arg in op._schema.arguments]
+    qualname = f"{NAMESPACE}::{op._schema.name.split('::')[1]}"
+    if op._overloadname != "default":
+        qualname += f".{op._overloadname}"
+
+    def bind(args, kwargs) -> list[Any]:
+        filled, filled_kwargs = torch._library.utils.fill_defaults(op._schema, args, kwargs)
+        return [filled[i] if i < len(filled) else filled_kwargs[arg_names[i]] for i in range(len(arg_names))]
+
+    def ad_inplace_or_view(keyset, *args, **kwargs):
+        values = bind(args, kwargs)
+        torch.autograd.graph.increment_version([values[i] for i in written])
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+    def autograd(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            needing = [n for n, t in zip(arg_names, bind(args, kwargs))
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing:
+                raise RuntimeError(
+                    f"{qualname} writes {', '.join(arg_names[i] for i in written)} in place and has no "
+                    f"derivative, but {', '.join(needing)} requires grad: call it under torch.no_grad()")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    LIB.impl(name, ad_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+    LIB.impl(name, autograd, "Autograd", with_keyset=True)
 
 
 @dataclass
