@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 NAMESPACE = "pfl"
 LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -111,10 +112,13 @@ def _guard_mutation(name: str, op: torch._ops.OpOverload) -> None:
 
 @dataclass
 class _Call:
-    """What the autograd kernel passes through the Function to the redispatch."""
+    """What the autograd kernel passes through the Function to the redispatch: the keys, the
+    keyword-only arguments, and the caller's grad modes (see ``register_autograd``)."""
 
     keyset: torch._C.DispatchKeySet
     kwargs: dict
+    grad_enabled: bool
+    fwd_grad_enabled: bool
 
 
 def register_autograd(qualname: str, backward: Callable, setup_context: Callable,
@@ -140,7 +144,12 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     def forward(ctx, *args):
         call = args[-1]
         args = args[:-1]
-        with torch._C._AutoDispatchBelowAutograd():
+        # A Function runs its forward with (forward-mode) grad off.  Below autograd that
+        # changes nothing at this level, but a torch.func level underneath (grad of grad,
+        # jacfwd of jacrev) would then record nothing and silently drop its derivatives: it
+        # must see the caller's modes, as it would under a built-in op.
+        with torch._C._AutoDispatchBelowAutograd(), torch.set_grad_enabled(call.grad_enabled), \
+                _set_fwd_grad_enabled(call.fwd_grad_enabled):
             output = op.redispatch(call.keyset & torch._C._after_autograd_keyset, *args, **call.kwargs)
         ctx.set_materialize_grads(False)
         inputs, keyword_only = torch._library.utils.fill_defaults(op._schema, args, call.kwargs)
@@ -173,7 +182,7 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     })
 
     def autograd_kernel(keyset, *args, **kwargs):
-        call = _Call(keyset, kwargs)
+        call = _Call(keyset, kwargs, torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled())
         with enable_single_level_autograd_function():
             return function.apply(*args, call)
 
