@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.autograd import forward_ad
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 NAMESPACE = "pfl"
@@ -113,12 +114,12 @@ def _guard_mutation(name: str, op: torch._ops.OpOverload) -> None:
 @dataclass
 class _Call:
     """What the autograd kernel passes through the Function to the redispatch: the keys, the
-    keyword-only arguments, and the caller's grad modes (see ``register_autograd``)."""
+    keyword-only arguments, and inside a torch.func transform the caller's (grad, forward
+    grad) modes (see ``register_autograd``)."""
 
     keyset: torch._C.DispatchKeySet
     kwargs: dict
-    grad_enabled: bool
-    fwd_grad_enabled: bool
+    transform_modes: Optional[tuple[bool, bool]]
 
 
 def register_autograd(qualname: str, backward: Callable, setup_context: Callable,
@@ -141,16 +142,23 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     op = op_overload(qualname)
     name = qualname.split("::", 1)[1].split(".")[0]
 
+    def redispatch(keyset, args, kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
     def forward(ctx, *args):
         call = args[-1]
         args = args[:-1]
-        # A Function runs its forward with (forward-mode) grad off.  Below autograd that
-        # changes nothing at this level, but a torch.func level underneath (grad of grad,
-        # jacfwd of jacrev) would then record nothing and silently drop its derivatives: it
-        # must see the caller's modes, as it would under a built-in op.
-        with torch._C._AutoDispatchBelowAutograd(), torch.set_grad_enabled(call.grad_enabled), \
-                _set_fwd_grad_enabled(call.fwd_grad_enabled):
-            output = op.redispatch(call.keyset & torch._C._after_autograd_keyset, *args, **call.kwargs)
+        if call.transform_modes is None:
+            output = redispatch(call.keyset, args, call.kwargs)
+        else:
+            # A Function runs its forward with (forward-mode) grad off.  Below autograd that
+            # changes nothing at this level, but a torch.func level underneath (grad of grad,
+            # jacfwd of jacrev) would then record nothing and silently drop its derivatives:
+            # it must see the caller's modes, as under a built-in op.
+            grad_enabled, fwd_grad_enabled = call.transform_modes
+            with torch.set_grad_enabled(grad_enabled), _set_fwd_grad_enabled(fwd_grad_enabled):
+                output = redispatch(call.keyset, args, call.kwargs)
         ctx.set_materialize_grads(False)
         inputs, keyword_only = torch._library.utils.fill_defaults(op._schema, args, call.kwargs)
         setup_context(ctx, inputs, keyword_only, output)
@@ -182,7 +190,11 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     })
 
     def autograd_kernel(keyset, *args, **kwargs):
-        call = _Call(keyset, kwargs, torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled())
+        if not torch._C._are_functorch_transforms_active():
+            if forward_ad._current_level < 0 and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+                return redispatch(keyset, args, kwargs)  # nothing to record: no Function
+            return function.apply(*args, _Call(keyset, kwargs, None))
+        call = _Call(keyset, kwargs, (torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()))
         with enable_single_level_autograd_function():
             return function.apply(*args, call)
 

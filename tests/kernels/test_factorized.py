@@ -379,9 +379,8 @@ def test_vmap_and_grad_over_stacked_clients(with_clients):
     expected = torch.stack([ref.factorized_weight(u[b], v[b], mu[b], mask_shared, shape=shape, layout=layout)
                             for b in range(batch)])
     assert_close(w, expected, torch.float64, "vmap forward")
-    # Batched training: vmap the forward, then ordinary autograd through the folded op.
-    # (torch.func.grad cannot differentiate ops whose autograd comes from register_autograd:
-    # pytorch/pytorch#168393.)
+    # Batched training: vmap the forward, then ordinary autograd through the folded op
+    # (torch.func.grad inside vmap: tests/nn/test_functorch.py).
     params = [t.clone().requires_grad_() for t in (u, v, mu)]
     w = torch.func.vmap(lambda u, v, mu: factorized_weight(u, v, mu, mask_shared, shape=shape,
                                                            layout=layout))(*params)

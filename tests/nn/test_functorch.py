@@ -62,6 +62,21 @@ def check_per_sample_grads(name):
                        "vmap(grad) vs reference")
 
 
+def check_per_client_grads(name):
+    """vmap(grad) over stacked parameters too: every client its own copy of the layer (a
+    batched executor); the ops see the vmapped dim as their client dim."""
+    layer, x = make_layer(name)
+    loss, reference = losses(layer)
+    clients = 2
+    stacked = {k: torch.stack([v + 0.1 * c for c in range(clients)]) for k, v in parameters(layer).items()}
+    xs = torch.stack([x, x.flip(0)])
+    got = vmap(grad(loss))(stacked, xs)
+    assert_trees_close(got, vmap(grad(reference))(stacked, xs), "per-client vmap(grad) vs reference")
+    for c in range(clients):
+        assert_trees_close({k: g[c] for k, g in got.items()},
+                           grad(loss)({k: v[c] for k, v in stacked.items()}, xs[c]), f"client {c} vs its own grad")
+
+
 def check_hessian_and_jvp(name):
     """Forward mode: jvp of the layer's output, and hessian = jacfwd(jacrev) of the loss."""
     layer, x = make_layer(name)
@@ -112,6 +127,11 @@ def test_per_sample_grads(name):
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
+def test_per_client_grads(name):
+    check_per_client_grads(name)
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
 def test_hessian_and_jvp(name):
     check_hessian_and_jvp(name)
 
@@ -123,7 +143,8 @@ def test_nested_transforms(name):
 
 @pytest.mark.triton_interpret
 @interpreter_only
-@pytest.mark.parametrize("check", [check_grad, check_per_sample_grads, check_hessian_and_jvp, check_nested],
+@pytest.mark.parametrize("check", [check_grad, check_per_sample_grads, check_per_client_grads, check_hessian_and_jvp,
+                                   check_nested],
                          ids=lambda c: c.__name__.removeprefix("check_"))
 @pytest.mark.parametrize("name", ["FactorizedConv2d-spatial", "FactorizedLinear", "MultiBranchConv2d-project",
                                   "MultiBranchLinear"])
