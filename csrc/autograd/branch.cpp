@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "node_helpers.h"
+#include "op_node.h"
 
 #include <array>
 #include <string>
@@ -70,14 +71,12 @@ Grads backward_derivative(const at::Tensor& grad_w, const at::Tensor& weights, c
 
 // ---------------------------------------------------------------- branch_combine
 
-struct BranchCombineBackward : public autograd::SavedInputsNode<2> {  // saves weights, alpha
-  variable_list apply(variable_list&& grads) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+struct BranchCombineBackward : public autograd::OpNode<BranchCombineBackward, 2> {  // weights, alpha
+  static variable_list backward(const variable_list& grads, const autograd::Inputs<2>& in,
+                                const autograd::Wanted<2>& wanted, const autograd::OpArgs& /*args*/) {
     variable_list out(2);
-    const std::array<bool, 2> wanted = autograd::wanted_inputs<2>(*this);
     if (!grads[0].defined() || !(wanted[0] || wanted[1])) return out;
-    const auto [weights, alpha] = unpack_inputs();
-    auto [gw, ga] = backward_op().call(grads[0], weights, alpha, wanted);
+    auto [gw, ga] = backward_op().call(grads[0], in[0], in[1], wanted);
     if (wanted[0]) out[0] = gw;
     if (wanted[1]) out[1] = ga;
     return out;
@@ -86,7 +85,7 @@ struct BranchCombineBackward : public autograd::SavedInputsNode<2> {  // saves w
 };
 
 at::Tensor branch_combine_autograd(c10::DispatchKeySet ks, const at::Tensor& weights, const at::Tensor& alpha) {
-  auto node = autograd::make_node<BranchCombineBackward>(weights, alpha);
+  auto node = autograd::make_node<BranchCombineBackward>({}, weights, alpha);
   at::Tensor w;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -104,13 +103,13 @@ at::Tensor branch_combine_autograd(c10::DispatchKeySet ks, const at::Tensor& wei
 
 // ---------------------------------------------------------------- branch_combine_backward
 
-struct BranchCombineBackwardBackward : public autograd::SavedInputsNode<3> {  // saves grad_w, weights, alpha
-  variable_list apply(variable_list&& grads) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+// grad_w, weights, alpha
+struct BranchCombineBackwardBackward : public autograd::OpNode<BranchCombineBackwardBackward, 3> {
+  static variable_list backward(const variable_list& grads, const autograd::Inputs<3>& in,
+                                const autograd::Wanted<3>& wanted, const autograd::OpArgs& args) {
     variable_list out(3);
-    const std::array<bool, 3> wanted = autograd::wanted_inputs<3>(*this);
-    const Grads d = autograd::asked_gradients<2>(grads, output_mask_);
-    const auto [grad_w, weights, alpha] = unpack_inputs();
+    const Grads d = autograd::computed_gradients<2>(grads, args.computed);
+    const auto& [grad_w, weights, alpha] = in;
     if (wanted[0]) out[0] = combine_derivative(weights, alpha, d[0], d[1]);
     const Grads rest = backward_derivative(grad_w, weights, alpha, d[0], d[1], {wanted[1], wanted[2]});
     out[1] = rest[0];
@@ -118,15 +117,13 @@ struct BranchCombineBackwardBackward : public autograd::SavedInputsNode<3> {  //
     return out;
   }
   std::string name() const override { return "BranchCombineBackwardBackward"; }
-
-  std::array<bool, 2> output_mask_{};
 };
 
 std::tuple<at::Tensor, at::Tensor> branch_combine_backward_autograd(c10::DispatchKeySet ks, const at::Tensor& grad_w,
                                                                     const at::Tensor& weights, const at::Tensor& alpha,
                                                                     std::array<bool, 2> output_mask) {
-  auto node = autograd::make_node<BranchCombineBackwardBackward>(grad_w, weights, alpha);
-  if (node) node->output_mask_ = output_mask;
+  auto node = autograd::make_node<BranchCombineBackwardBackward>(
+      {{}, {}, std::vector<bool>(output_mask.begin(), output_mask.end())}, grad_w, weights, alpha);
   Grads out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;

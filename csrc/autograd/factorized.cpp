@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "node_helpers.h"
+#include "op_node.h"
 
 #include <array>
 #include <string>
@@ -108,35 +109,26 @@ Grads backward_derivative(const at::Tensor& grad_w, const at::Tensor& u, const a
 
 // ---------------------------------------------------------------- factorized_weight
 
-struct FactorizedWeightBackward : public autograd::SavedInputsNode<4> {  // saves u, v, mu, mask
-  variable_list apply(variable_list&& grads) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+struct FactorizedWeightBackward : public autograd::OpNode<FactorizedWeightBackward, 4> {  // u, v, mu, mask
+  static variable_list backward(const variable_list& grads, const autograd::Inputs<4>& in,
+                                const autograd::Wanted<4>& wanted, const autograd::OpArgs& args) {
     variable_list out(4);
-    const std::array<bool, 4> wanted = autograd::wanted_inputs<4>(*this);
     if (!grads[0].defined() || !(wanted[0] || wanted[1] || wanted[2] || wanted[3])) return out;
-    const auto [u, v, mu, mask] = unpack_inputs();
     // An absent mu / mask has no edge, so it is never wanted.
-    const Grads g = as_array(
-        backward_op().call(grads[0], u, v, optional_of(mu), optional_of(mask), shape_, layout_, wanted));
+    const Grads g = as_array(backward_op().call(grads[0], in[0], in[1], optional_of(in[2]), optional_of(in[3]),
+                                                args.shape, args.layout, wanted));
     for (size_t i = 0; i < 4; ++i) {
       if (wanted[i]) out[i] = g[i];
     }
     return out;
   }
   std::string name() const override { return "FactorizedWeightBackward"; }
-
-  std::vector<c10::SymInt> shape_;
-  std::string layout_;
 };
 
 at::Tensor factorized_weight_autograd(c10::DispatchKeySet ks, const at::Tensor& u, const at::Tensor& v,
                                       const OptTensor& mu, const OptTensor& mask, c10::SymIntArrayRef shape,
                                       c10::string_view layout) {
-  auto node = autograd::make_node<FactorizedWeightBackward>(u, v, mu, mask);
-  if (node) {
-    node->shape_ = shape.vec();
-    node->layout_ = std::string(layout);
-  }
+  auto node = autograd::make_node<FactorizedWeightBackward>({shape.vec(), std::string(layout), {}}, u, v, mu, mask);
   at::Tensor w;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -157,24 +149,20 @@ at::Tensor factorized_weight_autograd(c10::DispatchKeySet ks, const at::Tensor& 
 
 // ---------------------------------------------------------------- factorized_weight_backward
 
-struct FactorizedWeightBackwardBackward : public autograd::SavedInputsNode<5> {  // grad_w, u, v, mu, mask
-  variable_list apply(variable_list&& grads) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+// grad_w, u, v, mu, mask
+struct FactorizedWeightBackwardBackward : public autograd::OpNode<FactorizedWeightBackwardBackward, 5> {
+  static variable_list backward(const variable_list& grads, const autograd::Inputs<5>& in,
+                                const autograd::Wanted<5>& wanted, const autograd::OpArgs& args) {
     variable_list out(5);
-    const std::array<bool, 5> wanted = autograd::wanted_inputs<5>(*this);
-    const Grads d = autograd::asked_gradients<4>(grads, computed_);
-    const auto [grad_w, u, v, mu, mask] = unpack_inputs();
-    if (wanted[0]) out[0] = weight_derivative(u, v, mu, mask, d[0], d[1], d[2], d[3], shape_, layout_);
+    const Grads d = autograd::computed_gradients<4>(grads, args.computed);
+    const auto& [grad_w, u, v, mu, mask] = in;
+    if (wanted[0]) out[0] = weight_derivative(u, v, mu, mask, d[0], d[1], d[2], d[3], args.shape, args.layout);
     const Grads rest = backward_derivative(grad_w, u, v, mu, mask, d[0], d[1], d[2], d[3],
-                                           {wanted[1], wanted[2], wanted[3], wanted[4]}, shape_, layout_);
+                                           {wanted[1], wanted[2], wanted[3], wanted[4]}, args.shape, args.layout);
     for (size_t i = 0; i < 4; ++i) out[i + 1] = rest[i];
     return out;
   }
   std::string name() const override { return "FactorizedWeightBackwardBackward"; }
-
-  std::vector<c10::SymInt> shape_;
-  std::string layout_;
-  std::array<bool, 4> computed_{};
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> factorized_weight_backward_autograd(
@@ -184,12 +172,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> factorized_weight_bac
   // empty placeholders (constants).
   const std::array<bool, 4> computed = {output_mask[0], output_mask[1], output_mask[2] && mu.has_value(),
                                         output_mask[3] && mask.has_value()};
-  auto node = autograd::make_node<FactorizedWeightBackwardBackward>(grad_w, u, v, mu, mask);
-  if (node) {
-    node->shape_ = shape.vec();
-    node->layout_ = std::string(layout);
-    node->computed_ = computed;
-  }
+  auto node = autograd::make_node<FactorizedWeightBackwardBackward>(
+      {shape.vec(), std::string(layout), std::vector<bool>(computed.begin(), computed.end())}, grad_w, u, v, mu, mask);
   Grads out;
   {
     at::AutoDispatchBelowADInplaceOrView below_autograd;

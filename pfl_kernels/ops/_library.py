@@ -30,11 +30,11 @@ FAST_PATHS: dict[str, dict[str, str]] = {}
 
 try:  # the base class functorch runs autograd.Functions on inside a transform
     from torch._functorch.utils import enable_single_level_autograd_function
-    from torch.autograd.function import _SingleLevelFunction as _FunctionBase
+    from torch.autograd.function import _SingleLevelFunction
 except ImportError:  # pragma: no cover  (a torch without it: no torch.func support, a clear error there)
     import contextlib
 
-    _FunctionBase = torch.autograd.Function
+    _SingleLevelFunction = torch.autograd.Function
     enable_single_level_autograd_function = contextlib.nullcontext
 
 
@@ -183,11 +183,13 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
         given = tangents[:-1]
         return jvp(ctx, *given, *(None,) * (n_positional - len(given)))
 
-    function = type(f"{name.title().replace('_', '')}Backward", (_FunctionBase,), {
-        "forward": staticmethod(forward),
-        "backward": staticmethod(function_backward),
-        "jvp": staticmethod(function_jvp),
-    })
+    # The same formulas as an ordinary Function (what compiled autograd and the rest of torch
+    # know best) and as a single-level one (what runs inside a torch.func transform).
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(function_backward),
+               "jvp": staticmethod(function_jvp)}
+    class_name = f"{name.title().replace('_', '')}Backward"
+    function = type(class_name, (torch.autograd.Function,), methods)
+    single_level_function = type(class_name, (_SingleLevelFunction,), methods)
 
     def autograd_kernel(keyset, *args, **kwargs):
         if not torch._C._are_functorch_transforms_active():
@@ -196,6 +198,6 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
             return function.apply(*args, _Call(keyset, kwargs, None))
         call = _Call(keyset, kwargs, (torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()))
         with enable_single_level_autograd_function():
-            return function.apply(*args, call)
+            return single_level_function.apply(*args, call)
 
     LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)
