@@ -54,7 +54,7 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton")
     FAST_PATHS[qualname] = {"cpu": cpu, "cuda": cuda}
     op = op_overload(qualname)
     if op._schema.is_mutable:
-        _guard_mutation(name, op)
+        _guard_mutation(name, qualname, op)
     return qualname
 
 
@@ -69,7 +69,7 @@ def has_kernel(qualname: str, dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
 
 
-def _guard_mutation(name: str, op: torch._ops.OpOverload) -> None:
+def _guard_mutation(name: str, qualname: str, op: torch._ops.OpOverload) -> None:
     """Make autograd see every write of ``op`` (an op whose schema mutates an argument).
 
     A kernel that writes through a raw pointer (C++, Triton) leaves the version counter of
@@ -82,9 +82,6 @@ def _guard_mutation(name: str, op: torch._ops.OpOverload) -> None:
     written = [i for i, arg in enumerate(op._schema.arguments) if arg.alias_info is not None
                and arg.alias_info.is_write]
     arg_names = [arg.name for arg in op._schema.arguments]
-    qualname = f"{NAMESPACE}::{op._schema.name.split('::')[1]}"
-    if op._overloadname != "default":
-        qualname += f".{op._overloadname}"
 
     def bind(args, kwargs) -> list[Any]:
         filled, filled_kwargs = torch._library.utils.fill_defaults(op._schema, args, kwargs)
@@ -111,6 +108,12 @@ def _guard_mutation(name: str, op: torch._ops.OpOverload) -> None:
     LIB.impl(name, autograd, "Autograd", with_keyset=True)
 
 
+def sum_defined(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """a + b, where None stands for zero (None when both are): for autograd formulas whose
+    terms may be absent."""
+    return b if a is None else a if b is None else a + b
+
+
 @dataclass
 class _Call:
     """What the autograd kernel passes through the Function to the redispatch: the keys, the
@@ -132,12 +135,14 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     positional input (None where there is none) and returns one per output.
 
     Unlike ``torch.library.register_autograd``, the formula also runs inside ``torch.func``
-    transforms (grad, jacrev, vmap of grad): torch wraps it in an ``autograd.Function`` that
-    functorch refuses (pytorch/pytorch#168393).  Here it is a single-level Function, which
-    is how functorch itself runs autograd inside a transform and what newer torch uses for
-    the same fix (pytorch/pytorch#184974): the kernel runs at the transform's level, like a
-    built-in op's autograd kernel, and the redispatch below autograd reaches the levels
-    underneath (a vmap rule, the kernels).
+    transforms (grad, jacrev, vmap of grad, jvp, hessian): torch wraps it in an
+    ``autograd.Function`` that functorch refuses (pytorch/pytorch#168393).  Inside a
+    transform it runs as a single-level Function, which is how functorch itself runs
+    autograd there and what newer torch uses for the same fix (pytorch/pytorch#184974): the
+    kernel runs at the transform's level, like a built-in op's autograd kernel, and the
+    redispatch below autograd reaches the levels underneath (a vmap rule, the kernels).
+    Elsewhere it is an ordinary Function, and no Function at all when nothing needs a
+    gradient or a tangent.
     """
     op = op_overload(qualname)
     name = qualname.split("::", 1)[1].split(".")[0]
@@ -193,6 +198,7 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
 
     def autograd_kernel(keyset, *args, **kwargs):
         if not torch._C._are_functorch_transforms_active():
+            # Without an open forward-mode level no input carries a tangent.
             if forward_ad._current_level < 0 and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
                 return redispatch(keyset, args, kwargs)  # nothing to record: no Function
             return function.apply(*args, _Call(keyset, kwargs, None))

@@ -19,7 +19,7 @@ import torch
 
 from ..reference import branch as ref
 from ._checks import FLOAT_DTYPES, check_same, check_tensor
-from ._library import define_op, has_kernel, register_autograd
+from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
@@ -89,16 +89,12 @@ def _project_simplex_fake(x):
 # csrc/autograd/branch.cpp registers the same formulas in C++; without the extension they
 # are registered here.
 
-def _sum_defined(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return b if a is None else a if b is None else a + b
-
-
 def _combine_derivative(weights, alpha, dweights, dalpha):
     """Σ_b alpha_b·dweights_b + dalpha_b·weights_b, the derivative of ``branch_combine`` at
     (weights, alpha) in the direction (dweights, dalpha), where None is no change; None when
     nothing changes.  Also the gradient of ``branch_combine_backward`` with respect to grad_w
     for incoming gradients (dweights, dalpha)."""
-    return _sum_defined(None if dweights is None else torch.ops.pfl.branch_combine(dweights, alpha),
+    return sum_defined(None if dweights is None else torch.ops.pfl.branch_combine(dweights, alpha),
                         None if dalpha is None else torch.ops.pfl.branch_combine(weights, dalpha))
 
 
@@ -157,7 +153,7 @@ def _backward_jvp(ctx, dgrad_w, dweights, dalpha, _):
         grads = torch.ops.pfl.branch_combine_backward(dgrad_w, weights, alpha, ctx.output_mask)
         linear = tuple(g if m else None for g, m in zip(grads, ctx.output_mask))
     along = _combine_backward_derivative(grad_w, weights, alpha, dweights, dalpha, ctx.output_mask)
-    tangents = [_sum_defined(a, b) for a, b in zip(linear, along)]
+    tangents = [sum_defined(a, b) for a, b in zip(linear, along)]
     # A Python Function must give every differentiable output a tangent (None fails in torch).
     return tuple(torch.zeros_like(like) if t is None and m else t
                  for t, m, like in zip(tangents, ctx.output_mask, (weights, alpha)))

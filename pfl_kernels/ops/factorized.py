@@ -20,7 +20,7 @@ import torch
 from .._layout import layout_geometry
 from ..reference import factorized as ref
 from ._checks import check_same, check_tensor, client_count
-from ._library import define_op, has_kernel, register_autograd
+from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
@@ -105,10 +105,6 @@ def _soft_threshold_fake(mu, threshold):
 # the same formulas in C++ (no Python round trip per call); without the extension they are
 # registered here.
 
-def _sum_defined(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return b if a is None else a if b is None else a + b
-
-
 def _weight_derivative(u, v, mu, mask, du, dv, dmu, dmask, *, shape, layout):
     """place(du·v + u·dv + dmu∘mask + mu∘dmask), the derivative of ``factorized_weight`` at
     (u, v, mu, mask) in the direction (du, dv, dmu, dmask), where None is no change; None
@@ -119,7 +115,7 @@ def _weight_derivative(u, v, mu, mask, du, dv, dmu, dmask, *, shape, layout):
     if dmu is not None:
         sparse = dmu * mask if mask is not None else dmu
     if dmask is not None and mask is not None:
-        sparse = _sum_defined(sparse, mu * dmask)
+        sparse = sum_defined(sparse, mu * dmask)
     if du is not None and dv is not None:  # du·v + u·dv as one rank-2r product
         fu, fv = torch.cat([du, u], -1), torch.cat([v, dv], -2)
     elif du is not None or dv is not None:
@@ -203,7 +199,7 @@ def _backward_jvp(ctx, dgrad_w, du, dv, dmu, dmask):
         linear = _present(torch.ops.pfl.factorized_weight_backward(dgrad_w, u, v, mu, mask, output_mask=ctx.output_mask,
                                                                   **kw), ctx.output_mask)
     along_factors = _backward_derivative(grad_w, u, v, mu, mask, du, dv, dmu, dmask, ctx.output_mask, **kw)
-    tangents = [_sum_defined(a, b) for a, b in zip(linear, along_factors)]
+    tangents = [sum_defined(a, b) for a, b in zip(linear, along_factors)]
     # A Python Function must give every differentiable output a tangent (None fails in torch).
     return tuple(torch.zeros_like(like) if t is None and m else t
                  for t, m, like in zip(tangents, ctx.output_mask, (u, v, mu, mask)))
