@@ -15,7 +15,10 @@
 //
 // branch_aggregate.out writes W into a given tensor: in place where it can be viewed as [B, P]
 // with unit stride in P and shares no memory with branch_params, else through a fresh W copied
-// into it (so an overlap, e.g. out = branch_params[0], gives the result without overlap).
+// into it (so an overlap, e.g. out = branch_params[0], or out aliasing branch_params through
+// another storage, gives the result without overlap).  alpha and counts are read into the
+// coefficients before anything is written, so out may overlap them too.  An out whose own
+// elements share memory is refused (ValueError).
 //
 // Determinism: every output element is summed over its clients in client order, one rounding
 // per addition (s += c_i w_i), whatever the chunking or the thread count.
@@ -64,7 +67,8 @@ void check_args(const at::Tensor& params, const at::Tensor& alpha, const at::Ten
               ", got ", counts.device());
 }
 
-// c[i, b] in double (row-major [K, B]), with the wrapper's data checks (cheap: K·B reads).
+// c[i, b] in double (row-major [K, B]), with the op's data checks (cheap: K·B reads): the
+// ValueErrors of check_branch_values in ops/branch_aggregate.py (the same wording and order).
 std::vector<double> coefficients(const at::Tensor& alpha, const at::Tensor& counts) {
   const int64_t K = alpha.size(0), B = alpha.size(1);
   const at::Tensor a = alpha.to(at::kDouble).contiguous();
@@ -72,10 +76,14 @@ std::vector<double> coefficients(const at::Tensor& alpha, const at::Tensor& coun
   const double* ap = a.const_data_ptr<double>();
   const double* np = n.const_data_ptr<double>();
   for (int64_t i = 0; i < K; ++i) {
-    TORCH_CHECK(std::isfinite(np[i]) && np[i] >= 0, "counts must be >= 0 and finite, got counts[", i, "] = ", np[i]);
+    TORCH_CHECK_VALUE(std::isfinite(np[i]) && np[i] >= 0, "counts must be >= 0 and finite, got counts[", i,
+                      "] = ", np[i]);
+  }
+  for (int64_t i = 0; i < K; ++i) {
     for (int64_t b = 0; b < B; ++b) {
       const double v = ap[i * B + b];
-      TORCH_CHECK(std::isfinite(v) && v >= 0, "alpha must be >= 0 and finite, got alpha[", i, ", ", b, "] = ", v);
+      TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, "alpha must be >= 0 and finite, got alpha[", i, ", ", b,
+                        "] = ", v);
     }
   }
   std::vector<double> c(K * B);
@@ -269,6 +277,10 @@ at::Tensor& branch_aggregate_out_cpu(const at::Tensor& params, const at::Tensor&
                    params.scalar_type(), ", got ", out.scalar_type());
   TORCH_CHECK_VALUE(out.device() == params.device(), "out must be on branch_params' device ", params.device(),
                     ", got ", out.device());
+  // An out whose elements share memory would keep whichever value came last (copy_ refuses
+  // only the layouts at::has_internal_overlap can decide).
+  TORCH_CHECK_VALUE(!cpu::has_internal_overlap(out), "out must not have elements that share memory, got strides ",
+                    shape_str(out.strides()));
   const int64_t B = alpha.size(1), P = c10::multiply_integers(params.sizes().slice(2));
   auto so = at::detail::computeStride(out.sizes(), out.strides(), at::IntArrayRef{B, P});
   const bool direct = so && (P <= 1 || (*so)[1] == 1) && (B == 1 || P == 0 || std::abs((*so)[0]) >= P) &&
@@ -278,7 +290,7 @@ at::Tensor& branch_aggregate_out_cpu(const at::Tensor& params, const at::Tensor&
   } else {
     at::Tensor w = at::empty(params.sizes().slice(1), params.options());
     aggregate_into(params, alpha, counts, w, P);
-    out.copy_(w);  // copy_ refuses an out whose elements share memory
+    out.copy_(w);
   }
   return out;
 }

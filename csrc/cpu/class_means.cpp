@@ -56,25 +56,25 @@ void check_args(const at::Tensor& features, const at::Tensor& labels, int64_t nu
 
 // Per client k: counts[k, c], and (where order is not null) order[k, :] = the sample indices
 // grouped by class (each class's samples in sample order) with start[k, c] the first position
-// of class c.  Checks the labels.
+// of class c.  Checks the labels: ValueError naming the first one (in sample order, client by
+// client, whatever the threads) outside [0, C), as the reference (ops/class_means.py).
 template <typename label_t>
 void sort_by_class(const label_t* labels, int64_t slk, int64_t sln, int64_t K, int64_t N, int64_t C,
-                   int64_t* counts, int64_t* start, int64_t* order) {
+                   int64_t* counts, int64_t* start, int64_t* order, bool batched) {
+  std::vector<int64_t> bad(K, -1);  // per client, the first sample with a bad label
   at::parallel_for(0, K, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(N, 1)), [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
       const label_t* l = labels + k * slk;
       int64_t* cnt = counts + k * C;
-      for (int64_t n = 0; n < N; ++n) {
+      for (int64_t n = 0; n < N && bad[k] < 0; ++n) {
         const int64_t c = static_cast<int64_t>(l[n * sln]);
         if (c < 0 || c >= C) {
-          if (K == 1 && slk == 0) {
-            TORCH_CHECK(false, "labels must be in [0, num_classes=", C, "), got labels[", n, "] = ", c);
-          }
-          TORCH_CHECK(false, "labels must be in [0, num_classes=", C, "), got labels[", k, ", ", n, "] = ", c);
+          bad[k] = n;
+        } else {
+          ++cnt[c];
         }
-        ++cnt[c];
       }
-      if (order == nullptr) continue;
+      if (order == nullptr || bad[k] >= 0) continue;
       int64_t* st = start + k * C;
       int64_t pos = 0;
       for (int64_t c = 0; c < C; ++c) {
@@ -86,6 +86,12 @@ void sort_by_class(const label_t* labels, int64_t slk, int64_t sln, int64_t K, i
       for (int64_t n = 0; n < N; ++n) ord[next[static_cast<int64_t>(l[n * sln])]++] = n;
     }
   });
+  for (int64_t k = 0; k < K; ++k) {
+    if (bad[k] < 0) continue;
+    const int64_t n = bad[k], c = static_cast<int64_t>(labels[k * slk + n * sln]);
+    if (!batched) TORCH_CHECK_VALUE(false, "labels must be in [0, num_classes=", C, "), got labels[", n, "] = ", c);
+    TORCH_CHECK_VALUE(false, "labels must be in [0, num_classes=", C, "), got labels[", k, ", ", n, "] = ", c);
+  }
 }
 
 // Accumulator floats of one streaming task: C x run stays in L2 (256 KiB).
@@ -287,7 +293,8 @@ std::tuple<at::Tensor, at::Tensor> class_means_cpu(const at::Tensor& features, c
   std::unique_ptr<int64_t[]> order(width == 0 ? new int64_t[K * N] : nullptr);
   int64_t* cnt = counts.data_ptr<int64_t>();
   AT_DISPATCH_INDEX_TYPES(labels.scalar_type(), "class_means_cpu_labels", [&] {
-    sort_by_class<index_t>(labels.const_data_ptr<index_t>(), slk, sln, K, N, C, cnt, start.data(), order.get());
+    sort_by_class<index_t>(labels.const_data_ptr<index_t>(), slk, sln, K, N, C, cnt, start.data(), order.get(),
+                           batched);
   });
   if (D == 0) return {means, counts};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, features.scalar_type(), "class_means_cpu", [&] {

@@ -25,6 +25,11 @@
 //                    float32 (threads over rows, norms summed on the way) and accumulate them
 //                    with addmm_, one block at a time.
 //
+// Extreme and non-finite rows (rescale_extreme_rows): a row whose squared norm leaves a safe
+// band (a NaN/Inf entry, entries of 1e19 or 1e-30 in float32) is classified after the product;
+// non-finite rows give NaN rows/columns, extreme ones are scaled by a power of two and their
+// products recomputed, as reference/similarity.py defines.  Ordinary rows cost nothing more.
+//
 // similarity_weights: one task per row (threads over rows).  A row is read once to find the
 // entries >= tau; only when they (with the own entry) are fewer than min_keep does it select
 // the most similar of the rest with std::nth_element on (value desc, column asc) pairs, O(M) on
@@ -36,7 +41,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
@@ -299,6 +303,165 @@ Product product(const at::Tensor& x_in, const std::optional<at::Tensor>& y_in) {
   return product_large<scalar_t>(x, y);
 }
 
+// ---------------------------------------------------------------- extreme and non-finite rows
+//
+// The product above squares and multiplies the rows as they are.  That is exact enough for a
+// row whose squared norm q lies in the safe band [low, high] (see safe_band): no partial sum
+// can overflow (|x·y| <= ‖x‖‖y‖ <= high, and ‖x‖² + ‖y‖² − 2 x·y <= 4 high < max), and what
+// underflow loses (at most the smallest normal per term, D terms) is below 2^-24 of the
+// norms for D < 2^38.  A row outside the band is one of:
+//
+//   non-finite (a NaN or ±Inf entry): its row (and column when y is None) of the result is NaN;
+//   zero: nothing to fix, its products are exactly 0;
+//   extreme (finite and nonzero, entries whose squares overflow or underflow, e.g. 1e19 or
+//     1e-30 in float32): scaled by a power of two σ = 2^-e, e the binary exponent of its max
+//     |entry| (reference.similarity.row_scales), its products with every row and its norm are
+//     recomputed from the scaled row with BLAS ([U, D] x [D, M] for U such rows), and the
+//     epilogue undoes σ where it can no longer overflow.
+//
+// So rows of ordinary size keep the bits of the fast path, and without extreme rows the fix
+// costs one comparison per row.
+
+template <typename acc_t>
+struct RowInfo {
+  std::vector<acc_t> sigma;      // the row's scale: 1 unless extreme
+  std::vector<uint8_t> finite;   // 0 where the row holds a NaN or ±Inf
+  std::vector<int64_t> extreme;  // the scaled rows, ascending
+  bool any_non_finite = false;
+};
+
+// [low, high]: squared norms that need no scaling.  low: 2^62 times the smallest normal
+// (float32: 2^-64); high: an eighth of the largest finite value.
+template <typename acc_t>
+std::pair<acc_t, acc_t> safe_band() {
+  using lim = std::numeric_limits<acc_t>;
+  return {std::ldexp(lim::min(), 62), lim::max() / 8};
+}
+
+// Largest |e| of a scale 2^-e: 2^±e stays a normal number (reference.similarity.scale_exponent_limit).
+template <typename acc_t>
+constexpr int kScaleExponentLimit = std::numeric_limits<acc_t>::max_exponent - 3;
+
+// Classifies the rows of t (unit inner stride) whose squared norm q[r] lies outside the safe
+// band, reading each such row once (threads over them: all rows are zero at initialization).
+template <typename scalar_t, typename acc_t>
+RowInfo<acc_t> classify_rows(const at::Tensor& t, const acc_t* q) {
+  const int64_t R = t.size(0), D = t.size(1), sr = t.stride(0);
+  const scalar_t* p = t.const_data_ptr<scalar_t>();
+  const auto [low, high] = safe_band<acc_t>();
+  RowInfo<acc_t> info;
+  info.sigma.assign(R, acc_t(1));
+  info.finite.assign(R, 1);
+  std::vector<int64_t> outside;
+  for (int64_t r = 0; r < R; ++r) {
+    if (!(q[r] >= low && q[r] <= high)) outside.push_back(r);  // NaN fails both
+  }
+  // Per row outside the band: max |entry|, or Inf where one is NaN or ±Inf.
+  std::vector<acc_t> m(outside.size(), acc_t(0));
+  const int64_t n = static_cast<int64_t>(outside.size());
+  at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(D, 1)), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const scalar_t* row = p + outside[u] * sr;
+      acc_t mu = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const acc_t v = std::abs(static_cast<acc_t>(row[d]));
+        if (!std::isfinite(v)) {
+          mu = std::numeric_limits<acc_t>::infinity();
+          break;
+        }
+        mu = std::max(mu, v);
+      }
+      m[u] = mu;
+    }
+  });
+  for (int64_t u = 0; u < n; ++u) {
+    const int64_t r = outside[u];
+    if (!std::isfinite(m[u])) {
+      info.finite[r] = 0;
+      info.any_non_finite = true;
+    } else if (m[u] > 0) {
+      int e = 0;
+      std::frexp(m[u], &e);
+      e = std::clamp(e, -kScaleExponentLimit<acc_t>, kScaleExponentLimit<acc_t>);
+      info.sigma[r] = std::ldexp(acc_t(1), -e);
+      info.extreme.push_back(r);
+    }
+  }
+  return info;
+}
+
+// The extreme rows of t scaled by their σ, [U, D] in the accumulation type.
+template <typename scalar_t, typename acc_t>
+at::Tensor scaled_rows(const at::Tensor& t, const RowInfo<acc_t>& info, at::ScalarType acc) {
+  const int64_t U = static_cast<int64_t>(info.extreme.size()), D = t.size(1), sr = t.stride(0);
+  at::Tensor out = at::empty({U, D}, t.options().dtype(acc));
+  const scalar_t* p = t.const_data_ptr<scalar_t>();
+  acc_t* o = out.data_ptr<acc_t>();
+  for (int64_t u = 0; u < U; ++u) {
+    const int64_t r = info.extreme[u];
+    for (int64_t d = 0; d < D; ++d) o[u * D + d] = static_cast<acc_t>(p[r * sr + d]) * info.sigma[r];
+  }
+  return out;
+}
+
+at::Tensor index_tensor(const std::vector<int64_t>& rows, const at::Tensor& like) {
+  at::Tensor idx = at::empty({static_cast<int64_t>(rows.size())}, like.options().dtype(at::kLong));
+  std::copy(rows.begin(), rows.end(), idx.data_ptr<int64_t>());
+  return idx;
+}
+
+// Classifies the rows of x and y and recomputes the products and squared norms of the extreme
+// ones from their scaled rows (ŝ = σ_i σ_j x_i·y_j, q̂ = σ² ‖x‖², in place in pr).
+template <typename scalar_t>
+std::pair<RowInfo<at::opmath_type<scalar_t>>, RowInfo<at::opmath_type<scalar_t>>> rescale_extreme_rows(
+    const at::Tensor& x_in, const std::optional<at::Tensor>& y_in, Product& pr) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const at::ScalarType acc = acc_type_of(x_in.scalar_type());
+  const at::Tensor x = unit_inner(x_in);
+  const at::Tensor y = y_in ? unit_inner(*y_in) : x;
+  const bool has_y = y_in.has_value();
+  pr.sx = pr.sx.contiguous();
+  pr.sy = has_y ? pr.sy.contiguous() : pr.sx;
+  RowInfo<acc_t> rx = classify_rows<scalar_t, acc_t>(x, pr.sx.const_data_ptr<acc_t>());
+  RowInfo<acc_t> ry = has_y ? classify_rows<scalar_t, acc_t>(y, pr.sy.const_data_ptr<acc_t>()) : rx;
+  if (rx.extreme.empty() && ry.extreme.empty()) return {rx, ry};
+  // The other operand of each product, in the accumulation type (its own extreme rows are
+  // overwritten below, so they may overflow here).
+  const at::Tensor xa = x.scalar_type() == acc ? x : x.to(acc);
+  const at::Tensor ya = !has_y ? xa : (y.scalar_type() == acc ? y : y.to(acc));
+  const at::Tensor xu = scaled_rows<scalar_t, acc_t>(x, rx, acc);
+  const at::Tensor yu = has_y ? scaled_rows<scalar_t, acc_t>(y, ry, acc) : xu;
+  const at::Tensor ix = index_tensor(rx.extreme, pr.s), iy = index_tensor(ry.extreme, pr.s);
+  const bool both = !rx.extreme.empty() && !ry.extreme.empty();
+  const at::Tensor corner = both ? at::mm(xu, yu.t()) : at::Tensor();  // [Ux, Uy], both scaled
+  if (!rx.extreme.empty()) {
+    at::Tensor rows = at::mm(xu, ya.t());  // [Ux, M]
+    if (both) rows.index_copy_(1, iy, corner);
+    pr.s.index_copy_(0, ix, rows);
+    if (!has_y) pr.s.index_copy_(1, ix, rows.t());  // the Gram matrix: the same numbers, mirrored
+  }
+  if (has_y && !ry.extreme.empty()) {
+    at::Tensor cols = at::mm(xa, yu.t());  // [K, Uy]
+    if (both) cols.index_copy_(0, ix, corner);
+    pr.s.index_copy_(1, iy, cols);
+  }
+  // The squared norms of the scaled rows: the Gram diagonal (so that c[i, i] ≈ 1) or sums.
+  acc_t* qx = pr.sx.data_ptr<acc_t>();
+  const acc_t* sp = pr.s.const_data_ptr<acc_t>();
+  const int64_t D = x.size(1), M = pr.s.size(1);
+  for (size_t u = 0; u < rx.extreme.size(); ++u) {
+    const int64_t r = rx.extreme[u];
+    qx[r] = has_y ? sum_squares<acc_t, acc_t>(xu.const_data_ptr<acc_t>() + u * D, D) : sp[r * M + r];
+  }
+  if (has_y) {
+    acc_t* qy = pr.sy.data_ptr<acc_t>();
+    for (size_t u = 0; u < ry.extreme.size(); ++u) {
+      qy[ry.extreme[u]] = sum_squares<acc_t, acc_t>(yu.const_data_ptr<acc_t>() + u * D, D);
+    }
+  }
+  return {rx, ry};
+}
+
 // ---------------------------------------------------------------- epilogues
 
 // out[i, j] = f(s[i, j], i, j) in place.  y None: f of the upper triangle, mirrored (exactly
@@ -326,6 +489,14 @@ void epilogue(at::Tensor& s, bool symmetric, const F& f) {
   });
 }
 
+// Clamp to [-1, 1] that lets NaN through (std::min/std::max would turn it into -1 or 1).
+template <typename acc_t>
+acc_t clamp_unit(acc_t v) {
+  return v < acc_t(-1) ? acc_t(-1) : (v > acc_t(1) ? acc_t(1) : v);
+}
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
 at::Tensor pairwise_cosine_cpu(const at::Tensor& x, const std::optional<at::Tensor>& y, double eps) {
   check_pair(x, y);
   const at::ScalarType acc = acc_type_of(x.scalar_type());
@@ -335,20 +506,25 @@ at::Tensor pairwise_cosine_cpu(const at::Tensor& x, const std::optional<at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pairwise_cosine_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     Product pr = product<scalar_t>(x, y);
+    const auto rows = rescale_extreme_rows<scalar_t>(x, y, pr);
+    const RowInfo<acc_t>& rx = rows.first;
+    const RowInfo<acc_t>& ry = rows.second;
     const acc_t e = static_cast<acc_t>(eps);
-    auto inv = [&](const at::Tensor& sq) {
-      at::Tensor r = at::empty_like(sq);
+    // f_i = 1 / max(‖x̂_i‖, eps·σ_i) = σ_i / max(‖x_i‖, eps), so that ŝ_ij f_i f_j is the cosine.
+    auto factors = [&](const at::Tensor& sq, const RowInfo<acc_t>& info) {
+      std::vector<acc_t> f(sq.numel());
       const acc_t* q = sq.const_data_ptr<acc_t>();
-      acc_t* o = r.data_ptr<acc_t>();
-      for (int64_t i = 0; i < sq.numel(); ++i) o[i] = acc_t(1) / std::max(std::sqrt(q[i]), e);
-      return r;
+      for (int64_t i = 0; i < sq.numel(); ++i) f[i] = acc_t(1) / std::max(std::sqrt(q[i]), e * info.sigma[i]);
+      return f;
     };
-    at::Tensor ix = inv(pr.sx);
-    at::Tensor iy = y ? inv(pr.sy) : ix;
-    const acc_t* a = ix.const_data_ptr<acc_t>();
-    const acc_t* b = iy.const_data_ptr<acc_t>();
+    const std::vector<acc_t> fx = factors(pr.sx, rx);
+    const std::vector<acc_t> fy = y ? factors(pr.sy, ry) : fx;
+    const bool any_non_finite = rx.any_non_finite || ry.any_non_finite;
+    const acc_t nan = static_cast<acc_t>(kNaN);
     epilogue<acc_t>(pr.s, !y, [&](acc_t v, int64_t i, int64_t j) {
-      return std::min(acc_t(1), std::max(acc_t(-1), v * a[i] * b[j]));
+      if (any_non_finite && !(rx.finite[i] && ry.finite[j])) return nan;
+      // A zero product stays 0 even where f_i f_j overflows (two zero rows, a tiny eps).
+      return v == acc_t(0) ? v : clamp_unit(v * fx[i] * fy[j]);
     });
     out = pr.s;
   });
@@ -364,13 +540,26 @@ at::Tensor pairwise_sqdist_cpu(const at::Tensor& x, const std::optional<at::Tens
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pairwise_sqdist_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     Product pr = product<scalar_t>(x, y);
-    const at::Tensor sx = pr.sx.contiguous(), sy = pr.sy.contiguous();
-    const acc_t* a = sx.const_data_ptr<acc_t>();
-    const acc_t* b = sy.const_data_ptr<acc_t>();
+    const auto rows = rescale_extreme_rows<scalar_t>(x, y, pr);
+    const RowInfo<acc_t>& rx = rows.first;
+    const RowInfo<acc_t>& ry = rows.second;
+    const acc_t* qx = pr.sx.const_data_ptr<acc_t>();
+    const acc_t* qy = pr.sy.const_data_ptr<acc_t>();
     const bool sym = !y;
+    const bool any_non_finite = rx.any_non_finite || ry.any_non_finite;
+    const bool any_scaled = !rx.extreme.empty() || !ry.extreme.empty();
+    const acc_t nan = static_cast<acc_t>(kNaN);
+    // max(v, 0) that lets NaN through.
+    auto at_least_zero = [](acc_t v) { return v < acc_t(0) ? acc_t(0) : v; };
     epilogue<acc_t>(pr.s, sym, [&](acc_t v, int64_t i, int64_t j) {
+      if (any_non_finite && !(rx.finite[i] && ry.finite[j])) return nan;
       if (sym && i == j) return acc_t(0);
-      return std::max(acc_t(0), a[i] + b[j] - acc_t(2) * v);
+      if (!any_scaled) return at_least_zero(qx[i] + qy[j] - acc_t(2) * v);
+      // With a_i = 1/σ_i, a = max(a_i, a_j), r = a_•/a <= 1 (powers of two: exact):
+      // d = (r_i² q̂_i + r_j² q̂_j − 2 r_i r_j ŝ)·a·a, the bracket at most 4·D (reference.pairwise_sqdist).
+      const acc_t ai = acc_t(1) / rx.sigma[i], aj = acc_t(1) / ry.sigma[j];
+      const acc_t a = std::max(ai, aj), ri = ai / a, rj = aj / a;
+      return at_least_zero(ri * ri * qx[i] + rj * rj * qy[j] - acc_t(2) * (ri * rj) * v) * a * a;
     });
     out = pr.s;
   });

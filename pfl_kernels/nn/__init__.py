@@ -1,6 +1,7 @@
 """Drop-in layers built on the ``pfl`` ops, and converters for whole models."""
 from .convert import (alpha_parameters, branch_parameters, factorize, factorized_layers, multibranch,
                       multibranch_layers, project_alpha_, sparsity_loss)
+from ._read_only import ReadOnlyWeightError
 from .factorized import FactorizedConv2d, FactorizedLinear
 from .multibranch import MultiBranchConv2d, MultiBranchLinear
 
@@ -8,4 +9,5 @@ __all__ = [
     "FactorizedConv2d", "FactorizedLinear", "MultiBranchConv2d", "MultiBranchLinear",
     "factorize", "factorized_layers", "sparsity_loss",
     "multibranch", "multibranch_layers", "branch_parameters", "alpha_parameters", "project_alpha_",
+    "ReadOnlyWeightError",
 ]

@@ -2,14 +2,39 @@
 layers in place, and helpers that address those layers' parameter groups."""
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
 from ..ops import project_simplex_
+from ._convertible import check_allow_subclasses, check_convertible, describe
 from .factorized import FactorizedConv2d, FactorizedLinear
 from .multibranch import MultiBranchConv2d, MultiBranchLinear
+
+
+@dataclass(frozen=True)
+class _Conversion:
+    """What differs between the two converters.
+
+    ``ties`` names, for the dense weight and bias, the new layer's parameters made from
+    them: dense layers that share a Parameter (tied weights) become layers that share these,
+    so the tie holds exactly.  Layers linked by a chain of such ties also share
+    ``tied_together`` (multi-branch layers: α, since their combined weights are equal only
+    under the same α).
+    """
+
+    converter: str
+    from_dense_names: str
+    ties: dict[str, tuple[str, ...]]
+    tied_together: tuple[str, ...] = ()
+
+
+_FACTORIZE = _Conversion("factorize", "FactorizedConv2d.from_dense or FactorizedLinear.from_dense",
+                         {"weight": ("u", "v", "mu"), "bias": ("bias",)})
+_MULTIBRANCH = _Conversion("multibranch", "MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense",
+                           {"weight": ("branch_weight",), "bias": ("branch_bias",)}, ("alpha_param",))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -18,11 +43,10 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _check_exclude(model: nn.Module, exclude: Iterable[str]) -> set[str]:
+def _check_exclude(names: set[str], exclude: Iterable[str]) -> set[str]:
     if isinstance(exclude, str):
         exclude = (exclude,)
     exclude = set(exclude)
-    names = {name for name, _ in model.named_modules()}
     unknown = sorted(exclude - names)
     if unknown:
         raise ValueError(f"exclude names modules the model does not have: {unknown}")
@@ -30,11 +54,15 @@ def _check_exclude(model: nn.Module, exclude: Iterable[str]) -> set[str]:
 
 
 def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", sparse: bool = True,
-              exclude: Iterable[str] = ()) -> nn.Module:
+              exclude: Iterable[str] = (), allow_subclasses=False) -> nn.Module:
     """Replace every ``nn.Conv2d`` and ``nn.Linear`` of ``model`` (at any depth) in place.
 
     Each layer becomes ``FactorizedConv2d.from_dense`` / ``FactorizedLinear.from_dense``
     of itself, so with sparse=True the model computes the same function as before.
+
+    A module registered under several names becomes one factorized layer registered under
+    all of them.  Layers that share a Parameter (tied weights or biases) become layers that
+    share the corresponding u, v, mu (or bias) Parameters, so they stay tied.
 
     Args:
         model: any module (nested, Sequential, residual blocks...).  A bare Conv2d/Linear
@@ -43,44 +71,140 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
             linears always use 'linear'.
         exclude: qualified module names (as in ``model.named_modules()``) to leave dense,
             e.g. the classifier; a module inside an excluded one is left dense too.
+        allow_subclasses: convert subclasses of Conv2d/Linear that override ``forward``
+            (refused by default, since the factorized layer computes the base class's
+            function): True for all, or a class or classes to accept exactly those.
 
     Returns:
         ``model`` itself.
 
     Raises:
         ValueError: a name in ``exclude`` that the model does not have; ``model`` itself a
-            Conv2d/Linear.
+            Conv2d/Linear; a module that cannot be replaced exactly (a subclass overriding
+            ``forward`` not allowed by ``allow_subclasses``, parametrizations, hooks, an
+            uninitialised lazy module), named with its class; a module excluded under one
+            of its names only; a layer whose weight or bias is also used by a module that
+            stays as it is (e.g. a classifier tied to an embedding), naming both places.
+            Nothing is changed when it raises.
     """
     def make(module):
         if isinstance(module, nn.Conv2d):
-            return FactorizedConv2d.from_dense(module, rank=rank, layout=layout, sparse=sparse)
-        return FactorizedLinear.from_dense(module, rank=rank, sparse=sparse)
+            return FactorizedConv2d.from_dense(module, rank=rank, layout=layout, sparse=sparse,
+                                               allow_subclasses=allow_subclasses)
+        return FactorizedLinear.from_dense(module, rank=rank, sparse=sparse, allow_subclasses=allow_subclasses)
 
-    return _convert(model, exclude, make, "FactorizedConv2d.from_dense or FactorizedLinear.from_dense")
+    return _convert(model, exclude, allow_subclasses, make, _FACTORIZE)
 
 
-def _convert(model: nn.Module, exclude: Iterable[str], make, from_dense_names: str) -> nn.Module:
-    """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place."""
+def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make, conversion: _Conversion) -> nn.Module:
+    """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place, under every
+    name it has, keeping tied parameters tied (``conversion.ties``).  Checks everything first,
+    so nothing changes when it raises."""
     if isinstance(model, (nn.Conv2d, nn.Linear)):
-        raise ValueError(f"model is itself a Conv2d/Linear; use {from_dense_names} on it")
-    exclude = _check_exclude(model, exclude)
-    targets = []
-    for name, module in model.named_modules():
-        if not name or any(name == e or name.startswith(e + ".") for e in exclude):
-            continue
-        if isinstance(module, (nn.Conv2d, nn.Linear)):
-            targets.append((name, make(module)))
-    for name, new in targets:
-        _replace(model, name, new)
+        raise ValueError(f"model is itself a Conv2d/Linear; use {conversion.from_dense_names} on it")
+    check_allow_subclasses(allow_subclasses)
+    named = list(model.named_modules(remove_duplicate=False))
+    exclude = _check_exclude({name for name, _ in named}, exclude)
+    targets = _targets(named, exclude)
+    for module, names in targets:
+        kind = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
+        check_convertible(module, kind, allow_subclasses=allow_subclasses, where=repr(names[0]))
+    tied_groups = _tied_groups(model, targets, conversion.converter)
+    new = {id(module): make(module) for module, _ in targets}
+    _tie(tied_groups, new, conversion)
+    for module, names in targets:
+        for name in names:
+            _replace(model, name, new[id(module)])
     return model
 
 
+def _targets(named: list[tuple[str, nn.Module]], exclude: set[str]) -> list[tuple[nn.Module, list[str]]]:
+    """The Conv2d/Linear modules to replace, each once with every name it is registered under
+    (``named`` lists a shared module under each of its names).  Raises for a module excluded
+    under some of its names only: converting it would change the others too."""
+    def excluded(name):
+        return any(name == e or name.startswith(e + ".") for e in exclude)
+
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in named:
+        # A module inside a replaced one goes away with it.
+        if name and isinstance(module, (nn.Conv2d, nn.Linear)) and not any(
+                name.startswith(other + ".") for _, names in found.values() for other in names):
+            found.setdefault(id(module), (module, []))[1].append(name)
+    targets = []
+    for module, names in found.values():
+        left_out = [name for name in names if excluded(name)]
+        if left_out and len(left_out) < len(names):
+            kept = next(name for name in names if not excluded(name))
+            raise ValueError(f"{left_out[0]!r} and {kept!r} are the same {type(module).__qualname__} module, "
+                             f"excluded under the first name only; exclude both names or neither")
+        if not left_out:
+            targets.append((module, names))
+    return targets
+
+
+def _tied_groups(model: nn.Module, targets: list[tuple[nn.Module, list[str]]],
+                 converter: str) -> list[tuple[str, list[nn.Module]]]:
+    """(role, modules) for every weight or bias Parameter that several target modules share.
+
+    Raises when a target's weight or bias is also registered somewhere that will not be
+    converted (an embedding tied to a classifier, an excluded layer, a parent's own
+    Parameter): the conversion would untie them.
+    """
+    places: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        places.setdefault(id(param), []).append(name)
+    converted = {f"{name}.{role}" for module, names in targets for name in names for role in ("weight", "bias")}
+    groups: dict[int, tuple[str, list[nn.Module]]] = {}
+    for module, names in targets:
+        for role in ("weight", "bias"):
+            param = module._parameters.get(role)
+            if param is None:
+                continue
+            for place in places[id(param)]:
+                if place not in converted:
+                    raise ValueError(
+                        f"the {role} of {describe(repr(names[0]), module)} is the same Parameter as {place!r}, "
+                        f"which {converter} does not convert, so converting would untie them; exclude "
+                        f"{names[0]!r}, or untie the two first")
+            group = groups.setdefault(id(param), (role, []))[1]
+            if not any(m is module for m in group):
+                group.append(module)
+    return [(role, modules) for role, modules in groups.values() if len(modules) > 1]
+
+
+def _tie(groups: list[tuple[str, list[nn.Module]]], new: dict[int, nn.Module], conversion: _Conversion) -> None:
+    """Make the new layers of each group share the first one's ``conversion.ties[role]``
+    parameters, and every layer linked through groups share one set of
+    ``conversion.tied_together`` parameters."""
+    root = {key: key for key in new}
+
+    def find(key):
+        while root[key] != key:
+            key = root[key]
+        return key
+
+    for role, modules in groups:
+        first = new[id(modules[0])]
+        for module in modules[1:]:
+            for attr in conversion.ties[role]:
+                setattr(new[id(module)], attr, getattr(first, attr))
+            root[find(id(module))] = find(id(modules[0]))
+    for key, layer in new.items():
+        for attr in conversion.tied_together:
+            setattr(layer, attr, getattr(new[find(key)], attr))
+
+
 def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", shared_alpha: bool = False,
-                exclude: Iterable[str] = (), noise: float = 0.0) -> nn.Module:
+                exclude: Iterable[str] = (), noise: float = 0.0, allow_subclasses=False) -> nn.Module:
     """Replace every ``nn.Conv2d`` and ``nn.Linear`` of ``model`` by its multi-branch version, in place.
 
     Each layer becomes ``MultiBranchConv2d.from_dense`` / ``MultiBranchLinear.from_dense`` of
     itself (pFedMB Eq. 1–2), so with noise=0 the model computes the same function as before.
+
+    A module registered under several names becomes one multi-branch layer registered under
+    all of them.  Layers that share a Parameter (tied weights or biases) become layers that
+    share the corresponding branch Parameters and one α, so they stay tied.
 
     Args:
         branches: B >= 1.  simplex: 'softmax' or 'project' (see the layers).
@@ -88,19 +212,20 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
             every converted layer then holds the same ``alpha_param`` Parameter.
         exclude: qualified module names to leave dense (their children too).
         noise: symmetry-breaking noise of the branches, relative to each weight's std.
+        allow_subclasses: as for ``factorize``.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        ValueError: unknown names in ``exclude``; ``model`` itself a Conv2d/Linear; bad
-            branches/simplex/noise.
+        ValueError: bad branches/simplex/noise; and every error of ``factorize``.
     """
     def make(module):
         kind = MultiBranchConv2d if isinstance(module, nn.Conv2d) else MultiBranchLinear
-        return kind.from_dense(module, branches=branches, noise=noise, simplex=simplex)
+        return kind.from_dense(module, branches=branches, noise=noise, simplex=simplex,
+                               allow_subclasses=allow_subclasses)
 
-    _convert(model, exclude, make, "MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense")
+    _convert(model, exclude, allow_subclasses, make, _MULTIBRANCH)
     layers = multibranch_layers(model)
     if shared_alpha and layers:
         shared = layers[0].alpha_param
@@ -116,7 +241,9 @@ def factorized_layers(model: nn.Module) -> list[nn.Module]:
 
 def sparsity_loss(model: nn.Module) -> torch.Tensor:
     """Σ over the model's factorized layers of ‖μ‖₁ (Factorized-FL Eq. 6), differentiable."""
-    losses = [layer.sparsity_loss() for layer in factorized_layers(model)]
+    # Each μ once: tied layers share theirs (one Parameter, one penalty).
+    by_mu = {id(layer.mu): layer for layer in factorized_layers(model) if layer.mu is not None}
+    losses = [layer.sparsity_loss() for layer in by_mu.values()]
     if not losses:
         param = next(model.parameters(), None)
         return torch.zeros((), device=None if param is None else param.device)
@@ -129,9 +256,9 @@ def multibranch_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def branch_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The branch weights and biases W_b of every multi-branch layer (pFedMB's W group)."""
-    return [p for layer in multibranch_layers(model) for p in (layer.branch_weight, layer.branch_bias)
-            if p is not None]
+    """The branch weights and biases W_b of every multi-branch layer (pFedMB's W group), each once
+    (tied layers share theirs)."""
+    return _each_once(p for layer in multibranch_layers(model) for p in (layer.branch_weight, layer.branch_bias))
 
 
 def alpha_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -140,15 +267,20 @@ def alpha_parameters(model: nn.Module) -> list[nn.Parameter]:
     pFedMB trains α with W fixed, then W with α fixed: give the two groups to two optimizers
     or to one optimizer as two parameter groups.
     """
-    seen: dict[int, nn.Parameter] = {}
-    for layer in multibranch_layers(model):
-        seen.setdefault(id(layer.alpha_param), layer.alpha_param)
-    return list(seen.values())
+    return _each_once(layer.alpha_param for layer in multibranch_layers(model))
 
 
 @torch.no_grad()
 def project_alpha_(model: nn.Module) -> None:
     """Project every α of ``simplex='project'`` layers back onto the simplex (after an optimizer step)."""
-    for layer in multibranch_layers(model):
-        if layer.simplex == "project":
-            project_simplex_(layer.alpha_param)
+    for alpha in _each_once(layer.alpha_param for layer in multibranch_layers(model) if layer.simplex == "project"):
+        project_simplex_(alpha)
+
+
+def _each_once(params: Iterable[Optional[nn.Parameter]]) -> list[nn.Parameter]:
+    """``params`` without None and without repeats (shared Parameters), in first-seen order."""
+    seen: dict[int, nn.Parameter] = {}
+    for p in params:
+        if p is not None:
+            seen.setdefault(id(p), p)
+    return list(seen.values())

@@ -18,15 +18,18 @@ from .._layout import LAYOUTS, layout_geometry
 from ..ops._checks import positive_int
 from ..reference.factorized import unplace
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
+from ._convertible import check_convertible
+from ._read_only import RebuiltAttributes, read_only
 
 
-class _FactorizedMixin:
+class _FactorizedMixin(RebuiltAttributes):
     """Parameters, weight reconstruction and sparsity accounting shared by both layers."""
 
     u: nn.Parameter
     v: nn.Parameter
     mu: Optional[nn.Parameter]
     bias: Optional[nn.Parameter]
+    _rebuilt_attributes = ("weight",)
 
     def _init_parameters(self, shape, layout, rank, sparse, bias, device, dtype) -> None:
         """Create u, v, mu and bias for a weight of ``shape`` and initialise them."""
@@ -56,11 +59,27 @@ class _FactorizedMixin:
 
     @property
     def weight(self) -> torch.Tensor:
-        """The reconstructed weight place(u @ v + μ) in the shape of the dense layer's weight."""
+        """The reconstructed weight place(u @ v + μ) in the shape of the dense layer's weight.
+
+        Read-only: it is rebuilt on every access, so writing to it (``nn.init.*_``,
+        ``.zero_()``, ``.data = ...``, assigning it) raises ``ReadOnlyWeightError``;
+        initialise u, v and mu instead.  Gradients through it reach u, v and mu.
+        """
+        return read_only(self._reconstructed_weight(), self._write_error("weight"))
+
+    def _reconstructed_weight(self) -> torch.Tensor:
         # The op itself, not the validating wrapper: the parameters' shapes were fixed at
         # construction (and the op still checks them), and this runs on every forward.
         return torch.ops.pfl.factorized_weight(self.u, self.v, self.mu, shape=self.weight_shape,
                                                layout=self.layout)
+
+    def _write_error(self, name: str) -> str:
+        cls = type(self).__name__
+        return (f"{cls}.{name} is rebuilt from u, v and mu on every access, so writing to it would "
+                f"change nothing; initialise the factors instead: reset_parameters(), "
+                f"{cls}.from_dense(dense_layer), or write layer.u, layer.v and layer.mu under "
+                f"torch.no_grad() (e.g. nn.init.xavier_uniform_(layer.u), layer.mu.zero_()); "
+                f"for a copy you can write to, use layer.{name}.detach().clone()")
 
     def _load_dense(self, module: nn.Module) -> None:
         """From a dense layer: u, v the best rank-r part of its weight (SVD), μ the rest; its
@@ -116,7 +135,8 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
         sparse: keep the sparse bias μ [R, C] (default True).
 
     Parameters: ``u`` [R, rank], ``v`` [rank, C], ``mu`` [R, C] (None when sparse=False),
-    ``bias`` [out_channels] (None when bias=False).  ``weight`` is a read-only property.
+    ``bias`` [out_channels] (None when bias=False).  ``weight`` is a read-only property
+    (writing to it raises ``ReadOnlyWeightError``).
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
@@ -130,18 +150,24 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
         self._init_parameters(shape, layout, rank, sparse, bias, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return conv2d_forward(self, input, self.weight, self.bias)
+        return conv2d_forward(self, input, self._reconstructed_weight(), self.bias)
 
     @classmethod
     def from_dense(cls, module: nn.Conv2d, *, rank: int = 1, layout: str = "spatial",
-                   sparse: bool = True) -> "FactorizedConv2d":
+                   sparse: bool = True, allow_subclasses=False) -> "FactorizedConv2d":
         """A factorized copy of ``module``: u, v the best rank-r part of its weight (SVD), μ the rest.
 
         With sparse=True the new layer computes the same function as ``module``; with
         sparse=False it keeps only the rank-r approximation.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Conv2d``.
+            ValueError: ``module`` computes something the new layer would not: a subclass
+                overriding ``forward`` (unless ``allow_subclasses`` is True or holds its
+                class), parametrizations, hooks, or lazy uninitialised parameters (see
+                ``factorize``).
         """
-        if not isinstance(module, nn.Conv2d):
-            raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
+        check_convertible(module, nn.Conv2d, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, rank=rank, layout=layout,
                     sparse=sparse)
@@ -167,13 +193,14 @@ class FactorizedLinear(_FactorizedMixin, nn.Module):
         self._init_parameters((out_features, in_features), "linear", rank, sparse, bias, device, dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.linear(input, self.weight, self.bias)
+        return F.linear(input, self._reconstructed_weight(), self.bias)
 
     @classmethod
-    def from_dense(cls, module: nn.Linear, *, rank: int = 1, sparse: bool = True) -> "FactorizedLinear":
-        """A factorized copy of ``module`` (exact with sparse=True; see FactorizedConv2d.from_dense)."""
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
+    def from_dense(cls, module: nn.Linear, *, rank: int = 1, sparse: bool = True,
+                   allow_subclasses=False) -> "FactorizedLinear":
+        """A factorized copy of ``module`` (exact with sparse=True; the arguments and errors of
+        FactorizedConv2d.from_dense)."""
+        check_convertible(module, nn.Linear, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*linear_arguments(module), device=w.device, dtype=w.dtype, rank=rank, sparse=sparse)
         layer._load_dense(module)

@@ -18,16 +18,19 @@ from torch.nn import functional as F
 from ..ops import project_simplex_
 from ..ops._checks import positive_int
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
+from ._convertible import check_convertible
+from ._read_only import RebuiltAttributes, read_only
 
 SIMPLEX_MODES = ("softmax", "project")
 
 
-class _MultiBranchMixin:
+class _MultiBranchMixin(RebuiltAttributes):
     """Parameters, α on the simplex and the combined weight, shared by both layers."""
 
     branch_weight: nn.Parameter
     branch_bias: Optional[nn.Parameter]
     alpha_param: nn.Parameter
+    _rebuilt_attributes = ("weight", "bias")
 
     def _init_parameters(self, shape, branches, simplex, bias, device, dtype) -> None:
         if simplex not in SIMPLEX_MODES:
@@ -68,15 +71,29 @@ class _MultiBranchMixin:
 
     @property
     def weight(self) -> torch.Tensor:
-        """Σ_b α_b W_b, in the shape of the dense layer's weight."""
-        return torch.ops.pfl.branch_combine(self.branch_weight, self.alpha)
+        """Σ_b α_b W_b, in the shape of the dense layer's weight.
+
+        Read-only: it is rebuilt on every access, so writing to it (``nn.init.*_``,
+        ``.zero_()``, ``.data = ...``, assigning it) raises ``ReadOnlyWeightError``;
+        initialise ``branch_weight`` and ``alpha_param`` instead.
+        """
+        return read_only(torch.ops.pfl.branch_combine(self.branch_weight, self.alpha), self._write_error("weight"))
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
-        """Σ_b α_b bias_b, or None without bias."""
+        """Σ_b α_b bias_b, or None without bias (read-only, as ``weight``)."""
         if self.branch_bias is None:
             return None
-        return torch.ops.pfl.branch_combine(self.branch_bias, self.alpha)
+        return read_only(torch.ops.pfl.branch_combine(self.branch_bias, self.alpha), self._write_error("bias"))
+
+    def _write_error(self, name: str) -> str:
+        cls = type(self).__name__
+        branches = "branch_weight" if name == "weight" else "branch_bias"
+        return (f"{cls}.{name} is the sum over b of alpha_b * {branches}[b], rebuilt on every access, so "
+                f"writing to it would change nothing; initialise the branches instead: reset_parameters(), "
+                f"{cls}.from_dense(dense_layer), or write layer.{branches} (and layer.alpha_param) under "
+                f"torch.no_grad() (e.g. layer.{branches}.copy_(value.expand_as(layer.{branches}))); "
+                f"for a copy you can write to, use layer.{name}.detach().clone()")
 
     def _combined(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         # The ops themselves, not the validating wrappers (shapes are fixed at construction
@@ -115,7 +132,8 @@ class MultiBranchConv2d(_MultiBranchMixin, nn.Module):
     """``nn.Conv2d`` whose weight and bias are convex combinations of B branches (pFedMB Eq. 1–2).
 
     Takes every ``nn.Conv2d`` argument with the same meaning, plus ``branches`` (B >= 1) and
-    ``simplex`` ('softmax' or 'project').  ``weight``, ``bias`` and ``alpha`` are properties.
+    ``simplex`` ('softmax' or 'project').  ``weight``, ``bias`` and ``alpha`` are properties
+    (writing to ``weight`` or ``bias`` raises ``ReadOnlyWeightError``).
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
@@ -131,14 +149,20 @@ class MultiBranchConv2d(_MultiBranchMixin, nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Conv2d, *, branches: int = 2, noise: float = 0.0,
-                   simplex: str = "softmax") -> "MultiBranchConv2d":
+                   simplex: str = "softmax", allow_subclasses=False) -> "MultiBranchConv2d":
         """A multi-branch copy of ``module``: every branch starts as its weight (and bias).
 
         With noise=0 the layer computes the dense function (up to rounding of Σ α_b = 1);
         noise > 0 adds Gaussian noise of std noise·std(weight) to each branch to break symmetry.
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Conv2d``.
+            ValueError: a bad noise; ``module`` computes something the new layer would not:
+                a subclass overriding ``forward`` (unless ``allow_subclasses`` is True or holds
+                its class), parametrizations, hooks, or lazy uninitialised parameters (see
+                ``multibranch``).
         """
-        if not isinstance(module, nn.Conv2d):
-            raise TypeError(f"module must be an nn.Conv2d, got {type(module).__name__}")
+        check_convertible(module, nn.Conv2d, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, branches=branches, simplex=simplex)
         layer._load_dense(module, noise)
@@ -163,10 +187,9 @@ class MultiBranchLinear(_MultiBranchMixin, nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Linear, *, branches: int = 2, noise: float = 0.0,
-                   simplex: str = "softmax") -> "MultiBranchLinear":
-        """A multi-branch copy of ``module`` (see ``MultiBranchConv2d.from_dense``)."""
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"module must be an nn.Linear, got {type(module).__name__}")
+                   simplex: str = "softmax", allow_subclasses=False) -> "MultiBranchLinear":
+        """A multi-branch copy of ``module`` (the arguments and errors of ``MultiBranchConv2d.from_dense``)."""
+        check_convertible(module, nn.Linear, allow_subclasses=allow_subclasses)
         w = module.weight
         layer = cls(*linear_arguments(module), device=w.device, dtype=w.dtype, branches=branches, simplex=simplex)
         layer._load_dense(module, noise)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -50,6 +51,29 @@ def check_out_without_grad(op: str, *tensors: torch.Tensor) -> None:
                            "torch.no_grad() or without out=")
 
 
+def has_values(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read here: not on meta tensors (they have none), fake
+    tensors (FakeTensorMode, torch.compile's tracing) or while torch.compile traces (a read
+    would be a graph break)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    # is_compiling first: dynamo may not trace into is_fake.
+    return not torch.compiler.is_compiling() and t.device.type != "meta" and not is_fake(t)
+
+
+def copy_into_when_compiling(out: torch.Tensor, compute) -> Optional[torch.Tensor]:
+    """Under torch.compile, ``out.copy_(compute())`` and ``out``; else None (call the out= op).
+
+    torch cannot functionalize a custom op whose output aliases an input (the out= overloads,
+    ``-> Tensor(a!)``), so inside a compiled graph the wrappers call the allocating op and
+    copy: the same result for any overlap of out with the inputs (the fresh result exists
+    before out is written)."""
+    if not torch.compiler.is_compiling():
+        return None
+    out.copy_(compute())
+    return out
+
+
 def client_count(named: dict[str, Optional[torch.Tensor]], base_dims: int) -> Optional[int]:
     """The client count K shared by tensors that carry a leading client dimension.
 
@@ -70,3 +94,56 @@ def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
+
+
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors (any dims and strides) may share a byte: their address ranges (from
+    the lowest to the highest element each can address) intersect.  Compared by address, not
+    by storage, so aliases made through another storage (``torch.from_numpy`` of the same
+    array twice, DLPack) count too.  Conservative: interleaved tensors count as overlapping,
+    which is what a kernel writing one while reading the other needs."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def extent(t):
+        spans = [(n - 1) * s for n, s in zip(t.shape, t.stride())]
+        lo, hi = sum(x for x in spans if x < 0), sum(x for x in spans if x > 0) + 1
+        return t.data_ptr() + lo * t.element_size(), t.data_ptr() + hi * t.element_size()
+
+    alo, ahi = extent(a)
+    blo, bhi = extent(b)
+    return alo < bhi and blo < ahi
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (e.g. an expanded dim, or strides such as
+    [3, 6, 1] for [3, 2, 3]), exactly, from its sizes and strides alone (meta and fake tensors
+    too).
+
+    torch's own check answers "too hard" for many layouts (and ``copy_`` then writes them
+    silently).  Here: a sufficient test first (each stride beyond the span of the smaller
+    ones: plain arithmetic, which torch.compile traces), then, for the rare layouts it cannot
+    settle, a count of distinct offsets (while torch.compile traces, where that count cannot
+    run, such a layout counts as overlapping: a clear error, never a silent write).
+    """
+    # Dim i (of size > 1) is clear when its stride exceeds the span of the dims below it in
+    # (stride, index) order; all clear: no overlap.  Pairs, not sorted(): torch.compile cannot
+    # sort symbolic strides.
+    dims = [(s, n) for n, s in zip(t.shape, t.stride()) if n > 1]
+    if all(si > sum((nj - 1) * sj for j, (sj, nj) in enumerate(dims) if sj < si or (sj == si and j < i))
+           for i, (si, ni) in enumerate(dims)):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    # numpy, not torch: this runs on shapes alone, also under FakeTensorMode.
+    offsets = np.zeros((), dtype=np.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets[..., None] + np.arange(int(size), dtype=np.int64) * int(stride)
+    return np.unique(offsets).size != offsets.size
+
+
+def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
+    """ValueError when two elements of ``t`` (an out= tensor) share memory: writing it would
+    leave whichever value came last (one message for every op and kernel)."""
+    if has_internal_overlap(t):
+        raise ValueError(f"{name} must not have elements that share memory, got strides {list(t.stride())}")

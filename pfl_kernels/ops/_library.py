@@ -1,12 +1,26 @@
-"""The ``pfl`` operator namespace and the registry behind ``backend_info()``.
+"""The ``pfl`` operator namespace, the registry behind ``backend_info()``, and what every op
+gets from autograd whatever its kernel.
 
 Schemas, fake kernels and autograd are defined in Python (``ops/<family>.py``); C++
 kernels register per device with ``TORCH_LIBRARY_IMPL(pfl, CPU, m)``; Triton kernels
 register for CUDA; the plain-PyTorch reference is the default for every other device.
+
+Two things are registered here for every op, above the kernels, so no kernel can miss them:
+
+* an op that writes one of its arguments (``Tensor(a!)`` in its schema) bumps the autograd
+  version counter of that argument, and refuses inputs that need a gradient
+  (``_guard_mutation``);
+* ``register_autograd`` registers a backward (and a forward-mode) formula that also works
+  inside ``torch.func`` transforms.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
 import torch
+from torch.autograd import forward_ad
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
 
 NAMESPACE = "pfl"
 LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -14,12 +28,22 @@ LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 # qualified op name -> {device: name of the fast implementation meant for it}
 FAST_PATHS: dict[str, dict[str, str]] = {}
 
+try:  # the base class functorch runs autograd.Functions on inside a transform
+    from torch._functorch.utils import enable_single_level_autograd_function
+    from torch.autograd.function import _SingleLevelFunction
+except ImportError:  # pragma: no cover  (a torch without it: no torch.func support, a clear error there)
+    import contextlib
+
+    _SingleLevelFunction = torch.autograd.Function
+    enable_single_level_autograd_function = contextlib.nullcontext
+
 
 def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton") -> str:
     """Define ``pfl::<schema>`` with ``reference`` as the default kernel for every device.
 
     ``cpu`` / ``cuda`` name the fast implementations expected for those devices (they
-    register themselves); ``backend_info()`` reports whether they did.
+    register themselves); ``backend_info()`` reports whether they did.  An op that mutates
+    an argument also gets ``_guard_mutation``'s kernels.
     """
     name = schema.split("(", 1)[0]
     LIB.define(schema)
@@ -28,9 +52,158 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton")
     LIB.impl(name, reference, "CompositeExplicitAutograd")
     qualname = f"{NAMESPACE}::{name}"
     FAST_PATHS[qualname] = {"cpu": cpu, "cuda": cuda}
+    op = op_overload(qualname)
+    if op._schema.is_mutable:
+        _guard_mutation(name, qualname, op)
     return qualname
+
+
+def op_overload(qualname: str) -> torch._ops.OpOverload:
+    """``torch.ops.pfl.<name>.<overload>`` for ``'pfl::<name>[.<overload>]'``."""
+    name, _, overload = qualname.split("::", 1)[1].partition(".")
+    return getattr(getattr(torch.ops.pfl, name), overload or "default")
 
 
 def has_kernel(qualname: str, dispatch_key: str) -> bool:
     """Whether a kernel is registered for ``qualname`` under ``dispatch_key`` (e.g. 'CPU')."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
+
+
+def _guard_mutation(name: str, qualname: str, op: torch._ops.OpOverload) -> None:
+    """Make autograd see every write of ``op`` (an op whose schema mutates an argument).
+
+    A kernel that writes through a raw pointer (C++, Triton) leaves the version counter of
+    the tensor alone, so autograd would silently use the new values where it saved the old
+    ones; the ADInplaceOrView kernel bumps it for every written argument, whichever kernel
+    runs below (torch's own ``custom_op`` does the same).  These ops have no derivative, so
+    the Autograd kernel refuses inputs that need one, as torch's ``out=`` variants do,
+    rather than leave a gradient that ignores the write.
+    """
+    written = [i for i, arg in enumerate(op._schema.arguments) if arg.alias_info is not None
+               and arg.alias_info.is_write]
+    arg_names = [arg.name for arg in op._schema.arguments]
+
+    def bind(args, kwargs) -> list[Any]:
+        filled, filled_kwargs = torch._library.utils.fill_defaults(op._schema, args, kwargs)
+        return [filled[i] if i < len(filled) else filled_kwargs[arg_names[i]] for i in range(len(arg_names))]
+
+    def ad_inplace_or_view(keyset, *args, **kwargs):
+        values = bind(args, kwargs)
+        torch.autograd.graph.increment_version([values[i] for i in written])
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+    def autograd(keyset, *args, **kwargs):
+        if torch.is_grad_enabled():
+            needing = [n for n, t in zip(arg_names, bind(args, kwargs))
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing:
+                raise RuntimeError(
+                    f"{qualname} writes {', '.join(arg_names[i] for i in written)} in place and has no "
+                    f"derivative, but {', '.join(needing)} requires grad: call it under torch.no_grad()")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    LIB.impl(name, ad_inplace_or_view, "ADInplaceOrView", with_keyset=True)
+    LIB.impl(name, autograd, "Autograd", with_keyset=True)
+
+
+def sum_defined(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """a + b, where None stands for zero (None when both are): for autograd formulas whose
+    terms may be absent."""
+    return b if a is None else a if b is None else a + b
+
+
+@dataclass
+class _Call:
+    """What the autograd kernel passes through the Function to the redispatch: the keys, the
+    keyword-only arguments, and inside a torch.func transform the caller's (grad, forward
+    grad) modes (see ``register_autograd``)."""
+
+    keyset: torch._C.DispatchKeySet
+    kwargs: dict
+    transform_modes: Optional[tuple[bool, bool]]
+
+
+def register_autograd(qualname: str, backward: Callable, setup_context: Callable,
+                      jvp: Optional[Callable] = None) -> None:
+    """Register ``backward`` (and ``jvp``, forward mode) as the autograd of ``qualname``.
+
+    The contract is ``torch.library.register_autograd``'s: ``setup_context(ctx, inputs,
+    keyword_only_inputs, output)`` (defaults filled in); ``backward(ctx, *grads)`` returns
+    one gradient per positional input; ``jvp(ctx, *tangents)`` gets one tangent per
+    positional input (None where there is none) and returns one per output.
+
+    Unlike ``torch.library.register_autograd``, the formula also runs inside ``torch.func``
+    transforms (grad, jacrev, vmap of grad, jvp, hessian): torch wraps it in an
+    ``autograd.Function`` that functorch refuses (pytorch/pytorch#168393).  Inside a
+    transform it runs as a single-level Function, which is how functorch itself runs
+    autograd there and what newer torch uses for the same fix (pytorch/pytorch#184974): the
+    kernel runs at the transform's level, like a built-in op's autograd kernel, and the
+    redispatch below autograd reaches the levels underneath (a vmap rule, the kernels).
+    Elsewhere it is an ordinary Function, and no Function at all when nothing needs a
+    gradient or a tangent.
+    """
+    op = op_overload(qualname)
+    name = qualname.split("::", 1)[1].split(".")[0]
+
+    def redispatch(keyset, args, kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    def forward(ctx, *args):
+        call = args[-1]
+        args = args[:-1]
+        if call.transform_modes is None:
+            output = redispatch(call.keyset, args, call.kwargs)
+        else:
+            # A Function runs its forward with (forward-mode) grad off.  Below autograd that
+            # changes nothing at this level, but a torch.func level underneath (grad of grad,
+            # jacfwd of jacrev) would then record nothing and silently drop its derivatives:
+            # it must see the caller's modes, as under a built-in op.
+            grad_enabled, fwd_grad_enabled = call.transform_modes
+            with torch.set_grad_enabled(grad_enabled), _set_fwd_grad_enabled(fwd_grad_enabled):
+                output = redispatch(call.keyset, args, call.kwargs)
+        ctx.set_materialize_grads(False)
+        inputs, keyword_only = torch._library.utils.fill_defaults(op._schema, args, call.kwargs)
+        setup_context(ctx, inputs, keyword_only, output)
+        return output
+
+    # The dispatcher leaves out trailing arguments at their defaults: the formulas see every
+    # positional input (False / None for those), and return one gradient per input given.
+    n_positional = sum(not arg.kwarg_only for arg in op._schema.arguments)
+
+    def function_backward(ctx, *grads):
+        previous = ctx.needs_input_grad
+        given = len(previous) - 1
+        try:
+            ctx.needs_input_grad = previous[:-1] + (False,) * (n_positional - given)
+            return (*tuple(backward(ctx, *grads))[:given], None)
+        finally:
+            ctx.needs_input_grad = previous
+
+    def function_jvp(ctx, *tangents):
+        if jvp is None:
+            raise NotImplementedError(f"{qualname} has no forward-mode derivative (jvp)")
+        given = tangents[:-1]
+        return jvp(ctx, *given, *(None,) * (n_positional - len(given)))
+
+    # The same formulas as an ordinary Function (what compiled autograd and the rest of torch
+    # know best) and as a single-level one (what runs inside a torch.func transform).
+    methods = {"forward": staticmethod(forward), "backward": staticmethod(function_backward),
+               "jvp": staticmethod(function_jvp)}
+    class_name = f"{name.title().replace('_', '')}Backward"
+    function = type(class_name, (torch.autograd.Function,), methods)
+    single_level_function = type(class_name, (_SingleLevelFunction,), methods)
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if not torch._C._are_functorch_transforms_active():
+            # Without an open forward-mode level no input carries a tangent.
+            if forward_ad._current_level < 0 and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+                return redispatch(keyset, args, kwargs)  # nothing to record: no Function
+            return function.apply(*args, _Call(keyset, kwargs, None))
+        call = _Call(keyset, kwargs, (torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()))
+        with enable_single_level_autograd_function():
+            return single_level_function.apply(*args, call)
+
+    LIB.impl(name, autograd_kernel, "Autograd", with_keyset=True)

@@ -6,8 +6,10 @@ Ops in the ``pfl`` namespace:
   ``out[k] = Σ_j weights[k, j] · params[j]``, one pass over params.
 * ``weighted_average.out(weights, params, *, out) -> out``: the same, written into ``out``
   (e.g. a slice of a client bank: any row stride, unit stride in the last dim).  ``out`` may
-  overlap ``params`` (in-place aggregation ``bank <- W @ bank``): the result is the same as
-  without overlap.
+  overlap ``params`` (in-place aggregation ``bank <- W @ bank``) or ``weights``, also through
+  another storage (``torch.from_numpy`` of the same array): the result is the same as
+  without overlap (every kernel compares addresses, not storages).  Rows of ``out`` that
+  share memory are refused (ValueError) by every kernel.
 
 Semantics (documented, tested):
 
@@ -40,7 +42,7 @@ from typing import Optional
 import torch
 
 from ..reference import aggregate as ref
-from ._checks import FLOAT_DTYPES, check_out, check_out_without_grad
+from ._checks import FLOAT_DTYPES, check_out, check_out_without_grad, copy_into_when_compiling, has_values
 from ._library import define_op
 
 __all__ = ["weighted_average", "reflection_weights"]
@@ -65,6 +67,9 @@ def _check_op_args(weights, params, out=None):
                      lambda: f"out must be on params' device {params.device}, got {out.device}")
         torch._check(out.shape[1] <= 1 or out.stride(1) == 1,
                      lambda: f"out must have unit stride in its last dim, got strides {list(out.stride())}")
+        # Rows that share memory would keep whichever value came last (the C++ kernel's check).
+        torch._check_value(out.shape[0] <= 1 or out.shape[1] == 0 or abs(out.stride(0)) >= out.shape[1],
+                           lambda: f"out's rows overlap (row stride {out.stride(0)} < P={out.shape[1]})")
     return shape
 
 
@@ -182,7 +187,8 @@ def weighted_average(weights: torch.Tensor, params: torch.Tensor, *,
     if shape[0] > 1 and shape[1] > 0 and abs(out.stride(0)) < shape[1]:
         raise ValueError(f"out's rows overlap (row stride {out.stride(0)} < P={shape[1]})")
     check_out_without_grad("weighted_average", weights, params, out)
-    return torch.ops.pfl.weighted_average.out(weights, params, out=out)
+    compiled = copy_into_when_compiling(out, lambda: torch.ops.pfl.weighted_average(weights, params))
+    return compiled if compiled is not None else torch.ops.pfl.weighted_average.out(weights, params, out=out)
 
 
 def reflection_weights(attention: torch.Tensor, *, self_index: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -210,7 +216,11 @@ def reflection_weights(attention: torch.Tensor, *, self_index: Optional[torch.Te
     _check_floating("attention", attention)
     if attention.dim() != 2:
         raise ValueError(f"attention must be [K, M] (2 dims), got shape {list(attention.shape)}")
-    if not bool(torch.isfinite(attention).all()):
+    # The checks of values read the data: not on meta or fake tensors (there is none) nor
+    # while torch.compile traces (a graph break); non-finite weights still meet
+    # weighted_average's own check, and an out-of-range self_index the scatter's.
+    check_values = has_values(attention)
+    if check_values and not bool(torch.isfinite(attention).all()):
         raise ValueError("attention must be finite (it holds NaN or Inf)")
     k, m = attention.shape
     if self_index is None:
@@ -229,7 +239,7 @@ def reflection_weights(attention: torch.Tensor, *, self_index: Optional[torch.Te
         if self_index.device != attention.device:
             raise ValueError(f"self_index must be on attention's device ({attention.device}), "
                              f"got {self_index.device}")
-        if k and (bool((self_index < 0).any()) or bool((self_index >= m).any())):
+        if check_values and k and (bool((self_index < 0).any()) or bool((self_index >= m).any())):
             raise ValueError(f"self_index must hold columns in [0, {m}), got values from "
                              f"{int(self_index.min())} to {int(self_index.max())}")
     return ref.reflection_weights(attention, self_index)

@@ -19,7 +19,7 @@ import torch
 
 from ..reference import branch as ref
 from ._checks import FLOAT_DTYPES, check_same, check_tensor
-from ._library import define_op, has_kernel
+from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
@@ -81,21 +81,89 @@ def _project_simplex_fake(x):
     torch._check(x.dim() >= 1 and x.shape[-1] >= 1, lambda: f"x must be [..., B] with B >= 1, got {list(x.shape)}")
 
 
-def _setup_context(ctx, inputs, output):
-    weights, alpha = inputs
-    ctx.save_for_backward(weights, alpha)
+# ---- autograd, every order ------------------------------------------------------------------
+#
+# branch_combine is bilinear in (weights, alpha) and its backward is linear in grad_w and
+# bilinear in (weights, alpha): every derivative of either op is again made of the two ops,
+# so gradients of any order and forward mode follow from the two functions below.
+# csrc/autograd/branch.cpp registers the same formulas in C++; without the extension they
+# are registered here.
+
+def _combine_derivative(weights, alpha, dweights, dalpha):
+    """Σ_b alpha_b·dweights_b + dalpha_b·weights_b, the derivative of ``branch_combine`` at
+    (weights, alpha) in the direction (dweights, dalpha), where None is no change; None when
+    nothing changes.  Also the gradient of ``branch_combine_backward`` with respect to grad_w
+    for incoming gradients (dweights, dalpha)."""
+    return sum_defined(None if dweights is None else torch.ops.pfl.branch_combine(dweights, alpha),
+                        None if dalpha is None else torch.ops.pfl.branch_combine(weights, dalpha))
+
+
+def _combine_backward_derivative(grad_w, weights, alpha, dweights, dalpha, wanted):
+    """The outputs of ``branch_combine_backward(grad_w, ...)`` that vary along (dweights, dalpha):
+    (dalpha_b·grad_w, ⟨grad_w, dweights_b⟩), None where not ``wanted`` or constant.  The same
+    products are the gradients of the backward op's (weights, alpha) for incoming gradients
+    (dweights, dalpha)."""
+    output_mask = [wanted[0] and dalpha is not None, wanted[1] and dweights is not None]
+    if not any(output_mask):
+        return None, None
+    grads = torch.ops.pfl.branch_combine_backward(grad_w, dweights if dweights is not None else weights,
+                                                  dalpha if dalpha is not None else alpha, output_mask)
+    return tuple(g if m else None for g, m in zip(grads, output_mask))
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.save_for_forward(*inputs)
 
 
 def _backward(ctx, grad_w):
     weights, alpha = ctx.saved_tensors
     output_mask = list(ctx.needs_input_grad[:2])
-    grad_weights, grad_alpha = torch.ops.pfl.branch_combine_backward(grad_w, weights, alpha, output_mask)
-    return (grad_weights if output_mask[0] else None, grad_alpha if output_mask[1] else None)
+    if grad_w is None or not any(output_mask):
+        return None, None
+    grads = torch.ops.pfl.branch_combine_backward(grad_w, weights, alpha, output_mask)
+    return tuple(g if m else None for g, m in zip(grads, output_mask))
 
 
-# As for factorized_weight: C++ autograd when the extension is loaded, else this one.
+def _jvp(ctx, dweights, dalpha):
+    weights, alpha = ctx.saved_tensors
+    return _combine_derivative(weights, alpha, dweights, dalpha)
+
+
+def _backward_setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.save_for_forward(*inputs[:3])
+    ctx.output_mask = list(inputs[3])
+    ctx.mark_non_differentiable(*(g for g, m in zip(output, ctx.output_mask) if not m))
+
+
+def _backward_backward(ctx, grad_grad_weights, grad_grad_alpha):
+    grad_w, weights, alpha = ctx.saved_tensors
+    # Gradients of the empty placeholders (outputs not asked for) carry nothing.
+    dweights, dalpha = (g if m else None for g, m in zip((grad_grad_weights, grad_grad_alpha), ctx.output_mask))
+    need = ctx.needs_input_grad
+    grad_grad_w = _combine_derivative(weights, alpha, dweights, dalpha) if need[0] else None
+    return (grad_grad_w, *_combine_backward_derivative(grad_w, weights, alpha, dweights, dalpha, need[1:3]), None)
+
+
+def _backward_jvp(ctx, dgrad_w, dweights, dalpha, _):
+    grad_w, weights, alpha = ctx.saved_tensors
+    linear = (None, None)  # the part along grad_w: the backward op itself
+    if dgrad_w is not None:
+        grads = torch.ops.pfl.branch_combine_backward(dgrad_w, weights, alpha, ctx.output_mask)
+        linear = tuple(g if m else None for g, m in zip(grads, ctx.output_mask))
+    along = _combine_backward_derivative(grad_w, weights, alpha, dweights, dalpha, ctx.output_mask)
+    tangents = [sum_defined(a, b) for a, b in zip(linear, along)]
+    # A Python Function must give every differentiable output a tangent (None fails in torch).
+    return tuple(torch.zeros_like(like) if t is None and m else t
+                 for t, m, like in zip(tangents, ctx.output_mask, (weights, alpha)))
+
+
+# As for factorized_weight: C++ autograd when the extension is loaded, else these.
 if not has_kernel(BRANCH_COMBINE, "Autograd"):
-    torch.library.register_autograd(BRANCH_COMBINE, _backward, setup_context=_setup_context)
+    register_autograd(BRANCH_COMBINE, _backward, _setup_context, _jvp)
+if not has_kernel(BRANCH_COMBINE_BACKWARD, "Autograd"):
+    register_autograd(BRANCH_COMBINE_BACKWARD, _backward_backward, _backward_setup_context, _backward_jvp)
 
 
 @torch.library.register_vmap(BRANCH_COMBINE)

@@ -30,8 +30,14 @@ Semantics.
   PyTorch (``reference.branch_aggregate.branch_aggregate_backward``): one pass over
   branch_params for the dot products ⟨g_b, W_ib⟩ and one write of the gradient.
 
-The wrapper checks the data (counts >= 0 and finite, alpha >= 0 and finite), which costs a
-device sync on a GPU; the C++ CPU kernel checks it too (it reads alpha and counts anyway).
+The op checks the data (counts >= 0 and finite, alpha >= 0 and finite) in every kernel, the
+same ValueError on every backend (a device sync for the Triton one), never in the wrapper or
+the fake kernel: the op runs on meta tensors and under torch.compile.
+
+Aliasing.  ``out`` may overlap any input (branch_params along any dim, alpha, counts, also
+through another storage such as ``torch.from_numpy`` of the same array): every kernel then
+computes into a fresh W first.  An ``out`` whose own elements share memory (an expanded
+view, or strides such as [3, 6, 1] for [3, 2, 3]) is refused with ValueError.
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ from typing import Optional
 import torch
 
 from ..reference import branch_aggregate as ref
-from ._checks import FLOAT_DTYPES, check_out, check_out_without_grad
+from ._checks import (
+    FLOAT_DTYPES, check_no_internal_overlap, check_out, check_out_without_grad, copy_into_when_compiling)
 from ._library import define_op
 
 __all__ = ["branch_aggregate"]
@@ -72,17 +79,39 @@ def _check_op_args(branch_params, alpha, counts, out=None):
                      lambda: f"out must have branch_params' dtype {branch_params.dtype}, got {out.dtype}")
         torch._check(out.device == branch_params.device,
                      lambda: f"out must be on branch_params' device {branch_params.device}, got {out.device}")
+        check_no_internal_overlap("out", out)
     return shape
+
+
+def check_branch_values(alpha, counts) -> None:
+    """The checks that read the data (counts >= 0 and finite, then alpha >= 0 and finite):
+    every kernel makes them (the C++ one while forming the coefficients, the reference and
+    Triton ones here), none of the wrappers or fake kernels, so the op traces on meta/fake
+    tensors and raises the same ValueError on every backend, also as ``torch.ops.pfl``."""
+    bad_counts = counts < 0
+    if counts.dtype.is_floating_point:
+        bad_counts |= ~torch.isfinite(counts)
+    bad_alpha = (alpha < 0) | ~torch.isfinite(alpha)
+    any_counts, any_alpha = torch.stack([bad_counts.any(), bad_alpha.any()]).tolist()  # one sync
+    if any_counts:
+        i = int(bad_counts.nonzero()[0, 0])
+        raise ValueError(f"counts must be >= 0 and finite, got counts[{i}] = {float(counts[i]):g}")
+    if any_alpha:
+        i, j = (int(v) for v in bad_alpha.nonzero()[0])
+        raise ValueError(f"alpha must be >= 0 and finite, got alpha[{i}, {j}] = {float(alpha[i, j]):g}")
 
 
 def _reference_forward(branch_params, alpha, counts):
     _check_op_args(branch_params, alpha, counts)
+    check_branch_values(alpha, counts)
     return ref.branch_aggregate(branch_params, alpha, counts)
 
 
 def _reference_out(branch_params, alpha, counts, *, out):
     _check_op_args(branch_params, alpha, counts, out)
-    # The whole result exists before out is written, so out may overlap branch_params.
+    check_branch_values(alpha, counts)
+    # The whole result exists before out is written, so out may overlap branch_params, alpha
+    # or counts.
     out.copy_(ref.branch_aggregate(branch_params, alpha, counts))
     return out
 
@@ -184,21 +213,12 @@ def branch_aggregate(branch_params: torch.Tensor, alpha: torch.Tensor, counts: t
     for name, t in (("alpha", alpha), ("counts", counts)):
         if t.device != branch_params.device:
             raise ValueError(f"{name} must be on the device of branch_params ({branch_params.device}), got {t.device}")
-    if counts.dtype.is_floating_point and not bool(torch.isfinite(counts).all()):
-        raise ValueError("counts must be finite (it holds NaN or Inf)")
-    if bool((counts < 0).any()):
-        i = int(torch.nonzero(counts < 0)[0, 0])
-        raise ValueError(f"counts must be >= 0, got counts[{i}] = {counts[i].item()}")
-    if not bool(torch.isfinite(alpha).all()):
-        i, j = (int(v) for v in torch.nonzero(~torch.isfinite(alpha))[0])
-        raise ValueError(f"alpha must be finite, got alpha[{i}, {j}] = {alpha[i, j].item()}")
-    if bool((alpha < 0).any()):
-        i, j = (int(v) for v in torch.nonzero(alpha < 0)[0])
-        raise ValueError(f"alpha must be >= 0, got alpha[{i}, {j}] = {alpha[i, j].item()}")
+    # Negative or non-finite counts and alpha: checked by the op itself (every kernel), not here.
     if out is None:
         return torch.ops.pfl.branch_aggregate(branch_params, alpha, counts)
     check_out(out, "branch_params", branch_params, list(branch_params.shape[1:]), "[B, *shape] of branch_params")
-    if torch._debug_has_internal_overlap(out) == 1:  # 1: some elements share memory (e.g. expand)
-        raise ValueError(f"out must not have elements that share memory, got strides {list(out.stride())}")
+    check_no_internal_overlap("out", out)
     check_out_without_grad("branch_aggregate", branch_params, alpha, out)
-    return torch.ops.pfl.branch_aggregate.out(branch_params, alpha, counts, out=out)
+    compiled = copy_into_when_compiling(out, lambda: torch.ops.pfl.branch_aggregate(branch_params, alpha, counts))
+    return compiled if compiled is not None else torch.ops.pfl.branch_aggregate.out(branch_params, alpha, counts,
+                                                                                   out=out)

@@ -11,7 +11,9 @@ STATISTICS: returned in the accumulation dtype (float32 for float16/bfloat16/flo
 features, float64 for float64).  counts are int64.
 
 Semantics.  mean_c = (1/n_c) Σ_{n : label_n = c} features[n] (Fed-CMA Sec. 4, e_i^k); a
-class without a sample gets mean 0 and count 0.  Labels outside [0, num_classes) raise.
+class without a sample gets mean 0 and count 0.  Labels outside [0, num_classes) raise
+ValueError in every kernel (a device sync for the Triton one), never in the wrapper or the
+fake kernel: the op runs on meta tensors and under torch.compile.
 The CPU kernel sums each class's samples in sample order within fixed blocks of rows
 (their size depends on K and N only), then the blocks' sums in block order: the result does not
 depend on the thread count (no atomics).  Differentiable w.r.t. features:
@@ -45,8 +47,23 @@ def _check_op_args(features, labels, num_classes):
     return lead + [num_classes, features.shape[-1]], lead + [num_classes]
 
 
+def check_label_values(labels, num_classes) -> None:
+    """The check that reads the data: ValueError naming the first label outside
+    [0, num_classes) (in sample order, client by client).  Every kernel makes it (the C++ one
+    while counting, the reference and Triton ones here), none of the wrappers or fake
+    kernels, so the op traces on meta/fake tensors and raises the same error everywhere."""
+    if not labels.numel():
+        return
+    bad = (labels < 0) | (labels >= num_classes)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        where = ", ".join(str(i) for i in idx)
+        raise ValueError(f"labels must be in [0, num_classes={num_classes}), got labels[{where}] = {int(labels[idx])}")
+
+
 def _reference_forward(features, labels, num_classes):
     _check_op_args(features, labels, num_classes)
+    check_label_values(labels, num_classes)
     return ref.class_means(features, labels, num_classes)
 
 
@@ -117,12 +134,6 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
                          f"{list(features.shape)}, got {list(labels.shape)}")
     if labels.device != features.device:
         raise ValueError(f"labels must be on the device of features ({features.device}), got {labels.device}")
-    if labels.numel():
-        bad = (labels < 0) | (labels >= num_classes)
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-            where = idx[0] if len(idx) == 1 else list(idx)
-            raise ValueError(f"labels must be in [0, num_classes={num_classes}), got labels[{where}] = "
-                             f"{int(labels[idx])}")
+    # Labels outside [0, num_classes): checked by the op itself (every kernel), not here.
     return torch.ops.pfl.class_means(features, labels, num_classes)
 

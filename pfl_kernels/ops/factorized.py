@@ -20,7 +20,7 @@ import torch
 from .._layout import layout_geometry
 from ..reference import factorized as ref
 from ._checks import check_same, check_tensor, client_count
-from ._library import define_op, has_kernel
+from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
@@ -97,28 +97,120 @@ def _soft_threshold_fake(mu, threshold):
     torch._check(threshold >= 0, lambda: f"threshold must be >= 0, got {threshold}")
 
 
+# ---- autograd, every order ------------------------------------------------------------------
+#
+# The backward is linear in grad_w and bilinear in the factors, so every derivative of either
+# op is again made of the two ops (and elementwise products): gradients of any order and
+# forward mode follow from the two functions below.  csrc/autograd/factorized.cpp registers
+# the same formulas in C++ (no Python round trip per call); without the extension they are
+# registered here.
+
+def _weight_derivative(u, v, mu, mask, du, dv, dmu, dmask, *, shape, layout):
+    """place(du·v + u·dv + dmu∘mask + mu∘dmask), the derivative of ``factorized_weight`` at
+    (u, v, mu, mask) in the direction (du, dv, dmu, dmask), where None is no change; None
+    when nothing changes.  It is also the adjoint of the backward's linear map grad_w ->
+    grads, so it gives the gradient of ``factorized_weight_backward`` with respect to grad_w.
+    """
+    sparse = None
+    if dmu is not None:
+        sparse = dmu * mask if mask is not None else dmu
+    if dmask is not None and mask is not None:
+        sparse = sum_defined(sparse, mu * dmask)
+    if du is not None and dv is not None:  # du·v + u·dv as one rank-2r product
+        fu, fv = torch.cat([du, u], -1), torch.cat([v, dv], -2)
+    elif du is not None or dv is not None:
+        fu, fv = (du, v) if du is not None else (u, dv)
+    elif sparse is not None:  # place(sparse) alone: a zero rank-r product adds nothing
+        fu, fv = u, torch.zeros_like(v)
+    else:
+        return None
+    return torch.ops.pfl.factorized_weight(fu, fv, sparse, None, shape=shape, layout=layout)
+
+
+def _backward_derivative(grad_w, u, v, mu, mask, du, dv, dmu, dmask, wanted, *, shape, layout):
+    """The outputs of ``factorized_weight_backward(grad_w, ...)`` that vary along (du, dv, dmu,
+    dmask): (G·dvᵀ, duᵀ·G, G∘dmask, G∘dmu) with G = grad_w in (R, C) order, None where the
+    output is not ``wanted`` or does not vary.  The same four products are the gradients of
+    the backward op's (u, v, mu, mask) for incoming gradients (du, dv, dmu, dmask).
+    """
+    has_mask = mask is not None
+    output_mask = [wanted[0] and dv is not None, wanted[1] and du is not None,
+                   wanted[2] and has_mask and dmask is not None, wanted[3] and has_mask and dmu is not None]
+    if not any(output_mask):
+        return (None,) * 4
+    pick = [d if d is not None else t for d, t in zip((du, dv, dmu, dmask), (u, v, mu, mask))]
+    grads = torch.ops.pfl.factorized_weight_backward(grad_w, *pick, shape=shape, layout=layout,
+                                                     output_mask=output_mask)
+    return tuple(g if m else None for g, m in zip(grads, output_mask))
+
+
+def _present(grads, output_mask):
+    """The incoming gradients of the outputs asked for (the others are empty placeholders)."""
+    return [g if m else None for g, m in zip(grads, output_mask)]
+
+
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    # Optional inputs left at their default are absent from ``inputs``.
-    u, v, mu, mask = tuple(inputs) + (None,) * (4 - len(inputs))
-    ctx.save_for_backward(u, v, mu, mask)
+    ctx.save_for_backward(*inputs)
+    ctx.save_for_forward(*inputs)
     ctx.shape = keyword_only_inputs["shape"]
     ctx.layout = keyword_only_inputs["layout"]
 
 
 def _backward(ctx, grad_w):
     u, v, mu, mask = ctx.saved_tensors
-    need = tuple(ctx.needs_input_grad) + (False,) * (4 - len(ctx.needs_input_grad))
+    need = ctx.needs_input_grad
     output_mask = [need[0], need[1], need[2] and mu is not None, need[3] and mask is not None]
+    if grad_w is None or not any(output_mask):
+        return (None,) * 4
     grads = torch.ops.pfl.factorized_weight_backward(
         grad_w, u, v, mu, mask, shape=ctx.shape, layout=ctx.layout, output_mask=output_mask)
-    n_inputs = len(ctx.needs_input_grad)
-    return tuple(g if wanted else None for g, wanted in zip(grads, output_mask))[:n_inputs]
+    return tuple(_present(grads, output_mask))
 
 
-# The C++ extension registers the same autograd formula for the Autograd key (no Python
-# round trip per call, csrc/autograd/factorized.cpp); without it, register it here.
+def _jvp(ctx, du, dv, dmu, dmask):
+    u, v, mu, mask = ctx.saved_tensors
+    return _weight_derivative(u, v, mu, mask, du, dv, dmu, dmask, shape=ctx.shape, layout=ctx.layout)
+
+
+def _backward_setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.save_for_forward(*inputs)
+    ctx.shape = keyword_only_inputs["shape"]
+    ctx.layout = keyword_only_inputs["layout"]
+    # A gradient is computed where it is asked for and its input is given; the others are
+    # empty placeholders.
+    ctx.output_mask = [m and t is not None for m, t in zip(keyword_only_inputs["output_mask"], inputs[1:])]
+    ctx.mark_non_differentiable(*(g for g, m in zip(output, ctx.output_mask) if not m))
+
+
+def _backward_backward(ctx, *grads):
+    grad_w, u, v, mu, mask = ctx.saved_tensors
+    directions = _present(grads, ctx.output_mask)
+    kw = {"shape": ctx.shape, "layout": ctx.layout}
+    grad_grad_w = _weight_derivative(u, v, mu, mask, *directions, **kw) if ctx.needs_input_grad[0] else None
+    return (grad_grad_w, *_backward_derivative(grad_w, u, v, mu, mask, *directions, ctx.needs_input_grad[1:], **kw))
+
+
+def _backward_jvp(ctx, dgrad_w, du, dv, dmu, dmask):
+    grad_w, u, v, mu, mask = ctx.saved_tensors
+    kw = {"shape": ctx.shape, "layout": ctx.layout}
+    linear = [None] * 4  # the part along grad_w: the backward op itself
+    if dgrad_w is not None:
+        linear = _present(torch.ops.pfl.factorized_weight_backward(dgrad_w, u, v, mu, mask, output_mask=ctx.output_mask,
+                                                                  **kw), ctx.output_mask)
+    along_factors = _backward_derivative(grad_w, u, v, mu, mask, du, dv, dmu, dmask, ctx.output_mask, **kw)
+    tangents = [sum_defined(a, b) for a, b in zip(linear, along_factors)]
+    # A Python Function must give every differentiable output a tangent (None fails in torch).
+    return tuple(torch.zeros_like(like) if t is None and m else t
+                 for t, m, like in zip(tangents, ctx.output_mask, (u, v, mu, mask)))
+
+
+# The C++ extension registers the same formulas for the Autograd key (no Python round trip
+# per call, csrc/autograd/factorized.cpp); without it, register them here.
 if not has_kernel(FACTORIZED_WEIGHT, "Autograd"):
-    torch.library.register_autograd(FACTORIZED_WEIGHT, _backward, setup_context=_setup_context)
+    register_autograd(FACTORIZED_WEIGHT, _backward, _setup_context, _jvp)
+if not has_kernel(FACTORIZED_WEIGHT_BACKWARD, "Autograd"):
+    register_autograd(FACTORIZED_WEIGHT_BACKWARD, _backward_backward, _backward_setup_context, _backward_jvp)
 
 
 @torch.library.register_vmap(FACTORIZED_WEIGHT)

@@ -16,6 +16,27 @@ are statistics, returned in that accumulation dtype: float32 for bfloat16/float1
 inputs, float64 for float64.  ``similarity_weights`` reads sim in the accumulation dtype
 and returns weights in it as well.
 
+Diverged clients and extreme values (every backend: C++, Triton, reference).
+
+* A row of x holding a NaN, +Inf or -Inf makes its whole row of the result NaN (and its
+  column too when y is None), its own entry c[i, i] / d[i, i] included; a non-finite row of
+  y makes its column NaN.  The other entries are those of the finite rows alone.  So a
+  diverged client is never similar (cosine -1 or 0) nor close (distance 0) to anyone, and
+  ``similarity_weights`` of such a row raises ValueError.
+* Finite rows of any size are exact to the dtype's rounding: before anything is squared a
+  row is scaled by a power of two that brings its max |entry| into [0.5, 1) (exact), so
+  entries of 1e19 (whose float32 squares overflow) or 1e-30 (whose squares underflow) give
+  the true cosine; a squared distance beyond the dtype's range is +Inf.  The C++ and Triton
+  kernels scale only the rows whose squared norm leaves a safe band (ordinary rows keep
+  the fast path, at no cost).
+* A row of zeros has cosine 0 with every finite row, itself included, and distance ‖y_j‖².
+* ``pairwise_sqdist`` with y None: d[i, i] is exactly 0 for a finite row, NaN otherwise.
+
+Checks of values.  The checks that read the data (NaN/Inf in sim, self_index values) are
+made by every kernel of ``similarity_weights`` (the same ValueError on each, also for a
+direct ``torch.ops.pfl`` call), never by the wrapper or the fake kernel: every op runs on
+meta tensors, under FakeTensorMode and torch.compile(fullgraph=True).
+
 Gradients.  pairwise_cosine and pairwise_sqdist are differentiable in x and y; the
 backward is two matrix products (BLAS / cuBLAS) plus O(K·M) elementwise work, written
 with torch ops (nothing in it to fuse that BLAS does not already do).  The clamps of the
@@ -23,10 +44,11 @@ definitions are not differentiated: the gradient is that of the unclamped expres
 (they only differ where rounding pushed a value past the bound, and there the true
 gradient is ~0 anyway: a cosine of ±1 or a distance of 0 is a stationary point).
 similarity_weights is differentiable in sim through the softmax over the kept entries.
+The backward formulas are differentiable torch ops (the cosine's reads the rows scaled as
+above, so 1e19 rows get their true gradient): gradgradcheck holds for every op.
 """
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Optional
@@ -35,7 +57,7 @@ import torch
 
 from ..reference import similarity as ref
 from ._checks import check_same, check_tensor
-from ._library import define_op, has_kernel
+from ._library import define_op
 
 __all__ = ["pairwise_cosine", "pairwise_sqdist", "similarity_weights"]
 
@@ -69,6 +91,22 @@ def _check_weights_args(sim, self_index):
                      lambda: f"self_index must be on sim's device {sim.device}, got {self_index.device}")
 
 
+def check_weights_values(sim, self_index) -> None:
+    """The checks of similarity_weights that read the data: every kernel makes them (the C++
+    one in its own pass, the reference and Triton ones here), none of the wrappers or fake
+    kernels, so the op traces on meta/fake tensors and raises the same ValueError on every
+    backend, also when called as ``torch.ops.pfl.similarity_weights``."""
+    k, m = sim.shape
+    if self_index is not None and k:
+        bad = (self_index < -1) | (self_index >= m)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"self_index values must be in [-1, {m}) (a column of sim, or -1 for none), "
+                             f"got {int(self_index[i])} in row {i}")
+    if sim.numel() and not bool(torch.isfinite(sim).all()):
+        raise ValueError("sim must be finite (it holds NaN or Inf)")
+
+
 def _reference_cosine(x, y, eps):
     _check_pair(x, y)
     return ref.pairwise_cosine(x, y, eps)
@@ -81,6 +119,7 @@ def _reference_sqdist(x, y):
 
 def _reference_weights(sim, tau, scale, min_keep, self_index):
     _check_weights_args(sim, self_index)
+    check_weights_values(sim, self_index)
     return ref.similarity_weights(sim, tau, scale, min_keep, self_index)
 
 
@@ -109,10 +148,18 @@ def _similarity_weights_fake(sim, tau, scale, min_keep, self_index):
 
 # ---------------------------------------------------------------- autograd
 
-def _inv_norms(t: torch.Tensor, eps: float):
-    """(1 / max(‖t_i‖, eps), ‖t_i‖ > eps) in the accumulation dtype."""
-    norm = torch.linalg.vector_norm(t, dim=1)
-    return 1 / norm.clamp_min(eps), norm > eps
+def _normalized_rows(t: torch.Tensor, acc: torch.dtype, eps: float):
+    """(t_i / max(‖t_i‖, eps), 1 / max(‖t_i‖, eps), ‖t_i‖ > eps) for t's rows, in ``acc``.
+
+    From the rows scaled by a power of two (``reference.similarity.scaled_rows``): no square
+    overflows or underflows, so rows of 1e19 or 1e-30 in float32 get their true gradient
+    (their norm squared in float32 is Inf or 0).  Plain differentiable torch ops (σ is a
+    constant), so the backward can itself be differentiated.
+    """
+    scaled, sigma, _ = ref.scaled_rows(t.to(acc))
+    # vector_norm, not sqrt of a sum: its derivative at a zero row is 0, not 0·Inf = NaN.
+    f, live = ref.inverse_norms(torch.linalg.vector_norm(scaled, dim=1), sigma, eps)
+    return scaled * f[:, None], sigma * f, live
 
 
 def _cosine_setup(ctx, inputs, output):
@@ -124,26 +171,27 @@ def _cosine_setup(ctx, inputs, output):
 
 def _cosine_backward(ctx, grad):
     """d c_ij / d x_i = y_j / (a_i b_j) − c_ij x_i / a_i² (the second term only where ‖x_i‖ > eps,
-    where a_i = ‖x_i‖ depends on x_i), a_i = max(‖x_i‖, eps), b_j = max(‖y_j‖, eps)."""
+    where a_i = ‖x_i‖ depends on x_i), a_i = max(‖x_i‖, eps), b_j = max(‖y_j‖, eps).
+
+    Written with the normalized rows x̂_i = x_i / a_i and 1/a_i factored out,
+    grad_x_i = (1/a_i)·(Σ_j g_ij ŷ_j − (Σ_j g_ij c_ij) x̂_i): nothing is squared, so extreme
+    rows (1e19, 1e-30) neither overflow nor underflow.  A NaN/Inf row makes its gradient NaN.
+    """
     x, y, c = ctx.saved_tensors
     acc = c.dtype
     g = grad.to(acc)
-    xa = x.to(acc)
-    inv_x, live_x = _inv_norms(xa, ctx.eps)
+    xn, inv_x, live_x = _normalized_rows(x, acc, ctx.eps)
     gc = g * c
     if not ctx.has_y:
-        a = g * inv_x[:, None] * inv_x[None, :]
-        coef = (gc.sum(1) + gc.sum(0)) * inv_x * inv_x * live_x
-        grad_x = (a + a.t()) @ xa - xa * coef[:, None]
+        coef = (gc.sum(1) + gc.sum(0)) * live_x
+        grad_x = inv_x[:, None] * ((g + g.t()) @ xn - xn * coef[:, None])
         return grad_x.to(x.dtype), None, None
-    ya = y.to(acc)
-    inv_y, live_y = _inv_norms(ya, ctx.eps)
-    a = g * inv_x[:, None] * inv_y[None, :]
+    yn, inv_y, live_y = _normalized_rows(y, acc, ctx.eps)
     grad_x = grad_y = None
     if ctx.needs_input_grad[0]:
-        grad_x = (a @ ya - xa * (gc.sum(1) * inv_x * inv_x * live_x)[:, None]).to(x.dtype)
+        grad_x = (inv_x[:, None] * (g @ yn - xn * (gc.sum(1) * live_x)[:, None])).to(x.dtype)
     if ctx.needs_input_grad[1]:
-        grad_y = (a.t() @ xa - ya * (gc.sum(0) * inv_y * inv_y * live_y)[:, None]).to(y.dtype)
+        grad_y = (inv_y[:, None] * (g.t() @ xn - yn * (gc.sum(0) * live_y)[:, None])).to(y.dtype)
     return grad_x, grad_y, None
 
 
@@ -205,7 +253,8 @@ def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
+    # Comparisons, not math.isfinite: torch.compile(dynamic=True) traces them on symbolic floats.
+    if not -math.inf < value < math.inf:
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 
@@ -217,9 +266,11 @@ def pairwise_cosine(x: torch.Tensor, y: Optional[torch.Tensor] = None, *, eps: f
     matches clients by the cosine of their v vectors (Eq. 4), SimFed by the cosine of their
     encoders' outputs (Eq. 3); FedDAF's angle between two mean gradients is M = 1.
 
-    A zero vector (‖x_i‖ <= eps, in the limit ‖x_i‖ = 0) has similarity 0 with everything,
-    itself included: the numerator is 0 and the denominator at least eps·eps.  Vectors with
-    0 < ‖x_i‖ < eps are scaled by 1/eps instead of 1/‖x_i‖ (|c| < 1 there).
+    A zero vector (‖x_i‖ <= eps, in the limit ‖x_i‖ = 0) has similarity 0 with every finite
+    vector, itself included: the numerator is 0 and the denominator at least eps·eps.
+    Vectors with 0 < ‖x_i‖ < eps are scaled by 1/eps instead of 1/‖x_i‖ (|c| < 1 there).
+    A row with a NaN or ±Inf entry gives NaN in its row (and column when y is None, c[i, i]
+    included); rows of 1e19 or 1e-30 give their true cosine (see the module docstring).
 
     No normalized copy of x is made: the product x·yᵀ is computed once (BLAS on CPU, a
     tiled Triton kernel on CUDA) and scaled in its epilogue.  With ``y`` None the squared
@@ -251,7 +302,12 @@ def pairwise_sqdist(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.
 
     d[i, j] = max(‖x_i‖² + ‖y_j‖² − 2·x_i·y_j, 0) (FedAMP's exp(−‖w_i − w_j‖²/σ), FedFomo's
     ‖θ_j − θ_i‖), computed from one matrix product; with ``y`` None the norms come from
-    the Gram matrix's diagonal, the diagonal is exactly 0 and the result is symmetric.
+    the Gram matrix's diagonal, the diagonal is exactly 0 (for finite rows) and the result
+    is symmetric.
+
+    A row with a NaN or ±Inf entry gives NaN in its row (and column when y is None, its own
+    d[i, i] included, never 0); rows of 1e19 or 1e-30 are scaled before squaring, and a
+    distance beyond the dtype's range is +Inf (see the module docstring).
 
     Precision.  This expanded form cancels for near-duplicate rows: its absolute error is
     about u·(‖x_i‖² + ‖y_j‖²) times a small factor (u = 2^-24 in float32, with float32
@@ -266,21 +322,14 @@ def pairwise_sqdist(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.
         y: [M, D] of x's dtype and device, or None for ``x`` itself.
 
     Returns:
-        [K, M] in float32 (float64 for float64 inputs), >= 0.  Differentiable in x and y
-        (the gradient of ‖x_i − y_j‖², 2·(x_i − y_j)).
+        [K, M] in float32 (float64 for float64 inputs), >= 0 (or NaN for non-finite rows).
+        Differentiable in x and y (the gradient of ‖x_i − y_j‖², 2·(x_i − y_j)).
 
     Raises:
         TypeError / ValueError: as ``pairwise_cosine``.
     """
     _check_pair_args(x, y)
     return torch.ops.pfl.pairwise_sqdist(x, y)
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_kernel_checks_values() -> bool:
-    """Whether the C++ kernel (which checks sim and self_index itself) serves CPU tensors.
-    Cached: the dispatcher query costs tens of microseconds, as much as a small call."""
-    return has_kernel(SIMILARITY_WEIGHTS, "CPU")
 
 
 def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep: int = 0,
@@ -345,12 +394,5 @@ def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep:
             raise ValueError(f"self_index must be [K] with K = {k} (sim's rows), got {list(self_index.shape)}")
         if self_index.device != sim.device:
             raise ValueError(f"self_index must be on sim's device {sim.device}, got {self_index.device}")
-    # The checks of values need the data: under torch.compile, and on CPU with the C++ kernel
-    # (which makes them in its own pass, raising the same ValueError), they are left to the
-    # kernel; the reference and the Triton kernel do not check.
-    if not torch.compiler.is_compiling() and not (sim.device.type == "cpu" and _cpu_kernel_checks_values()):
-        if self_index is not None and k and bool(((self_index < -1) | (self_index >= m)).any()):
-            raise ValueError(f"self_index values must be in [-1, {m}) (a column of sim, or -1 for none)")
-        if sim.numel() and not bool(torch.isfinite(sim).all()):
-            raise ValueError("sim must be finite (it holds NaN or Inf)")
+    # NaN/Inf in sim and self_index values: checked by the op itself (every kernel), not here.
     return torch.ops.pfl.similarity_weights(sim, tau, scale, int(min_keep), self_index)

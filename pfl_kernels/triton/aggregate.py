@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ..ops import aggregate as _ops  # noqa: F401  (defines the schemas implemented here)
 from . import register_cuda
+from ..ops._checks import may_overlap
 from ..ops.aggregate import _check_op_args
 from ..reference import aggregate as _ref
 from .factorized import _check_devices, _device_guard, _launch
@@ -136,22 +137,6 @@ def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
     return stride > 0 and diff % size == 0 and (diff // size) % stride == 0
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors (any dims and strides) may share a byte: the same storage and
-    intersecting extents (conservative: interleaved tensors count as overlapping)."""
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-
-    def extent(t):
-        spans = [(n - 1) * s for n, s in zip(t.shape, t.stride())]
-        lo, hi = sum(x for x in spans if x < 0), sum(x for x in spans if x > 0) + 1
-        return t.data_ptr() + lo * t.element_size(), t.data_ptr() + hi * t.element_size()
-
-    alo, ahi = extent(a)
-    blo, bhi = extent(b)
-    return alo < bhi and blo < ahi
-
-
 def _weights_stats(w: torch.Tensor) -> int:
     """Nonzeros of w; raises ValueError on NaN/Inf (one device sync for both)."""
     nnz, bad = torch.stack([(w != 0).sum(), (~torch.isfinite(w)).sum()]).tolist()
@@ -174,7 +159,7 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
     m = params.shape[0]
     acc = torch.float64 if params.dtype == torch.float64 else torch.float32
     w = weights.to(acc).contiguous()
-    if _overlaps(out, w):
+    if may_overlap(out, w):
         w = w.clone()
     nnz = _weights_stats(w)
     if k == 0 or p == 0:
@@ -187,7 +172,7 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
     sparse = nnz < _SPARSE_DENSITY * k * m
     dense_ref = not sparse and acc == torch.float64
     block_k = _block_k(k)
-    if _overlaps(out, params) and (sparse or dense_ref or triton.cdiv(k, block_k) > 1
+    if may_overlap(out, params) and (sparse or dense_ref or triton.cdiv(k, block_k) > 1
                                    or not _rows_of(out, params)):
         params = params.clone()
     if dense_ref:

@@ -23,9 +23,9 @@ import triton.language as tl
 
 from ..ops import branch_aggregate as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
-from ..ops.branch_aggregate import _check_op_args
+from ..ops._checks import may_overlap
+from ..ops.branch_aggregate import _check_op_args, check_branch_values
 from ..reference import branch_aggregate as _ref
-from .aggregate import _overlaps
 from .factorized import _check_devices, _device_guard, _launch
 
 # 4096 fp32 per program at 8 warps: 16 values in flight per thread per client.  With few
@@ -95,11 +95,12 @@ def _aggregate_into(branch_params: torch.Tensor, alpha: torch.Tensor, counts: to
 def branch_aggregate_triton(branch_params: torch.Tensor, alpha: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Triton ``pfl::branch_aggregate``: W [B, *shape] in branch_params' dtype.
 
-    Same contract as ``pfl_kernels.reference.branch_aggregate.branch_aggregate``.  The data
-    checks (counts >= 0, α >= 0 and finite) are the Python wrapper's (they need a sync).
+    Same contract as ``pfl_kernels.reference.branch_aggregate.branch_aggregate``, with the
+    op's data checks (counts >= 0, α >= 0, both finite: one device sync).
     """
     out_shape = _check_op_args(branch_params, alpha, counts)
     _check_devices(branch_params, alpha, counts)
+    check_branch_values(alpha, counts)
     out = branch_params.new_empty(out_shape)
     _aggregate_into(branch_params, alpha, counts, out.view(alpha.shape[1], -1))
     return out
@@ -108,9 +109,10 @@ def branch_aggregate_triton(branch_params: torch.Tensor, alpha: torch.Tensor, co
 def branch_aggregate_out_triton(branch_params: torch.Tensor, alpha: torch.Tensor, counts: torch.Tensor, *,
                                 out: torch.Tensor) -> torch.Tensor:
     """Triton ``pfl::branch_aggregate.out``: the same, written into ``out`` (any layout; it may
-    overlap branch_params)."""
+    overlap any input; its own elements must not share memory)."""
     _check_op_args(branch_params, alpha, counts, out)
     _check_devices(branch_params, alpha, counts, out)
+    check_branch_values(alpha, counts)
     b = alpha.shape[1]
     p = out.numel() // b
     try:
@@ -118,7 +120,7 @@ def branch_aggregate_out_triton(branch_params: torch.Tensor, alpha: torch.Tensor
     except RuntimeError:
         out2 = None
     if (out2 is not None and (p <= 1 or out2.stride(1) == 1) and (b == 1 or abs(out2.stride(0)) >= p)
-            and not _overlaps(out2, branch_params)):
+            and not may_overlap(out2, branch_params)):
         _aggregate_into(branch_params, alpha, counts, out2)
     else:
         w = branch_params.new_empty(out.shape)

@@ -7,8 +7,8 @@ class's rows in sample order in float32 (float64 for float64) registers, divides
 and stores its block of means once.  Every feature row is read once (per D-block).  A class
 without a sample stores 0.
 
-Labels outside [0, num_classes) are the Python wrapper's to reject (that check needs a sync);
-here they are set aside (counted in no class), so nothing is read or written out of bounds.
+Labels outside [0, num_classes) raise ValueError, as in every kernel of the op (one device
+sync, ``ops.class_means.check_label_values``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..ops import class_means as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
-from ..ops.class_means import _check_op_args
+from ..ops.class_means import _check_op_args, check_label_values
 from ..reference import class_means as _ref
 from .factorized import _check_devices, _device_guard, _launch
 
@@ -56,6 +56,7 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
     """Triton ``pfl::class_means``: (means [K?, C, D] in the accumulation dtype, counts [K?, C] int64)."""
     means_shape, counts_shape = _check_op_args(features, labels, num_classes)
     _check_devices(features, labels)
+    check_label_values(labels, num_classes)
     acc = _ref.acc_dtype(features.dtype)
     batched = features.dim() == 3
     f = features if batched else features.unsqueeze(0)

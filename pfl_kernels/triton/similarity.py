@@ -10,10 +10,17 @@
   With few output tiles (K = 20: one tile) D is split over ``SPLIT`` programs per tile so
   that every SM has work; each writes its partial product and partial norms to float32
   buffers [SPLIT, K, M], [SPLIT, K], [SPLIT, M].  No atomics: deterministic.
+  The same loop keeps each row's max |entry| (NaN counted as Inf).
+* extreme rows: a row whose max m is outside [2^-32, sqrt(max/8/D)] may have a squared norm
+  that over- or underflows float32 (1e19, 1e-30).  A second launch of the product kernel
+  (FIX) redoes only the tiles that hold such a row or column, from the rows scaled by a
+  power of two σ (``reference.similarity.row_scales``, exact); its other programs return at
+  once (no host sync, no cost without extreme rows).
 * epilogue: per output tile, sums the SPLIT partials in order and applies the cosine
   (clamp(s / (max(‖x‖, eps) max(‖y‖, eps)), -1, 1)) or the squared distance
-  (max(‖x‖² + ‖y‖² − 2 s, 0)).  With y None it reads s[min(i, j), max(i, j)] (exactly
-  symmetric result) and sets the distance's diagonal to 0.
+  (max(‖x‖² + ‖y‖² − 2 s, 0)), undoing σ as the reference does.  With y None it reads
+  s[min(i, j), max(i, j)] (exactly symmetric result) and sets the distance's diagonal to 0.
+  A row with a NaN/Inf entry gives NaN in its row (and column), its own entry included.
 
 float64 inputs use the plain-PyTorch reference (cuBLAS dgemm), which is what a float64
 Triton dot would lower to at best.
@@ -28,13 +35,15 @@ T the lowest columns are taken (a cumulative count): the reference's tie-breakin
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ..ops import similarity as _ops  # noqa: F401  (defines the schemas implemented here)
 from . import register_cuda
-from ..ops.similarity import _check_pair, _check_weights_args
+from ..ops.similarity import _check_pair, _check_weights_args, check_weights_values
 from ..reference import similarity as _ref
 from .branch import _sm_count
 from .factorized import _check_devices, _device_guard, _launch
@@ -51,11 +60,29 @@ MODE_SQDIST = 1
 
 
 @triton.jit
+def _row_scales(mx_ptr, rows, mask, R, SPLIT, m_low, m_high):
+    """(σ, extreme, finite) of ``rows`` from the split partial maxima of |entry| (NaN stored as
+    Inf): a row is extreme where its max m is finite, nonzero and outside [m_low, m_high]
+    (then its squared norm may over- or underflow); σ = 2^-e with e = frexp's exponent of m,
+    clamped to ±125 (reference.similarity.row_scales), 1 for the other rows."""
+    m = tl.zeros_like(rows).to(tl.float32)
+    for p in range(0, SPLIT):
+        m = tl.maximum(m, tl.load(mx_ptr + p * R + rows, mask=mask, other=0))
+    finite = m < float("inf")
+    extreme = finite & (m > 0) & ((m < m_low) | (m > m_high))
+    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # subnormal m: below -125, clamped
+    e = tl.minimum(tl.maximum(e, -125), 125)
+    sigma = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return tl.where(extreme, sigma, 1.0), extreme, finite
+
+
+@triton.jit
 def _product_kernel(
-    x_ptr, y_ptr, part_ptr, nx_ptr, ny_ptr,
-    K, M, D, d_per_split,
+    x_ptr, y_ptr, part_ptr, nx_ptr, ny_ptr, mx_ptr, my_ptr,
+    K, M, D, d_per_split, SPLIT, m_low, m_high,
     sx_k, sx_d, sy_m, sy_d,
-    IEEE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, FIX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pk = tl.program_id(0)
     pm = tl.program_id(1)
@@ -64,37 +91,62 @@ def _product_kernel(
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     mk = rk < K
     mm = rm < M
-    acc = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
-    nx = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ny = tl.zeros([BLOCK_M], dtype=tl.float32)
-    d_lo = ps.to(tl.int64) * d_per_split
-    x_row = x_ptr + rk.to(tl.int64)[:, None] * sx_k
-    y_row = y_ptr + rm.to(tl.int64)[:, None] * sy_m
-    for d0 in range(0, d_per_split, BLOCK_D):
-        rd = d_lo + d0 + tl.arange(0, BLOCK_D)
-        md = (rd < D) & (d0 + tl.arange(0, BLOCK_D) < d_per_split)
-        xt = tl.load(x_row + rd[None, :] * sx_d, mask=mk[:, None] & md[None, :], other=0)
-        yt = tl.load(y_row + rd[None, :] * sy_d, mask=mm[:, None] & md[None, :], other=0)
-        if IEEE:
-            acc = tl.dot(xt, tl.trans(yt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(yt), acc)
-        xf = xt.to(tl.float32)
-        yf = yt.to(tl.float32)
-        nx += tl.sum(xf * xf, axis=1)
-        ny += tl.sum(yf * yf, axis=1)
-    base = ps.to(tl.int64) * K * M
-    tl.store(part_ptr + base + rk.to(tl.int64)[:, None] * M + rm[None, :], acc, mask=mk[:, None] & mm[None, :])
-    # Each row's partial norm is stored by one program only.
-    if pm == 0:
-        tl.store(nx_ptr + ps.to(tl.int64) * K + rk, nx, mask=mk)
-    if pk == 0:
-        tl.store(ny_ptr + ps.to(tl.int64) * M + rm, ny, mask=mm)
+    if FIX:
+        # Second pass: only tiles with an extreme row or column, recomputed from the rows
+        # scaled by σ (exact: powers of two); every other program returns at once.
+        sig_x, ext_x, _ = _row_scales(mx_ptr, rk, mk, K, SPLIT, m_low, m_high)
+        sig_y, ext_y, _ = _row_scales(my_ptr, rm, mm, M, SPLIT, m_low, m_high)
+        run = tl.max(ext_x.to(tl.int32), axis=0) + tl.max(ext_y.to(tl.int32), axis=0) > 0
+    else:
+        sig_x = tl.full([BLOCK_K], 1.0, tl.float32)
+        sig_y = tl.full([BLOCK_M], 1.0, tl.float32)
+        run = True
+    if run:
+        acc = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
+        nx = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ny = tl.zeros([BLOCK_M], dtype=tl.float32)
+        ax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        ay = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d_lo = ps.to(tl.int64) * d_per_split
+        x_row = x_ptr + rk.to(tl.int64)[:, None] * sx_k
+        y_row = y_ptr + rm.to(tl.int64)[:, None] * sy_m
+        for d0 in range(0, d_per_split, BLOCK_D):
+            rd = d_lo + d0 + tl.arange(0, BLOCK_D)
+            md = (rd < D) & (d0 + tl.arange(0, BLOCK_D) < d_per_split)
+            xt = tl.load(x_row + rd[None, :] * sx_d, mask=mk[:, None] & md[None, :], other=0)
+            yt = tl.load(y_row + rd[None, :] * sy_d, mask=mm[:, None] & md[None, :], other=0)
+            xf = xt.to(tl.float32)
+            yf = yt.to(tl.float32)
+            if FIX:
+                xf = xf * sig_x[:, None]
+                yf = yf * sig_y[:, None]
+                acc = tl.dot(xf, tl.trans(yf), acc, input_precision="ieee")
+            else:
+                if IEEE:
+                    acc = tl.dot(xt, tl.trans(yt), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xt, tl.trans(yt), acc)
+                # max |entry| per row, NaN counted as Inf (so that m is finite exactly for finite rows)
+                ax = tl.maximum(ax, tl.max(tl.where(xf == xf, tl.abs(xf), float("inf")), axis=1))
+                ay = tl.maximum(ay, tl.max(tl.where(yf == yf, tl.abs(yf), float("inf")), axis=1))
+            nx += tl.sum(xf * xf, axis=1)
+            ny += tl.sum(yf * yf, axis=1)
+        base = ps.to(tl.int64) * K * M
+        tl.store(part_ptr + base + rk.to(tl.int64)[:, None] * M + rm[None, :], acc, mask=mk[:, None] & mm[None, :])
+        # Each row's partial norm (and max) is stored by one program only.
+        if pm == 0:
+            tl.store(nx_ptr + ps.to(tl.int64) * K + rk, nx, mask=mk)
+            if not FIX:
+                tl.store(mx_ptr + ps.to(tl.int64) * K + rk, ax, mask=mk)
+        if pk == 0:
+            tl.store(ny_ptr + ps.to(tl.int64) * M + rm, ny, mask=mm)
+            if not FIX:
+                tl.store(my_ptr + ps.to(tl.int64) * M + rm, ay, mask=mm)
 
 
 @triton.jit
 def _epilogue_kernel(
-    part_ptr, nx_ptr, ny_ptr, out_ptr, K, M, SPLIT, eps,
+    part_ptr, nx_ptr, ny_ptr, mx_ptr, my_ptr, out_ptr, K, M, SPLIT, eps, m_low, m_high,
     MODE: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     rk = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -117,15 +169,28 @@ def _epilogue_kernel(
         s += tl.load(part_ptr + p * k64 * m64 + idx, mask=m2, other=0)
         sx += tl.load(nx_ptr + p * k64 + rk, mask=mk, other=0)
         sy += tl.load(ny_ptr + p * m64 + rm, mask=mm, other=0)
+    # s, sx, sy are of the rows scaled by σ (1 but for extreme rows): see _row_scales.
+    sig_x, _, fin_x = _row_scales(mx_ptr, rk, mk, K, SPLIT, m_low, m_high)
+    sig_y, _, fin_y = _row_scales(my_ptr, rm, mm, M, SPLIT, m_low, m_high)
     if MODE == 0:
-        ix = 1.0 / tl.maximum(tl.sqrt(sx), eps)
-        iy = 1.0 / tl.maximum(tl.sqrt(sy), eps)
-        v = s * (ix[:, None] * iy[None, :])
-        v = tl.minimum(tl.maximum(v, -1.0), 1.0)
+        fx = 1.0 / tl.maximum(tl.sqrt(sx), eps * sig_x)
+        fy = 1.0 / tl.maximum(tl.sqrt(sy), eps * sig_y)
+        v = s * (fx[:, None] * fy[None, :])
+        v = tl.where(s == 0, s, v)  # two zero rows with a tiny eps: f_i·f_j = Inf, 0·Inf = NaN
+        v = tl.where(v < -1.0, -1.0, tl.where(v > 1.0, 1.0, v))  # a clamp that keeps NaN
     else:
-        v = tl.maximum(sx[:, None] + sy[None, :] - 2.0 * s, 0.0)
+        # d = (r_i² ŝx_i + r_j² ŝy_j − 2 r_i r_j ŝ)·a·a with a_i = 1/σ_i, a = max(a_i, a_j),
+        # r = a_•/a (reference.similarity.pairwise_sqdist).
+        ax = 1.0 / sig_x
+        ay = 1.0 / sig_y
+        a = tl.maximum(ax[:, None], ay[None, :])
+        r_x = ax[:, None] / a
+        r_y = ay[None, :] / a
+        v = r_x * r_x * sx[:, None] + r_y * r_y * sy[None, :] - 2.0 * (r_x * r_y) * s
+        v = tl.where(v < 0, 0.0, v) * a * a
         if SYMMETRIC:
             v = tl.where(i == j, 0.0, v)
+    v = tl.where(fin_x[:, None] & fin_y[None, :], v, float("nan"))
     tl.store(out_ptr + i * M + j, v, mask=m2)
 
 
@@ -137,6 +202,12 @@ def _split(k: int, m: int, d: int, device: torch.device) -> int:
     split = max(1, triton.cdiv(_WAVES * sms, tiles))
     split = min(split, triton.cdiv(max(d, 1), _BLOCK_D), max(1, _MAX_PARTIAL_BYTES // (4 * max(k * m, 1))))
     return max(1, split)
+
+
+# Rows whose max |entry| m lies in [_M_LOW, sqrt(_Q_HIGH / D)] have float32 squared norms in
+# [2^-64, max/8] (C++ kernel: the safe band) and are taken as they are; others are scaled.
+_M_LOW = 2.0 ** -32
+_Q_HIGH = torch.finfo(torch.float32).max / 8
 
 
 def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
@@ -157,14 +228,20 @@ def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
     part = x.new_empty((split, k, m), dtype=torch.float32)
     nx = x.new_empty((split, k), dtype=torch.float32)
     ny = x.new_empty((split, m), dtype=torch.float32)
+    mx = x.new_empty((split, k), dtype=torch.float32)
+    my = x.new_empty((split, m), dtype=torch.float32)
+    m_high = math.sqrt(_Q_HIGH / max(d, 1))
+    grid = (triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M), split)
     with _device_guard(x):
-        _launch(_product_kernel)[(triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M), split)](
-            x, yy, part, nx, ny, k, m, d, d_per_split,
-            x.stride(0), x.stride(1), yy.stride(0), yy.stride(1),
-            IEEE=x.dtype == torch.float32, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D, num_warps=4,
-        )
+        for fix in (False, True):  # the second pass redoes only tiles with an extreme row
+            _launch(_product_kernel)[grid](
+                x, yy, part, nx, ny, mx, my, k, m, d, d_per_split, split, _M_LOW, m_high,
+                x.stride(0), x.stride(1), yy.stride(0), yy.stride(1),
+                IEEE=x.dtype == torch.float32, FIX=fix, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D,
+                num_warps=4,
+            )
         _launch(_epilogue_kernel)[(triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M))](
-            part, nx, ny, out, k, m, split, eps,
+            part, nx, ny, mx, my, out, k, m, split, eps, _M_LOW, m_high,
             MODE=mode, SYMMETRIC=y is None, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, num_warps=4,
         )
     return out
@@ -227,10 +304,11 @@ def _weights_kernel(
 
 def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_keep: int, self_index):
     """Triton ``pfl::similarity_weights`` (float32 math; float64 sim and rows longer than
-    _MAX_ROW use the reference).  Assumes what the Python wrapper checked: finite sim and
-    self_index values in [-1, M)."""
+    _MAX_ROW use the reference).  Raises ValueError for NaN/Inf in sim or self_index values
+    outside [-1, M), as every kernel of the op (one device sync)."""
     _check_weights_args(sim, self_index)
     _check_devices(sim, self_index)
+    check_weights_values(sim, self_index)
     k, m = sim.shape
     if sim.dtype == torch.float64 or m > _MAX_ROW:
         return _ref.similarity_weights(sim, tau, scale, min_keep, self_index)

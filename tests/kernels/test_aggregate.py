@@ -226,7 +226,7 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.pfl.weighted_average.default, (w.to(dtype).requires_grad_(), params.requires_grad_()))
     # torch cannot functionalize a custom op that returns an alias (Tensor(a!)), so the out
     # overload (schema as in torch's out= convention) is checked without aot_dispatch.
-    torch.library.opcheck(torch.ops.pfl.weighted_average.out, (w, params.detach()),
+    torch.library.opcheck(torch.ops.pfl.weighted_average.out, (w.detach(), params.detach()),
                           {"out": torch.empty(4, 11, dtype=dtype)},
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 

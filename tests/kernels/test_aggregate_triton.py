@@ -120,9 +120,9 @@ def test_out_aliasing_rows_and_shifted_columns(path, blocks):
 
 def test_helpers_detect_overlap():
     bank = torch.zeros(10, 20, device=DEVICE)
-    assert ta._overlaps(bank[0:5], bank[4:9]) and not ta._overlaps(bank[0:4], bank[4:9])
+    assert ta.may_overlap(bank[0:5], bank[4:9]) and not ta.may_overlap(bank[0:4], bank[4:9])
     assert ta._rows_of(bank[2:6], bank) and not ta._rows_of(bank[2:6, 1:], bank[:, :19])
-    assert not ta._overlaps(bank, torch.zeros(10, 20, device=DEVICE))
+    assert not ta.may_overlap(bank, torch.zeros(10, 20, device=DEVICE))
 
 
 def test_strided_params_and_weights(path, blocks):

@@ -10,6 +10,8 @@ import torch
 import pfl_kernels
 from pfl_kernels.ops import branch_combine, project_simplex_
 from pfl_kernels.reference import branch as ref
+from tests.kernels.autograd_checks import (CLIENT_MODES, assert_all_orders, branch_backward_fn, branch_grad_w,
+                                          branch_leaves)
 from tests.tolerances import assert_close
 
 SHAPES = [(6, 3, 5, 5), (16, 6, 5, 5), (7, 5, 3, 3), (5, 3, 1, 1), (4, 3, 3, 5), (120, 41), (10, 84), (13,)]
@@ -110,12 +112,32 @@ def test_ambiguous_shared_or_per_client_reading_must_be_stated():
     assert torch.allclose(shared[1], ref.branch_combine(weights, alpha[1]))
 
 
-@pytest.mark.parametrize("clients", [None, 2])
-@pytest.mark.parametrize("shape", [(3, 2, 3, 3), (4, 5), (3,)], ids=str)
-def test_gradcheck(shape, clients):
-    exact, _ = make_inputs(shape, 3, clients, torch.float64)
-    inputs = [t.clone().requires_grad_() for t in exact]
-    assert torch.autograd.gradcheck(branch_combine, inputs)
+GRAD_SHAPES = [(2, 2, 2, 3), (3, 4), (3,)]
+
+
+@pytest.mark.parametrize("clients", CLIENT_MODES, ids=str)
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=str)
+def test_gradients_of_every_order(shape, clients):
+    """gradcheck and gradgradcheck (reverse and forward mode) through the wrapper, branches
+    shared by the clients included (B = 3 != K, so the reading is not ambiguous)."""
+    assert_all_orders(branch_combine, branch_leaves(shape, 3, clients))
+
+
+@pytest.mark.parametrize("output_mask", [(True, True), (True, False), (False, True)], ids=str)
+@pytest.mark.parametrize("clients", CLIENT_MODES, ids=str)
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=str)
+def test_backward_op_gradients_of_every_order(shape, clients, output_mask):
+    """The backward op has derivatives of its own: what a Hessian-vector product differentiates."""
+    assert_all_orders(branch_backward_fn(output_mask), [branch_grad_w(shape, clients), *branch_leaves(shape, 3, clients)])
+
+
+@pytest.mark.parametrize("output_mask", [(True, False), (False, True)], ids=str)
+def test_backward_op_gradients_not_computed_are_constants(output_mask):
+    """A gradient not asked for is an empty placeholder without a grad_fn."""
+    grads = torch.ops.pfl.branch_combine_backward(branch_grad_w((3, 4), None), *branch_leaves((3, 4), 3, None),
+                                                  list(output_mask))
+    assert [g.requires_grad for g in grads] == list(output_mask)
+    assert all(g.shape == (0,) for g, m in zip(grads, output_mask) if not m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -128,6 +150,9 @@ def test_opcheck(dtype, clients):
     for output_mask in ([True, True], [False, True], [True, False]):
         torch.library.opcheck(torch.ops.pfl.branch_combine_backward,
                               (grad_w, weights.detach(), alpha.detach(), output_mask))
+        # With inputs that require grad: the backward op's own autograd (second order).
+        torch.library.opcheck(torch.ops.pfl.branch_combine_backward,
+                              (grad_w.clone().requires_grad_(), weights, alpha, output_mask))
     x = torch.randn(4, 5, dtype=dtype)
     torch.library.opcheck(torch.ops.pfl.project_simplex_, (x,))
 

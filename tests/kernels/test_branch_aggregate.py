@@ -271,19 +271,30 @@ def test_errors_shapes():
         branch_aggregate(p[:, :0], a[:, :0], n)
 
 
-def test_errors_values():
+VALUE_CALLS = {"wrapper": branch_aggregate, "op": torch.ops.pfl.branch_aggregate}
+
+
+@pytest.mark.parametrize("call", list(VALUE_CALLS))
+def test_errors_values(call):
+    """The op checks the data itself (every kernel, the same ValueError), not only the wrapper."""
     p, a, n = make_inputs(3, 2, (4,))
-    with pytest.raises(ValueError, match=r"counts must be >= 0, got counts\[1\] = -2"):
-        branch_aggregate(p, a, torch.tensor([1, -2, 3]))
-    with pytest.raises(ValueError, match="counts must be finite"):
-        branch_aggregate(p, a, torch.tensor([1.0, float("nan"), 3.0]))
+    agg = VALUE_CALLS[call]
+    with pytest.raises(ValueError, match=r"counts must be >= 0 and finite, got counts\[1\] = -2$"):
+        agg(p, a, torch.tensor([1, -2, 3]))
+    with pytest.raises(ValueError, match=r"counts must be >= 0 and finite, got counts\[1\] = nan"):
+        agg(p, a, torch.tensor([1.0, float("nan"), 3.0]))
     bad = a.clone()
     bad[2, 1] = float("nan")
-    with pytest.raises(ValueError, match=r"alpha must be finite, got alpha\[2, 1\] = nan"):
-        branch_aggregate(p, bad, n)
+    with pytest.raises(ValueError, match=r"alpha must be >= 0 and finite, got alpha\[2, 1\] = nan"):
+        agg(p, bad, n)
     bad[2, 1] = -0.5
-    with pytest.raises(ValueError, match=r"alpha must be >= 0, got alpha\[2, 1\] = -0.5"):
-        branch_aggregate(p, bad, n)
+    with pytest.raises(ValueError, match=r"alpha must be >= 0 and finite, got alpha\[2, 1\] = -0.5"):
+        agg(p, bad, n)
+    bad[0, 0] = float("inf")  # counts first, then alpha in row-major order
+    with pytest.raises(ValueError, match=r"alpha\[0, 0\] = inf"):
+        agg(p, bad, n)
+    with pytest.raises(ValueError, match=r"counts\[2\] = -1"):
+        agg(p, bad, torch.tensor([1, 2, -1]))
 
 
 def test_errors_types_and_devices():
@@ -322,10 +333,10 @@ def test_op_level_checks_without_the_wrapper():
     p, a, n = make_inputs(3, 2, (4,))
     with pytest.raises((RuntimeError, ValueError), match="counts must have shape"):
         torch.ops.pfl.branch_aggregate(p, a, n[:2])
-    with pytest.raises((RuntimeError, ValueError), match="counts must be >= 0"):
-        if pfl_kernels.backend_info()["pfl::branch_aggregate"]["cpu"]["implementation"] != "cpp":
-            pytest.skip("the data checks of the op itself are the C++ kernel's")
+    with pytest.raises(ValueError, match="counts must be >= 0"):
         torch.ops.pfl.branch_aggregate(p, a, torch.tensor([1, -2, 3]))
+    with pytest.raises(ValueError, match="alpha must be >= 0"):
+        torch.ops.pfl.branch_aggregate.out(p, -a, n, out=torch.empty(2, 4))
 
 
 def test_op_level_out_checks_without_the_wrapper():
@@ -334,7 +345,7 @@ def test_op_level_out_checks_without_the_wrapper():
         torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(2, 5))
     with pytest.raises((RuntimeError, TypeError), match="out must have branch_params' dtype"):
         torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(2, 4, dtype=F64))
-    with pytest.raises(RuntimeError, match="single memory location"):
+    with pytest.raises(ValueError, match="out must not have elements that share memory"):
         torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(4).expand(2, 4))
 
 

@@ -18,6 +18,7 @@ pytestmark = MARKS
 
 if RUNNABLE:
     from pfl_kernels.reference import branch as ref
+    from tests.kernels.autograd_checks import assert_all_orders, branch_backward_fn, branch_grad_w, branch_leaves
     from pfl_kernels.triton import branch as tb
 
 SHAPES = [(5, 7), (3, 2, 3, 3), (13,), (2, 3, 1, 5)]  # a linear, a conv, a bias, odd sizes
@@ -289,6 +290,20 @@ def test_through_dispatcher_and_autograd():
     for name, a, b in zip(("weights", "alpha"), leaves, ref_leaves):
         assert_close(a.grad, b.grad, F64, f"autograd grad of {name}")
     assert_close(x, want_x, F64, "project_simplex_ through the op")
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape,clients", [((2, 2, 1, 3), "shared"), ((3, 4), "clients"), ((3,), None)], ids=str)
+def test_gradients_of_every_order_through_the_launchers(shape, clients):
+    """gradcheck and gradgradcheck (reverse and forward mode) of both ops, with the launchers
+    as their kernels: the autograd formulas call the ops, so every order runs on Triton."""
+    from pfl_kernels.ops import branch_combine
+
+    leaves = branch_leaves(shape, 3, clients)
+    with launchers_as_cpu_kernels({"branch_combine": tb.branch_combine_triton,
+                                   "branch_combine_backward": tb.branch_combine_backward_triton}):
+        assert_all_orders(branch_combine, leaves, fast=True)
+        assert_all_orders(branch_backward_fn((True, True)), [branch_grad_w(shape, clients), *leaves], fast=True)
 
 
 def test_registered_for_cuda():

@@ -184,28 +184,27 @@ def test_compile_matches_eager():
 
 # ---- bad input ---------------------------------------------------------------------------
 
-def test_errors_labels_out_of_range():
+LABEL_CALLS = {"wrapper": class_means, "op": torch.ops.pfl.class_means}
+
+
+@pytest.mark.parametrize("call", list(LABEL_CALLS))
+def test_errors_labels_out_of_range(call):
+    """The op checks the labels itself (every kernel, the same ValueError), not only the wrapper."""
+    means = LABEL_CALLS[call]
     features, labels = make_inputs(10, 3, 4)
     bad = labels.clone()
     bad[6] = 4
     with pytest.raises(ValueError, match=r"labels must be in \[0, num_classes=4\), got labels\[6\] = 4"):
-        class_means(features, bad, 4)
+        means(features, bad, 4)
     bad[6] = -1
+    bad[8] = 9  # the first bad label is named
     with pytest.raises(ValueError, match=r"got labels\[6\] = -1"):
-        class_means(features, bad, 4)
+        means(features, bad, 4)
     f3, l3 = make_inputs(5, 3, 4, clients=2)
     l3[1, 2] = 9
-    with pytest.raises(ValueError, match=r"got labels\[\[1, 2\]\] = 9"):
-        class_means(f3, l3, 4)
-
-
-def test_op_level_label_check():
-    if pfl_kernels.backend_info()["pfl::class_means"]["cpu"]["implementation"] != "cpp":
-        pytest.skip("the op's own label check is the C++ kernel's")
-    features, labels = make_inputs(10, 3, 4)
-    labels[6] = 7
-    with pytest.raises(RuntimeError, match=r"got labels\[6\] = 7"):
-        torch.ops.pfl.class_means(features, labels, 4)
+    l3[1, 4] = 5
+    with pytest.raises(ValueError, match=r"got labels\[1, 2\] = 9"):
+        means(f3, l3, 4)
 
 
 def test_errors_shapes_types_devices():

@@ -11,6 +11,8 @@ import pfl_kernels
 from pfl_kernels._layout import layout_geometry
 from pfl_kernels.ops import factorized_weight, soft_threshold_
 from pfl_kernels.reference import factorized as ref
+from tests.kernels.autograd_checks import (CLIENT_MODES, assert_all_orders, factorized_backward_fn,
+                                          factorized_grad_w, factorized_leaves, present)
 from tests.tolerances import assert_close
 
 CONV_SHAPES = [(5, 3, 1, 1), (7, 5, 3, 3), (6, 4, 5, 5), (3, 2, 7, 7), (5, 3, 3, 5)]
@@ -160,17 +162,29 @@ def test_bool_mask_is_accepted():
     assert torch.equal(w, factorized_weight(u, v, mu, mask, shape=(4, 3, 3, 3)))
 
 
-@pytest.mark.parametrize("layout,shape", [("spatial", (3, 2, 3, 3)), ("simfed", (3, 2, 3, 2)),
-                                          ("view", (2, 3, 2, 3)), ("linear", (4, 5))])
-@pytest.mark.parametrize("bias_mode,clients", [("none", None), ("mu", 2), ("mu+mask", None), ("mu+mask", 2)])
-def test_gradcheck(layout, shape, bias_mode, clients):
-    (u, v, mu, mask), _ = make_factors(shape, layout, 2, bias_mode, clients, torch.float64)
-    inputs = [t.requires_grad_() for t in (u, v, mu, mask) if t is not None]
+GRAD_CASES = [("spatial", (2, 2, 2, 2)), ("simfed", (2, 2, 2, 3)), ("view", (2, 2, 1, 3)), ("linear", (3, 4))]
 
-    def fn(*args):
-        return factorized_weight(*args, shape=shape, layout=layout)
 
-    assert torch.autograd.gradcheck(fn, inputs)
+@pytest.mark.parametrize("clients", CLIENT_MODES, ids=str)
+@pytest.mark.parametrize("bias_mode", BIAS_MODES)
+@pytest.mark.parametrize("layout,shape", GRAD_CASES)
+def test_gradients_of_every_order(layout, shape, bias_mode, clients):
+    """gradcheck and gradgradcheck (reverse and forward mode) through the wrapper, shared
+    factors broadcast over K included."""
+    leaves = factorized_leaves(shape, layout, bias_mode, clients)
+    assert_all_orders(lambda *t: factorized_weight(*t, shape=shape, layout=layout), present(leaves))
+
+
+@pytest.mark.parametrize("output_mask", [(True, True, True, True), (False, True, True, False)],
+                         ids=lambda m: "".join(str(int(x)) for x in m))
+@pytest.mark.parametrize("clients", CLIENT_MODES, ids=str)
+@pytest.mark.parametrize("bias_mode", BIAS_MODES)
+@pytest.mark.parametrize("layout,shape", GRAD_CASES)
+def test_backward_op_gradients_of_every_order(layout, shape, bias_mode, clients, output_mask):
+    """The backward op has derivatives of its own: what a Hessian-vector product differentiates."""
+    leaves = factorized_leaves(shape, layout, bias_mode, clients)
+    fn = factorized_backward_fn(shape, layout, clients, [t is not None for t in leaves], output_mask)
+    assert_all_orders(fn, [factorized_grad_w(shape, clients), *present(leaves)])
 
 
 @pytest.mark.parametrize("layout,shape", [("spatial", (3, 2, 3, 3)), ("simfed", (3, 2, 3, 2)),
@@ -186,6 +200,10 @@ def test_opcheck(layout, shape, dtype):
     for output_mask in ([True, False, True, True], [False, True, False, False]):
         torch.library.opcheck(torch.ops.pfl.factorized_weight_backward,
                               (grad_w, u.detach(), v.detach(), mu.detach(), mask),
+                              {**kwargs, "output_mask": output_mask})
+        # With inputs that require grad: the backward op's own autograd (second order).
+        torch.library.opcheck(torch.ops.pfl.factorized_weight_backward,
+                              (grad_w.clone().requires_grad_(), u, v, mu, mask.clone().requires_grad_()),
                               {**kwargs, "output_mask": output_mask})
     torch.library.opcheck(torch.ops.pfl.soft_threshold_, (mu.detach().clone(), 0.3))
 
@@ -361,9 +379,8 @@ def test_vmap_and_grad_over_stacked_clients(with_clients):
     expected = torch.stack([ref.factorized_weight(u[b], v[b], mu[b], mask_shared, shape=shape, layout=layout)
                             for b in range(batch)])
     assert_close(w, expected, torch.float64, "vmap forward")
-    # Batched training: vmap the forward, then ordinary autograd through the folded op.
-    # (torch.func.grad cannot differentiate ops whose autograd comes from register_autograd:
-    # pytorch/pytorch#168393.)
+    # Batched training: vmap the forward, then ordinary autograd through the folded op
+    # (torch.func.grad inside vmap: tests/nn/test_functorch.py).
     params = [t.clone().requires_grad_() for t in (u, v, mu)]
     w = torch.func.vmap(lambda u, v, mu: factorized_weight(u, v, mu, mask_shared, shape=shape,
                                                            layout=layout))(*params)
@@ -396,3 +413,16 @@ def test_vmap_of_the_backward_op():
                 assert_close(g[b], e, torch.float64)
             else:
                 assert g.shape == (batch, 0)  # vmap broadcasts the unbatched empty output
+
+
+@pytest.mark.parametrize("bias_mode", BIAS_MODES)
+def test_backward_op_gradients_not_computed_are_constants(bias_mode):
+    """Gradients not asked for, or of absent inputs, are empty placeholders without a grad_fn."""
+    layout, shape = GRAD_CASES[0]
+    leaves = factorized_leaves(shape, layout, bias_mode, None)
+    output_mask = [True, False, True, True]
+    grads = torch.ops.pfl.factorized_weight_backward(factorized_grad_w(shape, None), *leaves, shape=list(shape),
+                                                     layout=layout, output_mask=output_mask)
+    computed = [m and t is not None for m, t in zip(output_mask, leaves)]
+    assert [g.requires_grad for g in grads] == computed
+    assert all(g.shape == (0,) for g, c in zip(grads, computed) if not c)

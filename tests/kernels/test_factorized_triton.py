@@ -17,6 +17,8 @@ pytestmark = MARKS
 
 if RUNNABLE:
     from pfl_kernels._layout import layout_geometry
+    from tests.kernels.autograd_checks import (assert_all_orders, factorized_backward_fn, factorized_grad_w,
+                                               factorized_leaves, present)
     from pfl_kernels.reference import factorized as ref
     from pfl_kernels.triton import factorized as tf
 
@@ -247,6 +249,24 @@ def test_through_dispatcher_and_autograd():
     for name, a, b in zip(("u", "v", "mu", "mask"), leaves, ref_leaves):
         assert_close(f"autograd grad of {name}", a.grad, b.grad)
     assert_close("soft_threshold_ through the op", x, want_x, atol=0, rtol=0)
+
+
+@interpreter_only
+@pytest.mark.parametrize("layout,shape,bias,clients", [
+    ("spatial", (2, 2, 2, 2), "mu+mask", "shared"), ("spatial", (2, 2, 2, 2), "none", None),
+    ("simfed", (2, 2, 2, 3), "mu", "shared"), ("view", (2, 2, 1, 3), "mu+mask", None),
+    ("linear", (3, 4), "mu+mask", "shared")], ids=str)
+def test_gradients_of_every_order_through_the_launchers(layout, shape, bias, clients):
+    """gradcheck and gradgradcheck (reverse and forward mode) of both ops, with the launchers
+    as their kernels: the autograd formulas call the ops, so every order runs on Triton."""
+    from pfl_kernels.ops import factorized_weight
+
+    leaves = factorized_leaves(shape, layout, bias, clients)
+    backward = factorized_backward_fn(shape, layout, clients, [t is not None for t in leaves], (True,) * 4)
+    with launchers_as_cpu_kernels({"factorized_weight": tf.factorized_weight_triton,
+                                   "factorized_weight_backward": tf.factorized_weight_backward_triton}):
+        assert_all_orders(lambda *t: factorized_weight(*t, shape=shape, layout=layout), present(leaves), fast=True)
+        assert_all_orders(backward, [factorized_grad_w(shape, clients), *present(leaves)], fast=True)
 
 
 def test_registered_for_cuda():

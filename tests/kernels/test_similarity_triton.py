@@ -19,6 +19,7 @@ if RUNNABLE:
     from pfl_kernels.ops import pairwise_cosine, pairwise_sqdist, similarity_weights
     from pfl_kernels.reference import similarity as ref
     from pfl_kernels.triton import similarity as ts
+    from tests.kernels import similarity_cases as extreme
 
 
 @pytest.fixture(params=["default-tiles", "small-tiles"])
@@ -83,6 +84,54 @@ def test_float64_uses_the_reference():
 
 def test_empty():
     assert ts.pairwise_cosine_triton(rows(0, 4), rows(3, 4), 1e-8).shape == (0, 3)
+
+
+# The first pass's unscaled product overflows on 1e19 rows (numpy says so in the interpreter);
+# the second pass redoes those tiles.
+expected_overflow = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                                               "ignore:invalid value encountered:RuntimeWarning")
+
+
+@expected_overflow
+@pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
+def test_extreme_rows(with_y, tiles):
+    """NaN, ±Inf, 1e19, 1e-30 and zero rows (issue 13, item 4): the exact values, NaN exactly
+    at the non-finite rows' rows and columns (own entries included)."""
+    x, y = extreme.inputs(torch.float32, with_y)
+    x, y = x.to(DEVICE), None if y is None else y.to(DEVICE)
+    for eps in (1e-8, extreme.TINY_EPS[torch.float32]):
+        extreme.assert_cosine_exact(ts.pairwise_cosine_triton(x, y, eps), x.cpu(), None if y is None else y.cpu(),
+                                    eps, f"cosine eps={eps}")
+    d = ts.pairwise_sqdist_triton(x, y)
+    extreme.assert_sqdist_exact(d, x.cpu(), None if y is None else y.cpu(), "sqdist")
+    if y is None:
+        finite = torch.isfinite(x).all(1)
+        assert (d.diagonal()[finite] == 0).all() and torch.isnan(d.diagonal()[~finite]).all()
+
+
+@expected_overflow
+def test_extreme_rows_split_over_d(monkeypatch):
+    """An extreme row's tiles redone over several D-splits (partials of the scaled rows)."""
+    monkeypatch.setattr(ts, "_BLOCK_D", 16)
+    x, _ = extreme.inputs(torch.float32, False)
+    x = torch.cat([x, x * 0.5], dim=1).repeat(1, 4).to(DEVICE)  # D = 72: five splits of 16
+    extreme.assert_cosine_exact(ts.pairwise_cosine_triton(x, None, 1e-36), x.cpu(), None, 1e-36, "cosine")
+    extreme.assert_sqdist_exact(ts.pairwise_sqdist_triton(x, None), x.cpu(), None, "sqdist")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_weights_raise_on_non_finite_sim(bad):
+    """The Triton kernel itself raises the ValueError of every backend (a direct op call too)."""
+    sim = sim_of(5, 5)
+    sim[2, 4] = bad
+    with pytest.raises(ValueError, match=r"sim must be finite \(it holds NaN or Inf\)"):
+        ts.similarity_weights_triton(sim, 0.2, 3.0, 1, None)
+    with pytest.raises(ValueError, match=r"self_index values must be in \[-1, 5\)"):
+        ts.similarity_weights_triton(sim.nan_to_num(0.0), 0.2, 3.0, 1, torch.tensor([0, 5, 1, 2, 3], device=DEVICE))
+    with launchers_as_cpu_kernels({"similarity_weights": ts.similarity_weights_triton}) if DEVICE == "cpu" \
+            else _nullcontext():
+        with pytest.raises(ValueError, match="sim must be finite"):
+            torch.ops.pfl.similarity_weights(sim, 0.2, 3.0, 1, None)
 
 
 def sim_of(k, m, seed=0, levels=None):

@@ -1,0 +1,318 @@
+"""What the converters (factorize, multibranch) and from_dense refuse or keep: subclasses whose
+forward differs, parametrized / hooked / lazy modules, shared modules and tied parameters."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pfl_kernels.nn import (FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, MultiBranchLinear,
+                            alpha_parameters, branch_parameters, factorize, factorized_layers, multibranch,
+                            multibranch_layers, sparsity_loss)
+from tests.tolerances import assert_close
+
+CONVERTERS = {
+    "factorize": lambda model, **kw: factorize(model, rank=2, **kw),
+    "multibranch": lambda model, **kw: multibranch(model, branches=3, **kw),
+}
+FROM_DENSE = {
+    "factorize": (FactorizedConv2d.from_dense, FactorizedLinear.from_dense),
+    "multibranch": (MultiBranchConv2d.from_dense, MultiBranchLinear.from_dense),
+}
+CONVERTED = (FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, MultiBranchLinear)
+
+
+class WeightStandardizedConv2d(nn.Conv2d):
+    """Weight standardization (Qiao et al.): the forward uses a normalized weight."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return self._conv_forward(x, w, self.bias)
+
+
+class PaddedConv2d(nn.Conv2d):
+    """Changes the convolution itself (``_conv_forward``), not ``forward``."""
+
+    def _conv_forward(self, x, weight, bias):
+        return F.conv2d(F.pad(x, (1, 1, 1, 1)), weight, bias, self.stride, 0, self.dilation, self.groups)
+
+
+class ScaledLinear(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class NamedConv2d(nn.Conv2d):
+    """A subclass that computes exactly what nn.Conv2d computes."""
+
+    def extra_repr(self):
+        return "named, " + super().extra_repr()
+
+
+def model_with(layer: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Sequential(nn.ReLU(), layer))
+
+
+def _layers(model):
+    return [(name, type(m)) for name, m in model.named_modules(remove_duplicate=False)]
+
+
+# ---- subclasses, parametrizations, hooks, lazy modules --------------------------------
+
+REFUSED = {
+    "forward": (lambda: WeightStandardizedConv2d(4, 4, 3), r"'1\.1' \(WeightStandardizedConv2d\) is a subclass of "
+                r"nn\.Conv2d that overrides forward.*allow_subclasses=True"),
+    "_conv_forward": (lambda: PaddedConv2d(4, 4, 3), r"'1\.1' \(PaddedConv2d\) .*overrides _conv_forward"),
+    "linear forward": (lambda: nn.Sequential(nn.Flatten(), ScaledLinear(4, 2)),
+                       r"'1\.1\.1' \(ScaledLinear\) is a subclass of nn\.Linear that overrides forward"),
+    "parametrization": (lambda: nn.utils.parametrizations.weight_norm(nn.Conv2d(4, 4, 3)),
+                        r"'1\.1' \(ParametrizedConv2d\) has parametrizations on weight .*remove_parametrizations"),
+    "hook-based weight_norm": (lambda: nn.utils.weight_norm(nn.Conv2d(4, 4, 3)),
+                               r"'1\.1' \(Conv2d\) has forward pre-hooks .*would not run"),
+    "forward hook": (lambda: _with_forward_hook(nn.Conv2d(4, 4, 3)), r"'1\.1' \(Conv2d\) has forward hooks"),
+    "lazy": (lambda: nn.LazyConv2d(4, 3), r"'1\.1' \(LazyConv2d\) is a lazy module .*run one forward pass"),
+}
+
+
+def _with_forward_hook(module):
+    module.register_forward_hook(lambda mod, args, out: out * 2)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated")
+@pytest.mark.parametrize("case", REFUSED)
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_refuses_a_module_it_cannot_replace_exactly_and_changes_nothing(converter, case):
+    make, message = REFUSED[case]
+    model = model_with(make())
+    before = _layers(model)
+    with pytest.raises(ValueError, match=message):
+        CONVERTERS[converter](model)
+    assert _layers(model) == before, "nothing is converted when one module is refused"
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated")
+@pytest.mark.parametrize("case", REFUSED)
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_from_dense_refuses_the_same_modules(converter, case):
+    make, message = REFUSED[case]
+    module = make()
+    module = module[1] if isinstance(module, nn.Sequential) else module
+    conv_from_dense, linear_from_dense = FROM_DENSE[converter]
+    from_dense = conv_from_dense if isinstance(module, nn.Conv2d) else linear_from_dense
+    with pytest.raises(ValueError, match=message.replace(r"'1\.1\.1'", "module").replace(r"'1\.1'", "module")):
+        from_dense(module)
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_allow_subclasses_converts_the_named_classes_only(converter):
+    convert = CONVERTERS[converter]
+    model = convert(model_with(WeightStandardizedConv2d(4, 4, 3)), allow_subclasses=WeightStandardizedConv2d)
+    assert isinstance(model[1][1], CONVERTED)
+    model = convert(model_with(WeightStandardizedConv2d(4, 4, 3)), allow_subclasses=True)
+    assert isinstance(model[1][1], CONVERTED)
+    with pytest.raises(ValueError, match="WeightStandardizedConv2d"):
+        convert(model_with(WeightStandardizedConv2d(4, 4, 3)), allow_subclasses=[PaddedConv2d])
+    conv_from_dense, _ = FROM_DENSE[converter]
+    assert isinstance(conv_from_dense(PaddedConv2d(2, 2, 1), allow_subclasses=True), CONVERTED)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, [nn.ReLU], nn.Module, [WeightStandardizedConv2d, "x"]])
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_error_bad_allow_subclasses(converter, bad):
+    with pytest.raises(TypeError, match="allow_subclasses must be a bool, or a class or classes derived from "
+                                        r"nn\.Conv2d / nn\.Linear"):
+        CONVERTERS[converter](model_with(nn.Conv2d(4, 4, 3)), allow_subclasses=bad)
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_subclasses_that_compute_the_same_are_converted(converter):
+    torch.manual_seed(0)
+    model = model_with(NamedConv2d(4, 5, 3)).double().eval()
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    y = model(x)
+    CONVERTERS[converter](model)
+    assert isinstance(model[1][1], CONVERTED)
+    assert_close(model(x), y, torch.float64, "output")
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_multihead_attention_out_proj_is_converted_and_computes_the_same(converter):
+    """nn.MultiheadAttention's out_proj is a Linear subclass that overrides nothing, and the
+    attention reads its weight directly: the rebuilt weight serves it."""
+    torch.manual_seed(1)
+    attention = nn.MultiheadAttention(8, 2, dtype=torch.float64)
+    model = nn.ModuleDict({"attention": attention})
+    x = torch.randn(5, 3, 8, dtype=torch.float64)
+    y = attention(x, x, x)[0]
+    CONVERTERS[converter](model)
+    assert isinstance(attention.out_proj, CONVERTED)
+    assert_close(attention(x, x, x)[0], y, torch.float64, "output")
+
+
+# ---- shared modules --------------------------------------------------------------------
+
+class SharedTwice(nn.Module):
+    """One Linear registered under two names (named_modules() yields it once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(6, 6)
+        self.body = nn.Sequential(nn.Tanh(), self.first)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.body(self.first(x)))
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_a_shared_module_becomes_one_layer_under_every_name(converter):
+    torch.manual_seed(2)
+    model = SharedTwice().double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    y = model(x)
+    CONVERTERS[converter](model)
+    assert isinstance(model.first, CONVERTED) and model.body[1] is model.first
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert_close(model(x), y, torch.float64, "output")
+    layers = factorized_layers(model) + multibranch_layers(model)
+    assert len(layers) == 2
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_a_shared_module_excluded_under_one_name_only_is_refused(converter):
+    with pytest.raises(ValueError, match=r"'body\.1' and 'first' are the same Linear module, excluded under the "
+                                         "first name only; exclude both names or neither"):
+        CONVERTERS[converter](SharedTwice(), exclude=["body"])
+    model = CONVERTERS[converter](SharedTwice(), exclude=["first", "body.1"])
+    assert type(model.first) is nn.Linear and model.body[1] is model.first
+    assert isinstance(model.head, CONVERTED)
+
+
+# ---- tied parameters -------------------------------------------------------------------
+
+class TiedLinears(nn.Module):
+    """Two Linears sharing one weight Parameter (own biases), and a third sharing the second's bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(5, 5)
+        self.decoder = nn.Linear(5, 5)
+        self.decoder.weight = self.encoder.weight
+        self.extra = nn.Linear(7, 5)
+        self.extra.bias = self.decoder.bias
+
+    def forward(self, x, z):
+        return self.decoder(torch.tanh(self.encoder(x))) + self.extra(z)
+
+
+class TiedConvs(nn.Module):
+    """Weight sharing across scales: one kernel at stride 1 and stride 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fine = nn.Conv2d(3, 4, 3, padding=1)
+        self.coarse = nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False)
+        self.coarse.weight = self.fine.weight
+
+    def forward(self, x):
+        return self.fine(x).mean((2, 3)) + self.coarse(x).mean((2, 3))
+
+
+def _train_step(model, inputs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(*inputs).square().sum().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_tied_linears_stay_tied_through_training(converter):
+    torch.manual_seed(3)
+    model = TiedLinears().double()
+    inputs = (torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 7, dtype=torch.float64))
+    y = model(*inputs)
+    CONVERTERS[converter](model, **({"noise": 0.1} if converter == "multibranch" else {}))
+    if converter == "factorize":
+        assert_close(model(*inputs), y, torch.float64, "output")
+        shared = ("u", "v", "mu")
+        assert model.extra.bias is model.decoder.bias
+    else:
+        shared = ("branch_weight", "alpha_param")
+        # The bias tie links extra to decoder, and so to encoder: all three share one α.
+        assert model.extra.alpha_param is model.encoder.alpha_param
+        assert model.extra.branch_bias is model.decoder.branch_bias
+        assert model.encoder.branch_bias is not model.decoder.branch_bias
+    for attr in shared:
+        assert getattr(model.encoder, attr) is getattr(model.decoder, attr), attr
+    _train_step(model, inputs)
+    assert torch.equal(model.encoder.weight, model.decoder.weight)
+    assert torch.equal(model.extra.bias, model.decoder.bias)
+    assert not torch.equal(model.encoder.bias, model.decoder.bias)
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_tied_convolutions_with_different_strides_stay_tied(converter):
+    torch.manual_seed(4)
+    model = TiedConvs().double()
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    y = model(x)
+    CONVERTERS[converter](model)
+    assert_close(model(x), y, torch.float64, "output")
+    _train_step(model, (x,))
+    assert torch.equal(model.fine.weight, model.coarse.weight)
+    assert model.coarse.bias is None
+
+
+def test_tied_factors_count_once():
+    model = factorize(TiedLinears())
+    with torch.no_grad():
+        for layer in factorized_layers(model):
+            layer.mu.fill_(0.5)
+    # encoder and decoder share μ [5, 5]; extra has its own [7, 5].
+    assert torch.isclose(sparsity_loss(model), torch.tensor(0.5 * (25 + 35)))
+    model = multibranch(TiedLinears(), branches=2)
+    params = branch_parameters(model)
+    # Weights: encoder's = decoder's, extra's; biases: encoder's, decoder's = extra's.
+    assert len(params) == len({id(p) for p in params}) == 4
+    assert len(alpha_parameters(model)) == 1
+
+
+class EmbeddingTiedClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.classifier = nn.Linear(4, 10, bias=False)
+        self.classifier.weight = self.embed.weight
+
+
+class TiedToExcluded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+
+class TiedToParentParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.scale = self.proj.bias
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+@pytest.mark.parametrize("make,exclude,message", [
+    (EmbeddingTiedClassifier, (), r"the weight of 'classifier' \(Linear\) is the same Parameter as 'embed\.weight', "
+                                  r"which {converter} does not convert, so converting would untie them; exclude "
+                                  r"'classifier', or untie the two first"),
+    (TiedToExcluded, ("a",), r"the weight of 'b' \(Linear\) is the same Parameter as 'a\.weight'"),
+    (TiedToParentParameter, (), r"the bias of 'proj' \(Linear\) is the same Parameter as 'scale'"),
+], ids=["embedding", "excluded", "parent"])
+def test_a_tie_to_something_left_unconverted_is_refused(converter, make, exclude, message):
+    model = make()
+    before = _layers(model)
+    with pytest.raises(ValueError, match=message.format(converter=converter)):
+        CONVERTERS[converter](model, exclude=exclude)
+    assert _layers(model) == before
