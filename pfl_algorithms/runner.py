@@ -142,8 +142,11 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, overwrite: bool =
             run_id = rundir.begin()
             atomic_write_json(rundir.config, config.as_dict())
             partition.save(rundir.partition)
-        return _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, progress=progress,
-                           stop_after=stop_after, on_round=on_round)
+        try:
+            return _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, progress=progress,
+                               stop_after=stop_after, on_round=on_round)
+        finally:
+            fed.close()  # the executor's worker threads
 
 
 def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, progress, stop_after, on_round):
