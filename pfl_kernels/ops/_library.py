@@ -176,6 +176,8 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     def function_backward(ctx, *grads):
         previous = ctx.needs_input_grad
         given = len(previous) - 1
+        if all(g is None for g in grads):  # grads are not materialized: nothing flows back
+            return (None,) * (given + 1)
         try:
             ctx.needs_input_grad = previous[:-1] + (False,) * (n_positional - given)
             return (*tuple(backward(ctx, *grads))[:given], None)

@@ -43,7 +43,7 @@ import torch
 
 from ..reference import aggregate as ref
 from ._checks import FLOAT_DTYPES, check_out, check_out_without_grad, copy_into_when_compiling, has_values
-from ._library import define_op
+from ._library import define_op, register_autograd
 
 __all__ = ["weighted_average", "reflection_weights"]
 
@@ -111,7 +111,7 @@ def _weighted_average_out_fake(weights, params, *, out):
     return out
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     weights, params = inputs
     ctx.save_for_backward(weights, params)
 
@@ -128,7 +128,7 @@ def _backward(ctx, grad):
     return grad_weights, grad_params
 
 
-torch.library.register_autograd(WEIGHTED_AVERAGE, _backward, setup_context=_setup_context)
+register_autograd(WEIGHTED_AVERAGE, _backward, _setup_context)
 
 
 def _check_floating(name: str, t) -> None:

@@ -48,7 +48,7 @@ import torch
 from ..reference import branch_aggregate as ref
 from ._checks import (
     FLOAT_DTYPES, check_no_internal_overlap, check_out, check_out_without_grad, copy_into_when_compiling)
-from ._library import define_op
+from ._library import define_op, register_autograd
 
 __all__ = ["branch_aggregate"]
 
@@ -134,7 +134,7 @@ def _branch_aggregate_out_fake(branch_params, alpha, counts, *, out):
     return out
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     branch_params, alpha, counts = inputs
     # The dot products of grad_alpha read branch_params; grad_branch_params needs only α and n.
     ctx.save_for_backward(branch_params if ctx.needs_input_grad[1] else None, alpha, counts)
@@ -151,7 +151,7 @@ def _backward(ctx, grad_out):
     return grad_params, grad_alpha, None
 
 
-torch.library.register_autograd(BRANCH_AGGREGATE, _backward, setup_context=_setup_context)
+register_autograd(BRANCH_AGGREGATE, _backward, _setup_context)
 
 
 def _is_int_dtype(dtype: torch.dtype) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from ..reference import class_means as ref
 from ._checks import FLOAT_DTYPES, positive_int
-from ._library import define_op
+from ._library import define_op, register_autograd
 
 __all__ = ["class_means"]
 
@@ -78,7 +78,7 @@ def _class_means_fake(features, labels, num_classes):
             features.new_empty(counts_shape, dtype=torch.int64))
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     features, labels, _ = inputs
     _, counts = output
     ctx.save_for_backward(labels, counts)
@@ -93,7 +93,7 @@ def _backward(ctx, grad_means, grad_counts):
     return grad_features, None, None
 
 
-torch.library.register_autograd(CLASS_MEANS, _backward, setup_context=_setup_context)
+register_autograd(CLASS_MEANS, _backward, _setup_context)
 
 
 def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):

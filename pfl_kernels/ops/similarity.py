@@ -57,7 +57,7 @@ import torch
 
 from ..reference import similarity as ref
 from ._checks import check_same, check_tensor
-from ._library import define_op
+from ._library import define_op, register_autograd
 
 __all__ = ["pairwise_cosine", "pairwise_sqdist", "similarity_weights"]
 
@@ -162,7 +162,7 @@ def _normalized_rows(t: torch.Tensor, acc: torch.dtype, eps: float):
     return scaled * f[:, None], sigma * f, live
 
 
-def _cosine_setup(ctx, inputs, output):
+def _cosine_setup(ctx, inputs, keyword_only_inputs, output):
     x, y, eps = inputs
     ctx.eps = eps
     ctx.has_y = y is not None
@@ -195,7 +195,7 @@ def _cosine_backward(ctx, grad):
     return grad_x, grad_y, None
 
 
-def _sqdist_setup(ctx, inputs, output):
+def _sqdist_setup(ctx, inputs, keyword_only_inputs, output):
     x, y = inputs
     ctx.has_y = y is not None
     ctx.acc = output.dtype
@@ -219,7 +219,7 @@ def _sqdist_backward(ctx, grad):
     return grad_x, grad_y
 
 
-def _weights_setup(ctx, inputs, output):
+def _weights_setup(ctx, inputs, keyword_only_inputs, output):
     sim, tau, scale, min_keep, self_index = inputs
     ctx.scale = scale
     ctx.sim_dtype = sim.dtype
@@ -232,9 +232,9 @@ def _weights_backward(ctx, grad):
     return grad_sim.to(ctx.sim_dtype), None, None, None, None
 
 
-torch.library.register_autograd(PAIRWISE_COSINE, _cosine_backward, setup_context=_cosine_setup)
-torch.library.register_autograd(PAIRWISE_SQDIST, _sqdist_backward, setup_context=_sqdist_setup)
-torch.library.register_autograd(SIMILARITY_WEIGHTS, _weights_backward, setup_context=_weights_setup)
+register_autograd(PAIRWISE_COSINE, _cosine_backward, _cosine_setup)
+register_autograd(PAIRWISE_SQDIST, _sqdist_backward, _sqdist_setup)
+register_autograd(SIMILARITY_WEIGHTS, _weights_backward, _weights_setup)
 
 
 # ---------------------------------------------------------------- wrappers
