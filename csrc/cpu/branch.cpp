@@ -74,25 +74,26 @@ std::string dtype_str(at::ScalarType t) {
 
 // The checks of _check_op_args in ops/branch.py (the same wording); returns W's shape [K?, *shape].
 std::vector<int64_t> check_args(const at::Tensor& weights, const at::Tensor& alpha, const at::Tensor* grad_w) {
-  TORCH_CHECK(alpha.dim() == 1 || alpha.dim() == 2, "alpha must be [B] or [K, B], got ", shape_str(alpha.sizes()));
-  TORCH_CHECK(alpha.size(-1) >= 1, "alpha must have B >= 1 branches, got ", shape_str(alpha.sizes()));
-  TORCH_CHECK(weights.dim() >= alpha.dim() && weights.sizes().slice(0, alpha.dim()) == alpha.sizes(),
-              "weights must have shape [", join(alpha.sizes()), ", *shape] to match alpha, got ",
-              shape_str(weights.sizes()));
+  TORCH_CHECK_VALUE(alpha.dim() == 1 || alpha.dim() == 2, "alpha must be [B] or [K, B], got ",
+                    shape_str(alpha.sizes()));
+  TORCH_CHECK_VALUE(alpha.size(-1) >= 1, "alpha must have B >= 1 branches, got ", shape_str(alpha.sizes()));
+  TORCH_CHECK_VALUE(weights.dim() >= alpha.dim() && weights.sizes().slice(0, alpha.dim()) == alpha.sizes(),
+                    "weights must have shape [", join(alpha.sizes()), ", *shape] to match alpha, got ",
+                    shape_str(weights.sizes()));
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"weights", &weights}, {"grad_w", grad_w}}) {
     if (t == nullptr) continue;
-    TORCH_CHECK(t->scalar_type() == alpha.scalar_type(), name, " must have alpha's dtype ",
-                dtype_str(alpha.scalar_type()), ", got ", dtype_str(t->scalar_type()));
-    TORCH_CHECK(t->device() == alpha.device(), name, " must be on alpha's device ", alpha.device(), ", got ",
-                t->device());
+    TORCH_CHECK_TYPE(t->scalar_type() == alpha.scalar_type(), name, " must have alpha's dtype ",
+                     dtype_str(alpha.scalar_type()), ", got ", dtype_str(t->scalar_type()));
+    TORCH_CHECK_VALUE(t->device() == alpha.device(), name, " must be on alpha's device ", alpha.device(), ", got ",
+                      t->device());
   }
-  TORCH_CHECK(at::isFloatingType(alpha.scalar_type()), "alpha must be a floating tensor, got ",
-              dtype_str(alpha.scalar_type()));
+  TORCH_CHECK_TYPE(at::isFloatingType(alpha.scalar_type()), "alpha must be a floating tensor, got ",
+                   dtype_str(alpha.scalar_type()));
   std::vector<int64_t> out_shape(weights.sizes().begin(), weights.sizes().begin() + (alpha.dim() - 1));
   out_shape.insert(out_shape.end(), weights.sizes().begin() + alpha.dim(), weights.sizes().end());
   if (grad_w != nullptr) {
-    TORCH_CHECK(grad_w->sizes() == at::IntArrayRef(out_shape), "grad_w must have shape ", shape_str(out_shape),
-                ", got ", shape_str(grad_w->sizes()));
+    TORCH_CHECK_VALUE(grad_w->sizes() == at::IntArrayRef(out_shape), "grad_w must have shape ", shape_str(out_shape),
+                      ", got ", shape_str(grad_w->sizes()));
   }
   return out_shape;
 }
@@ -492,9 +493,12 @@ void project_row(scalar_t* x, int64_t s, int64_t B, at::opmath_type<scalar_t>* u
 }
 
 void project_simplex_cpu(at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "x must be [..., B] with B >= 1, got ", shape_str(x.sizes()));
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be a floating tensor, got ", dtype_str(x.scalar_type()));
-  at::assert_no_internal_overlap(x);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, "x must be [..., B] with B >= 1, got ", shape_str(x.sizes()));
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "x must be a floating tensor, got ",
+                   dtype_str(x.scalar_type()));
+  // Rows that share memory would be projected twice, the second time from the first's result.
+  TORCH_CHECK_VALUE(!cpu::has_internal_overlap(x), "x must not have elements that share memory, got strides ",
+                    shape_str(x.strides()));
   const int64_t B = x.size(-1), s = x.stride(-1);
   const int64_t rows = x.numel() / B;
   if (rows == 0) return;

@@ -48,23 +48,24 @@ using cpu::shape_str;
 
 // The checks of _check_op_args in ops/branch_aggregate.py (the same wording).
 void check_args(const at::Tensor& params, const at::Tensor& alpha, const at::Tensor& counts) {
-  TORCH_CHECK(alpha.dim() == 2, "alpha must be [K, B], got ", shape_str(alpha.sizes()));
-  TORCH_CHECK(alpha.size(0) >= 1, "alpha must have K >= 1 clients, got ", shape_str(alpha.sizes()));
-  TORCH_CHECK(alpha.size(1) >= 1, "alpha must have B >= 1 branches, got ", shape_str(alpha.sizes()));
-  TORCH_CHECK(params.dim() >= 2 && params.size(0) == alpha.size(0) && params.size(1) == alpha.size(1),
-              "branch_params must have shape [", alpha.size(0), ", ", alpha.size(1),
-              ", *shape] to match alpha, got ", shape_str(params.sizes()));
-  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == alpha.size(0), "counts must have shape [", alpha.size(0),
-              "] (one count per client), got ", shape_str(counts.sizes()));
-  TORCH_CHECK(at::isFloatingType(params.scalar_type()), "branch_params must be a floating tensor, got ",
-              params.scalar_type());
-  TORCH_CHECK(at::isFloatingType(alpha.scalar_type()), "alpha must be a floating tensor, got ", alpha.scalar_type());
-  TORCH_CHECK(counts.scalar_type() != at::kBool && !at::isComplexType(counts.scalar_type()),
-              "counts must be an integer or floating tensor, got ", counts.scalar_type());
-  TORCH_CHECK(alpha.device() == params.device(), "alpha must be on branch_params' device ", params.device(),
-              ", got ", alpha.device());
-  TORCH_CHECK(counts.device() == params.device(), "counts must be on branch_params' device ", params.device(),
-              ", got ", counts.device());
+  TORCH_CHECK_VALUE(alpha.dim() == 2, "alpha must be [K, B], got ", shape_str(alpha.sizes()));
+  TORCH_CHECK_VALUE(alpha.size(0) >= 1, "alpha must have K >= 1 clients, got ", shape_str(alpha.sizes()));
+  TORCH_CHECK_VALUE(alpha.size(1) >= 1, "alpha must have B >= 1 branches, got ", shape_str(alpha.sizes()));
+  TORCH_CHECK_VALUE(params.dim() >= 2 && params.size(0) == alpha.size(0) && params.size(1) == alpha.size(1),
+                    "branch_params must have shape [", alpha.size(0), ", ", alpha.size(1),
+                    ", *shape] to match alpha, got ", shape_str(params.sizes()));
+  TORCH_CHECK_VALUE(counts.dim() == 1 && counts.size(0) == alpha.size(0), "counts must have shape [", alpha.size(0),
+                    "] (one count per client), got ", shape_str(counts.sizes()));
+  TORCH_CHECK_TYPE(at::isFloatingType(params.scalar_type()), "branch_params must be a floating tensor, got ",
+                   params.scalar_type());
+  TORCH_CHECK_TYPE(at::isFloatingType(alpha.scalar_type()), "alpha must be a floating tensor, got ",
+                   alpha.scalar_type());
+  TORCH_CHECK_TYPE(counts.scalar_type() != at::kBool && !at::isComplexType(counts.scalar_type()),
+                   "counts must be an integer or floating tensor, got ", counts.scalar_type());
+  TORCH_CHECK_VALUE(alpha.device() == params.device(), "alpha must be on branch_params' device ", params.device(),
+                    ", got ", alpha.device());
+  TORCH_CHECK_VALUE(counts.device() == params.device(), "counts must be on branch_params' device ", params.device(),
+                    ", got ", counts.device());
 }
 
 // c[i, b] in double (row-major [K, B]), with the op's data checks (cheap: K·B reads): the

@@ -40,18 +40,19 @@ using cpu::shape_str;
 
 // The checks of _check_op_args in ops/class_means.py (the same wording).
 void check_args(const at::Tensor& features, const at::Tensor& labels, int64_t num_classes) {
-  TORCH_CHECK(features.dim() == 2 || features.dim() == 3, "features must be [N, D] or [K, N, D], got ",
-              shape_str(features.sizes()));
-  TORCH_CHECK(labels.dim() == features.dim() - 1 && labels.sizes() == features.sizes().slice(0, features.dim() - 1),
-              "labels must have shape ", shape_str(features.sizes().slice(0, features.dim() - 1)),
-              " to match features ", shape_str(features.sizes()), ", got ", shape_str(labels.sizes()));
-  TORCH_CHECK(at::isFloatingType(features.scalar_type()), "features must be a floating tensor, got ",
-              features.scalar_type());
-  TORCH_CHECK(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
-              "labels must be int64 or int32, got ", labels.scalar_type());
-  TORCH_CHECK(labels.device() == features.device(), "labels must be on features' device ", features.device(),
-              ", got ", labels.device());
-  TORCH_CHECK(num_classes >= 1, "num_classes must be >= 1, got ", num_classes);
+  TORCH_CHECK_VALUE(features.dim() == 2 || features.dim() == 3, "features must be [N, D] or [K, N, D], got ",
+                    shape_str(features.sizes()));
+  TORCH_CHECK_VALUE(labels.dim() == features.dim() - 1 &&
+                        labels.sizes() == features.sizes().slice(0, features.dim() - 1),
+                    "labels must have shape ", shape_str(features.sizes().slice(0, features.dim() - 1)),
+                    " to match features ", shape_str(features.sizes()), ", got ", shape_str(labels.sizes()));
+  TORCH_CHECK_TYPE(at::isFloatingType(features.scalar_type()), "features must be a floating tensor, got ",
+                   features.scalar_type());
+  TORCH_CHECK_TYPE(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
+                   "labels must be int64 or int32, got ", labels.scalar_type());
+  TORCH_CHECK_VALUE(labels.device() == features.device(), "labels must be on features' device ", features.device(),
+                    ", got ", labels.device());
+  TORCH_CHECK_VALUE(num_classes >= 1, "num_classes must be >= 1, got ", num_classes);
 }
 
 // Per client k: counts[k, c], and (where order is not null) order[k, :] = the sample indices

@@ -22,10 +22,12 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "check_helpers.h"
 #include "loop_helpers.h"
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -78,18 +80,18 @@ Geometry layout_geometry(at::IntArrayRef shape, c10::string_view layout) {
 Geometry check_args(const at::Tensor& u, const at::Tensor& v, const std::optional<at::Tensor>& mu,
                     const std::optional<at::Tensor>& mask, at::IntArrayRef shape, c10::string_view layout) {
   const Geometry g = layout_geometry(shape, layout);
-  TORCH_CHECK(u.dim() == 2 || u.dim() == 3, "u must be [R, r] or [K, R, r], got ", u.sizes());
-  TORCH_CHECK(v.dim() == u.dim(), "v must have u's ", u.dim(), " dims, got ", v.sizes());
-  TORCH_CHECK(u.size(-2) == g.R, "u must have R=", g.R, " rows for shape ", shape, " and layout '", layout,
-              "', got ", u.sizes());
-  TORCH_CHECK(v.size(-1) == g.C, "v must have C=", g.C, " columns for shape ", shape, " and layout '", layout,
-              "', got ", v.sizes());
-  TORCH_CHECK(v.size(-2) == u.size(-1), "v must have rank ", u.size(-1), " rows (u's last dim), got ", v.sizes());
-  TORCH_CHECK(v.scalar_type() == u.scalar_type(), "v must have u's dtype ", u.scalar_type(), ", got ",
-              v.scalar_type());
-  TORCH_CHECK(at::isFloatingType(u.scalar_type()), "u must be a floating tensor, got ", u.scalar_type());
+  TORCH_CHECK_VALUE(u.dim() == 2 || u.dim() == 3, "u must be [R, r] or [K, R, r], got ", u.sizes());
+  TORCH_CHECK_VALUE(v.dim() == u.dim(), "v must have u's ", u.dim(), " dims, got ", v.sizes());
+  TORCH_CHECK_VALUE(u.size(-2) == g.R, "u must have R=", g.R, " rows for shape ", shape, " and layout '", layout,
+                    "', got ", u.sizes());
+  TORCH_CHECK_VALUE(v.size(-1) == g.C, "v must have C=", g.C, " columns for shape ", shape, " and layout '", layout,
+                    "', got ", v.sizes());
+  TORCH_CHECK_VALUE(v.size(-2) == u.size(-1), "v must have rank ", u.size(-1), " rows (u's last dim), got ", v.sizes());
+  TORCH_CHECK_TYPE(v.scalar_type() == u.scalar_type(), "v must have u's dtype ", u.scalar_type(), ", got ",
+                   v.scalar_type());
+  TORCH_CHECK_TYPE(at::isFloatingType(u.scalar_type()), "u must be a floating tensor, got ", u.scalar_type());
   if (u.dim() == 3) {
-    TORCH_CHECK(v.size(0) == u.size(0), "v must have u's ", u.size(0), " clients");
+    TORCH_CHECK_VALUE(v.size(0) == u.size(0), "v must have u's ", u.size(0), " clients");
   }
   std::vector<int64_t> want(u.sizes().begin(), u.sizes().end() - 2);
   want.push_back(g.R);
@@ -97,14 +99,14 @@ Geometry check_args(const at::Tensor& u, const at::Tensor& v, const std::optiona
   using Named = std::pair<const char*, const std::optional<at::Tensor>&>;
   for (const auto& [name, t] : {Named{"mu", mu}, Named{"mask", mask}}) {
     if (t.has_value()) {
-      TORCH_CHECK(t->sizes() == at::IntArrayRef(want), name, " must have shape ", want, ", got ", t->sizes());
-      TORCH_CHECK(t->scalar_type() == u.scalar_type(), name, " must have u's dtype ", u.scalar_type(), ", got ",
-                  t->scalar_type());
-      TORCH_CHECK(t->device() == u.device(), name, " must be on u's device ", u.device(), ", got ", t->device());
+      TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(want), name, " must have shape ", want, ", got ", t->sizes());
+      TORCH_CHECK_TYPE(t->scalar_type() == u.scalar_type(), name, " must have u's dtype ", u.scalar_type(), ", got ",
+                       t->scalar_type());
+      TORCH_CHECK_VALUE(t->device() == u.device(), name, " must be on u's device ", u.device(), ", got ", t->device());
     }
   }
-  TORCH_CHECK(!mask.has_value() || mu.has_value(), "mask given without mu");
-  TORCH_CHECK(v.device() == u.device(), "v must be on u's device ", u.device(), ", got ", v.device());
+  TORCH_CHECK_VALUE(!mask.has_value() || mu.has_value(), "mask given without mu");
+  TORCH_CHECK_VALUE(v.device() == u.device(), "v must be on u's device ", u.device(), ", got ", v.device());
   return g;
 }
 
@@ -237,10 +239,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> factorized_weight_bac
   const Geometry g = check_args(u, v, mu, mask, shape, layout);
   std::vector<int64_t> w_shape(u.sizes().begin(), u.sizes().end() - 2);
   w_shape.insert(w_shape.end(), shape.begin(), shape.end());
-  TORCH_CHECK(grad_w.sizes() == at::IntArrayRef(w_shape), "grad_w must have shape ", w_shape, ", got ",
-              grad_w.sizes());
-  TORCH_CHECK(grad_w.scalar_type() == u.scalar_type(), "grad_w must have u's dtype ", u.scalar_type(), ", got ",
-              grad_w.scalar_type());
+  TORCH_CHECK_VALUE(grad_w.sizes() == at::IntArrayRef(w_shape), "grad_w must have shape ", w_shape, ", got ",
+                    grad_w.sizes());
+  TORCH_CHECK_TYPE(grad_w.scalar_type() == u.scalar_type(), "grad_w must have u's dtype ", u.scalar_type(), ", got ",
+                   grad_w.scalar_type());
   if (u.scalar_type() == at::kHalf) {
     auto [gu, gv, gmu, gmask] = factorized_weight_backward_cpu(
         grad_w.to(at::kFloat), u.to(at::kFloat), v.to(at::kFloat), to_float(mu), to_float(mask), shape, layout,
@@ -269,10 +271,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> factorized_weight_bac
 // mu <- sign(mu) * max(|mu| - t, 0), written as mu - clamp(mu, -t, t): one expression that
 // vectorizes and, like the reference, keeps NaN (std::max/min return their NaN first argument).
 void soft_threshold_cpu(at::Tensor& mu, double threshold) {
-  TORCH_CHECK(threshold >= 0, "threshold must be >= 0, got ", threshold);
-  TORCH_CHECK(at::isFloatingType(mu.scalar_type()), "mu must be a floating tensor, got ", mu.scalar_type());
+  TORCH_CHECK_TYPE(at::isFloatingType(mu.scalar_type()), "mu must be a floating tensor, got ", mu.scalar_type());
+  TORCH_CHECK_VALUE(std::isfinite(threshold) && threshold >= 0, "threshold must be a finite number >= 0, got ",
+                    threshold);
+  // Elements that share memory would be shrunk twice.
+  TORCH_CHECK_VALUE(!cpu::has_internal_overlap(mu), "mu must not have elements that share memory, got strides ",
+                    cpu::shape_str(mu.strides()));
   if (mu.numel() == 0) return;
-  // TensorIterator handles any strides and rejects a mu whose elements share memory.
+  // TensorIterator handles any strides.
   at::TensorIterator iter = at::TensorIteratorConfig()
                                    .add_output(mu)
                                    .resize_outputs(false)

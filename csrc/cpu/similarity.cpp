@@ -75,14 +75,15 @@ std::string dtype_str(at::ScalarType t) {
 
 // The checks of _check_pair in ops/similarity.py (the same wording).
 void check_pair(const at::Tensor& x, const std::optional<at::Tensor>& y) {
-  TORCH_CHECK(x.dim() == 2, "x must be [K, D], got ", shape_str(x.sizes()));
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be a floating tensor, got ", dtype_str(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [K, D], got ", shape_str(x.sizes()));
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "x must be a floating tensor, got ",
+                   dtype_str(x.scalar_type()));
   if (!y) return;
-  TORCH_CHECK(y->dim() == 2 && y->size(1) == x.size(1), "y must be [M, D] with D = ", x.size(1), " (x's), got ",
-              shape_str(y->sizes()));
-  TORCH_CHECK(y->scalar_type() == x.scalar_type(), "y must have x's dtype ", dtype_str(x.scalar_type()), ", got ",
-              dtype_str(y->scalar_type()));
-  TORCH_CHECK(y->device() == x.device(), "y must be on x's device ", x.device(), ", got ", y->device());
+  TORCH_CHECK_VALUE(y->dim() == 2 && y->size(1) == x.size(1), "y must be [M, D] with D = ", x.size(1), " (x's), got ",
+                    shape_str(y->sizes()));
+  TORCH_CHECK_TYPE(y->scalar_type() == x.scalar_type(), "y must have x's dtype ", dtype_str(x.scalar_type()), ", got ",
+                   dtype_str(y->scalar_type()));
+  TORCH_CHECK_VALUE(y->device() == x.device(), "y must be on x's device ", x.device(), ", got ", y->device());
 }
 
 at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
@@ -499,6 +500,8 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 at::Tensor pairwise_cosine_cpu(const at::Tensor& x, const std::optional<at::Tensor>& y, double eps) {
   check_pair(x, y);
+  TORCH_CHECK_VALUE(std::isfinite(eps), "eps must be finite, got ", eps);
+  TORCH_CHECK_VALUE(eps > 0, "eps must be > 0, got ", eps);
   const at::ScalarType acc = acc_type_of(x.scalar_type());
   const int64_t K = x.size(0), M = y ? y->size(0) : K;
   if (K == 0 || M == 0) return at::empty({K, M}, x.options().dtype(acc));
@@ -639,29 +642,29 @@ void weights_kernel(const at::Tensor& sim, const int64_t* own, double tau, doubl
 
 at::Tensor similarity_weights_cpu(const at::Tensor& sim, double tau, double scale, int64_t min_keep,
                                   const std::optional<at::Tensor>& self_index) {
-  TORCH_CHECK(sim.dim() == 2, "sim must be [K, M], got ", shape_str(sim.sizes()));
-  TORCH_CHECK(at::isFloatingType(sim.scalar_type()), "sim must be a floating tensor, got ",
-              dtype_str(sim.scalar_type()));
+  TORCH_CHECK_VALUE(sim.dim() == 2, "sim must be [K, M], got ", shape_str(sim.sizes()));
+  TORCH_CHECK_TYPE(at::isFloatingType(sim.scalar_type()), "sim must be a floating tensor, got ",
+                   dtype_str(sim.scalar_type()));
   const int64_t K = sim.size(0), M = sim.size(1);
-  TORCH_CHECK(tau >= -1.0 && tau <= 1.0, "tau must be in [-1, 1], got ", tau);
-  TORCH_CHECK(std::isfinite(scale), "scale must be finite, got ", scale);
-  TORCH_CHECK(min_keep >= 0, "min_keep must be >= 0, got ", min_keep);
+  TORCH_CHECK_VALUE(tau >= -1.0 && tau <= 1.0, "tau must be in [-1, 1], got ", tau);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  TORCH_CHECK_VALUE(min_keep >= 0, "min_keep must be >= 0, got ", min_keep);
   at::Tensor own;
   if (!self_index) {
-    TORCH_CHECK(K == M, "sim is ", shape_str(sim.sizes()),
-                ", not square: pass self_index (each row's own column, -1 for none)");
+    TORCH_CHECK_VALUE(K == M, "sim is ", shape_str(sim.sizes()),
+                      ", not square: pass self_index (each row's own column, -1 for none)");
   } else {
-    TORCH_CHECK(self_index->dim() == 1 && self_index->size(0) == K, "self_index must be [K] with K = ", K,
-                ", got ", shape_str(self_index->sizes()));
-    TORCH_CHECK(self_index->scalar_type() == at::kLong || self_index->scalar_type() == at::kInt,
-                "self_index must be an int64 or int32 tensor, got ", dtype_str(self_index->scalar_type()));
-    TORCH_CHECK(self_index->device() == sim.device(), "self_index must be on sim's device ", sim.device(), ", got ",
-                self_index->device());
+    TORCH_CHECK_VALUE(self_index->dim() == 1 && self_index->size(0) == K, "self_index must be [K] with K = ", K,
+                      ", got ", shape_str(self_index->sizes()));
+    TORCH_CHECK_TYPE(self_index->scalar_type() == at::kLong || self_index->scalar_type() == at::kInt,
+                     "self_index must be an int64 or int32 tensor, got ", dtype_str(self_index->scalar_type()));
+    TORCH_CHECK_VALUE(self_index->device() == sim.device(), "self_index must be on sim's device ", sim.device(),
+                      ", got ", self_index->device());
     own = self_index->to(at::kLong).contiguous();
     const int64_t* o = own.const_data_ptr<int64_t>();
     for (int64_t i = 0; i < K; ++i) {
       TORCH_CHECK_VALUE(o[i] >= -1 && o[i] < M, "self_index values must be in [-1, ", M,
-                  ") (a column of sim, or -1 for none), got ", o[i], " in row ", i);
+                        ") (a column of sim, or -1 for none), got ", o[i], " in row ", i);
     }
   }
   at::Tensor out = at::empty({K, M}, sim.options().dtype(acc_type_of(sim.scalar_type())));

@@ -1,4 +1,9 @@
-"""Custom ops of pfl-kernels (namespace ``torch.ops.pfl``) and their Python wrappers."""
+"""Custom ops of pfl-kernels (namespace ``torch.ops.pfl``) and their Python wrappers.
+
+Argument mistakes raise one exception type whichever layer catches them (wrapper, op, C++,
+reference, fake or Triton kernel): TypeError for a wrong kind of argument (a non-floating
+dtype, dtypes that differ), ValueError for a wrong shape, value, device or layout.
+"""
 from . import aggregate as _aggregate
 from . import similarity as _similarity
 from .aggregate import *  # noqa: F401,F403

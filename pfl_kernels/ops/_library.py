@@ -27,6 +27,9 @@ LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 # qualified op name -> {device: name of the fast implementation meant for it}
 FAST_PATHS: dict[str, dict[str, str]] = {}
+# qualified op name -> its plain-PyTorch reference kernel (the default for every device
+# without a kernel of its own; tests also run it on CPU in place of the C++ kernel)
+REFERENCE_KERNELS: dict[str, Callable] = {}
 
 try:  # the base class functorch runs autograd.Functions on inside a transform
     from torch._functorch.utils import enable_single_level_autograd_function
@@ -52,6 +55,7 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton")
     LIB.impl(name, reference, "CompositeExplicitAutograd")
     qualname = f"{NAMESPACE}::{name}"
     FAST_PATHS[qualname] = {"cpu": cpu, "cuda": cuda}
+    REFERENCE_KERNELS[qualname] = reference
     op = op_overload(qualname)
     if op._schema.is_mutable:
         _guard_mutation(name, qualname, op)
@@ -176,6 +180,8 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     def function_backward(ctx, *grads):
         previous = ctx.needs_input_grad
         given = len(previous) - 1
+        if all(g is None for g in grads):  # grads are not materialized: nothing flows back
+            return (None,) * (given + 1)
         try:
             ctx.needs_input_grad = previous[:-1] + (False,) * (n_positional - given)
             return (*tuple(backward(ctx, *grads))[:given], None)

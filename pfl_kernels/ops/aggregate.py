@@ -43,30 +43,31 @@ import torch
 
 from ..reference import aggregate as ref
 from ._checks import FLOAT_DTYPES, check_out, check_out_without_grad, copy_into_when_compiling, has_values
-from ._library import define_op
+from ._library import define_op, register_autograd
 
 __all__ = ["weighted_average", "reflection_weights"]
 
 
 def _check_op_args(weights, params, out=None):
     """Checks of the op contract that also hold under tracing (fake tensors); returns [K, P]."""
-    torch._check(weights.dim() == 2, lambda: f"weights must be [K, M], got {list(weights.shape)}")
-    torch._check(params.dim() == 2, lambda: f"params must be [M, P], got {list(params.shape)}")
-    torch._check(weights.shape[1] == params.shape[0],
-                 lambda: f"params must have M={weights.shape[1]} rows (weights' last dim), "
-                         f"got {list(params.shape)}")
-    torch._check(weights.dtype in FLOAT_DTYPES, lambda: f"weights must be floating, got {weights.dtype}")
-    torch._check(params.dtype in FLOAT_DTYPES, lambda: f"params must be floating, got {params.dtype}")
-    torch._check(weights.device == params.device,
-                 lambda: f"weights must be on params' device {params.device}, got {weights.device}")
+    torch._check_value(weights.dim() == 2, lambda: f"weights must be [K, M], got {list(weights.shape)}")
+    torch._check_value(params.dim() == 2, lambda: f"params must be [M, P], got {list(params.shape)}")
+    torch._check_value(weights.shape[1] == params.shape[0],
+                       lambda: f"params must have M={weights.shape[1]} rows (weights' last dim), "
+                               f"got {list(params.shape)}")
+    torch._check_type(weights.dtype in FLOAT_DTYPES, lambda: f"weights must be floating, got {weights.dtype}")
+    torch._check_type(params.dtype in FLOAT_DTYPES, lambda: f"params must be floating, got {params.dtype}")
+    torch._check_value(weights.device == params.device,
+                       lambda: f"weights must be on params' device {params.device}, got {weights.device}")
     shape = [weights.shape[0], params.shape[1]]
     if out is not None:
-        torch._check(list(out.shape) == shape, lambda: f"out must have shape {shape}, got {list(out.shape)}")
-        torch._check(out.dtype == params.dtype, lambda: f"out must have params' dtype {params.dtype}, got {out.dtype}")
-        torch._check(out.device == params.device,
-                     lambda: f"out must be on params' device {params.device}, got {out.device}")
-        torch._check(out.shape[1] <= 1 or out.stride(1) == 1,
-                     lambda: f"out must have unit stride in its last dim, got strides {list(out.stride())}")
+        torch._check_value(list(out.shape) == shape, lambda: f"out must have shape {shape}, got {list(out.shape)}")
+        torch._check_type(out.dtype == params.dtype,
+                          lambda: f"out must have params' dtype {params.dtype}, got {out.dtype}")
+        torch._check_value(out.device == params.device,
+                           lambda: f"out must be on params' device {params.device}, got {out.device}")
+        torch._check_value(out.shape[1] <= 1 or out.stride(1) == 1,
+                           lambda: f"out must have unit stride in its last dim, got strides {list(out.stride())}")
         # Rows that share memory would keep whichever value came last (the C++ kernel's check).
         torch._check_value(out.shape[0] <= 1 or out.shape[1] == 0 or abs(out.stride(0)) >= out.shape[1],
                            lambda: f"out's rows overlap (row stride {out.stride(0)} < P={out.shape[1]})")
@@ -111,7 +112,7 @@ def _weighted_average_out_fake(weights, params, *, out):
     return out
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     weights, params = inputs
     ctx.save_for_backward(weights, params)
 
@@ -128,7 +129,7 @@ def _backward(ctx, grad):
     return grad_weights, grad_params
 
 
-torch.library.register_autograd(WEIGHTED_AVERAGE, _backward, setup_context=_setup_context)
+register_autograd(WEIGHTED_AVERAGE, _backward, _setup_context)
 
 
 def _check_floating(name: str, t) -> None:

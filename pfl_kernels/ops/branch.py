@@ -18,27 +18,29 @@ from typing import Optional
 import torch
 
 from ..reference import branch as ref
-from ._checks import FLOAT_DTYPES, check_same, check_tensor
+from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, has_values
 from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
 def _check_op_args(weights, alpha, grad_w=None):
     """Checks of the op contract that also hold under tracing (fake tensors)."""
-    torch._check(alpha.dim() in (1, 2), lambda: f"alpha must be [B] or [K, B], got {list(alpha.shape)}")
-    torch._check(alpha.shape[-1] >= 1, lambda: f"alpha must have B >= 1 branches, got {list(alpha.shape)}")
-    torch._check(weights.dim() >= alpha.dim() and list(weights.shape[: alpha.dim()]) == list(alpha.shape),
-                 lambda: f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape] to match "
-                         f"alpha, got {list(weights.shape)}")
+    torch._check_value(alpha.dim() in (1, 2), lambda: f"alpha must be [B] or [K, B], got {list(alpha.shape)}")
+    torch._check_value(alpha.shape[-1] >= 1, lambda: f"alpha must have B >= 1 branches, got {list(alpha.shape)}")
+    torch._check_value(weights.dim() >= alpha.dim() and list(weights.shape[: alpha.dim()]) == list(alpha.shape),
+                       lambda: f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape] to match "
+                               f"alpha, got {list(weights.shape)}")
     for name, t in (("weights", weights), ("grad_w", grad_w)):
         if t is not None:
-            torch._check(t.dtype == alpha.dtype, lambda: f"{name} must have alpha's dtype {alpha.dtype}, got {t.dtype}")
-            torch._check(t.device == alpha.device,
-                         lambda: f"{name} must be on alpha's device {alpha.device}, got {t.device}")
+            torch._check_type(t.dtype == alpha.dtype,
+                              lambda: f"{name} must have alpha's dtype {alpha.dtype}, got {t.dtype}")
+            torch._check_value(t.device == alpha.device,
+                               lambda: f"{name} must be on alpha's device {alpha.device}, got {t.device}")
+    torch._check_type(alpha.dtype in FLOAT_DTYPES, lambda: f"alpha must be a floating tensor, got {alpha.dtype}")
     out_shape = list(weights.shape[: alpha.dim() - 1]) + list(weights.shape[alpha.dim():])
     if grad_w is not None:
-        torch._check(list(grad_w.shape) == out_shape,
-                     lambda: f"grad_w must have shape {out_shape}, got {list(grad_w.shape)}")
+        torch._check_value(list(grad_w.shape) == out_shape,
+                           lambda: f"grad_w must have shape {out_shape}, got {list(grad_w.shape)}")
     return out_shape
 
 
@@ -52,8 +54,17 @@ def _reference_backward(grad_w, weights, alpha, output_mask):
     return ref.branch_combine_backward(grad_w, weights, alpha, output_mask)
 
 
+def _check_project_args(x):
+    """Checks of project_simplex_ that also hold under tracing (the C++ kernel's, in its order)."""
+    torch._check_value(x.dim() >= 1 and x.shape[-1] >= 1,
+                       lambda: f"x must be [..., B] with B >= 1, got {list(x.shape)}")
+    torch._check_type(x.dtype in FLOAT_DTYPES, lambda: f"x must be a floating tensor, got {x.dtype}")
+    # Rows that share memory would be projected twice, the second time from the first's result.
+    check_no_internal_overlap("x", x)
+
+
 def _reference_project(x):
-    torch._check(x.dim() >= 1 and x.shape[-1] >= 1, lambda: f"x must be [..., B] with B >= 1, got {list(x.shape)}")
+    _check_project_args(x)
     ref.project_simplex_(x)
 
 
@@ -78,7 +89,7 @@ def _branch_combine_backward_fake(grad_w, weights, alpha, output_mask):
 
 @torch.library.register_fake(PROJECT_SIMPLEX)
 def _project_simplex_fake(x):
-    torch._check(x.dim() >= 1 and x.shape[-1] >= 1, lambda: f"x must be [..., B] with B >= 1, got {list(x.shape)}")
+    _check_project_args(x)
 
 
 # ---- autograd, every order ------------------------------------------------------------------
@@ -245,7 +256,9 @@ def project_simplex_(x: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"x must be a floating torch.Tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have B >= 1 entries in its last dim, got shape {list(x.shape)}")
-    if not torch.isfinite(x).all():
+    # Meta and fake tensors have no values to read; under torch.compile the check still runs
+    # (a graph break, as before).
+    if (torch.compiler.is_compiling() or has_values(x)) and not torch.isfinite(x).all():
         raise ValueError("x must be finite to be projected onto the simplex (it holds NaN or Inf)")
     torch.ops.pfl.project_simplex_(x)
     return x

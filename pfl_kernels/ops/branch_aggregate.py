@@ -48,37 +48,37 @@ import torch
 from ..reference import branch_aggregate as ref
 from ._checks import (
     FLOAT_DTYPES, check_no_internal_overlap, check_out, check_out_without_grad, copy_into_when_compiling)
-from ._library import define_op
+from ._library import define_op, register_autograd
 
 __all__ = ["branch_aggregate"]
 
 
 def _check_op_args(branch_params, alpha, counts, out=None):
     """Checks of the op contract that also hold under tracing (fake tensors); returns W's shape."""
-    torch._check(alpha.dim() == 2, lambda: f"alpha must be [K, B], got {list(alpha.shape)}")
-    torch._check(alpha.shape[0] >= 1, lambda: f"alpha must have K >= 1 clients, got {list(alpha.shape)}")
-    torch._check(alpha.shape[1] >= 1, lambda: f"alpha must have B >= 1 branches, got {list(alpha.shape)}")
-    torch._check(branch_params.dim() >= 2 and list(branch_params.shape[:2]) == list(alpha.shape),
-                 lambda: f"branch_params must have shape [{alpha.shape[0]}, {alpha.shape[1]}, *shape] to match "
-                         f"alpha, got {list(branch_params.shape)}")
-    torch._check(counts.dim() == 1 and counts.shape[0] == alpha.shape[0],
-                 lambda: f"counts must have shape [{alpha.shape[0]}] (one count per client), "
-                         f"got {list(counts.shape)}")
-    torch._check(branch_params.dtype in FLOAT_DTYPES,
-                 lambda: f"branch_params must be a floating tensor, got {branch_params.dtype}")
-    torch._check(alpha.dtype in FLOAT_DTYPES, lambda: f"alpha must be a floating tensor, got {alpha.dtype}")
-    torch._check(counts.dtype != torch.bool and not counts.dtype.is_complex,
-                 lambda: f"counts must be an integer or floating tensor, got {counts.dtype}")
+    torch._check_value(alpha.dim() == 2, lambda: f"alpha must be [K, B], got {list(alpha.shape)}")
+    torch._check_value(alpha.shape[0] >= 1, lambda: f"alpha must have K >= 1 clients, got {list(alpha.shape)}")
+    torch._check_value(alpha.shape[1] >= 1, lambda: f"alpha must have B >= 1 branches, got {list(alpha.shape)}")
+    torch._check_value(branch_params.dim() >= 2 and list(branch_params.shape[:2]) == list(alpha.shape),
+                       lambda: f"branch_params must have shape [{alpha.shape[0]}, {alpha.shape[1]}, *shape] to match "
+                               f"alpha, got {list(branch_params.shape)}")
+    torch._check_value(counts.dim() == 1 and counts.shape[0] == alpha.shape[0],
+                       lambda: f"counts must have shape [{alpha.shape[0]}] (one count per client), "
+                               f"got {list(counts.shape)}")
+    torch._check_type(branch_params.dtype in FLOAT_DTYPES,
+                      lambda: f"branch_params must be a floating tensor, got {branch_params.dtype}")
+    torch._check_type(alpha.dtype in FLOAT_DTYPES, lambda: f"alpha must be a floating tensor, got {alpha.dtype}")
+    torch._check_type(counts.dtype != torch.bool and not counts.dtype.is_complex,
+                      lambda: f"counts must be an integer or floating tensor, got {counts.dtype}")
     for name, t in (("alpha", alpha), ("counts", counts)):
-        torch._check(t.device == branch_params.device,
-                     lambda: f"{name} must be on branch_params' device {branch_params.device}, got {t.device}")
+        torch._check_value(t.device == branch_params.device,
+                           lambda: f"{name} must be on branch_params' device {branch_params.device}, got {t.device}")
     shape = list(branch_params.shape[1:])
     if out is not None:
-        torch._check(list(out.shape) == shape, lambda: f"out must have shape {shape}, got {list(out.shape)}")
-        torch._check(out.dtype == branch_params.dtype,
-                     lambda: f"out must have branch_params' dtype {branch_params.dtype}, got {out.dtype}")
-        torch._check(out.device == branch_params.device,
-                     lambda: f"out must be on branch_params' device {branch_params.device}, got {out.device}")
+        torch._check_value(list(out.shape) == shape, lambda: f"out must have shape {shape}, got {list(out.shape)}")
+        torch._check_type(out.dtype == branch_params.dtype,
+                          lambda: f"out must have branch_params' dtype {branch_params.dtype}, got {out.dtype}")
+        torch._check_value(out.device == branch_params.device,
+                           lambda: f"out must be on branch_params' device {branch_params.device}, got {out.device}")
         check_no_internal_overlap("out", out)
     return shape
 
@@ -134,7 +134,7 @@ def _branch_aggregate_out_fake(branch_params, alpha, counts, *, out):
     return out
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     branch_params, alpha, counts = inputs
     # The dot products of grad_alpha read branch_params; grad_branch_params needs only α and n.
     ctx.save_for_backward(branch_params if ctx.needs_input_grad[1] else None, alpha, counts)
@@ -151,7 +151,7 @@ def _backward(ctx, grad_out):
     return grad_params, grad_alpha, None
 
 
-torch.library.register_autograd(BRANCH_AGGREGATE, _backward, setup_context=_setup_context)
+register_autograd(BRANCH_AGGREGATE, _backward, _setup_context)
 
 
 def _is_int_dtype(dtype: torch.dtype) -> bool:

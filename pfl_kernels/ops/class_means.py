@@ -25,7 +25,7 @@ import torch
 
 from ..reference import class_means as ref
 from ._checks import FLOAT_DTYPES, positive_int
-from ._library import define_op
+from ._library import define_op, register_autograd
 
 __all__ = ["class_means"]
 
@@ -34,15 +34,17 @@ LABEL_DTYPES = (torch.int64, torch.int32)
 
 def _check_op_args(features, labels, num_classes):
     """Checks of the op contract that also hold under tracing; returns (means shape, counts shape)."""
-    torch._check(features.dim() in (2, 3), lambda: f"features must be [N, D] or [K, N, D], got {list(features.shape)}")
-    torch._check(labels.dim() == features.dim() - 1 and list(labels.shape) == list(features.shape[:-1]),
-                 lambda: f"labels must have shape {list(features.shape[:-1])} to match features "
-                         f"{list(features.shape)}, got {list(labels.shape)}")
-    torch._check(features.dtype in FLOAT_DTYPES, lambda: f"features must be a floating tensor, got {features.dtype}")
-    torch._check(labels.dtype in LABEL_DTYPES, lambda: f"labels must be int64 or int32, got {labels.dtype}")
-    torch._check(labels.device == features.device,
-                 lambda: f"labels must be on features' device {features.device}, got {labels.device}")
-    torch._check(num_classes >= 1, lambda: f"num_classes must be >= 1, got {num_classes}")
+    torch._check_value(features.dim() in (2, 3),
+                       lambda: f"features must be [N, D] or [K, N, D], got {list(features.shape)}")
+    torch._check_value(labels.dim() == features.dim() - 1 and list(labels.shape) == list(features.shape[:-1]),
+                       lambda: f"labels must have shape {list(features.shape[:-1])} to match features "
+                               f"{list(features.shape)}, got {list(labels.shape)}")
+    torch._check_type(features.dtype in FLOAT_DTYPES,
+                      lambda: f"features must be a floating tensor, got {features.dtype}")
+    torch._check_type(labels.dtype in LABEL_DTYPES, lambda: f"labels must be int64 or int32, got {labels.dtype}")
+    torch._check_value(labels.device == features.device,
+                       lambda: f"labels must be on features' device {features.device}, got {labels.device}")
+    torch._check_value(num_classes >= 1, lambda: f"num_classes must be >= 1, got {num_classes}")
     lead = list(features.shape[:-2])
     return lead + [num_classes, features.shape[-1]], lead + [num_classes]
 
@@ -78,7 +80,7 @@ def _class_means_fake(features, labels, num_classes):
             features.new_empty(counts_shape, dtype=torch.int64))
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     features, labels, _ = inputs
     _, counts = output
     ctx.save_for_backward(labels, counts)
@@ -93,7 +95,7 @@ def _backward(ctx, grad_means, grad_counts):
     return grad_features, None, None
 
 
-torch.library.register_autograd(CLASS_MEANS, _backward, setup_context=_setup_context)
+register_autograd(CLASS_MEANS, _backward, _setup_context)
 
 
 def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):

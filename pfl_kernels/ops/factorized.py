@@ -13,13 +13,14 @@ client count K); the Python wrappers below broadcast shared (2-D) factors over K
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
 
 from .._layout import layout_geometry
 from ..reference import factorized as ref
-from ._checks import check_same, check_tensor, client_count
+from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, client_count
 from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
@@ -27,35 +28,49 @@ from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 def _check_op_args(u, v, mu, mask, shape, layout, grad_w=None):
     """Checks of the op contract that also hold under tracing (fake tensors)."""
     rows, cols, _, _ = layout_geometry(shape, layout)
-    torch._check(u.dim() in (2, 3), lambda: f"u must be [R, r] or [K, R, r], got {list(u.shape)}")
-    torch._check(v.dim() == u.dim(), lambda: f"v must have u's {u.dim()} dims, got {list(v.shape)}")
-    torch._check(u.shape[-2] == rows, lambda: f"u must have R={rows} rows for shape {list(shape)} "
-                 f"and layout {layout!r}, got {list(u.shape)}")
-    torch._check(v.shape[-1] == cols, lambda: f"v must have C={cols} columns for shape {list(shape)} "
-                 f"and layout {layout!r}, got {list(v.shape)}")
-    torch._check(v.shape[-2] == u.shape[-1], lambda: f"v must have rank {u.shape[-1]} rows (u's last dim), "
-                 f"got {list(v.shape)}")
+    torch._check_value(u.dim() in (2, 3), lambda: f"u must be [R, r] or [K, R, r], got {list(u.shape)}")
+    torch._check_value(v.dim() == u.dim(), lambda: f"v must have u's {u.dim()} dims, got {list(v.shape)}")
+    torch._check_value(u.shape[-2] == rows, lambda: f"u must have R={rows} rows for shape {list(shape)} "
+                       f"and layout {layout!r}, got {list(u.shape)}")
+    torch._check_value(v.shape[-1] == cols, lambda: f"v must have C={cols} columns for shape {list(shape)} "
+                       f"and layout {layout!r}, got {list(v.shape)}")
+    torch._check_value(v.shape[-2] == u.shape[-1], lambda: f"v must have rank {u.shape[-1]} rows (u's last dim), "
+                       f"got {list(v.shape)}")
     lead = list(u.shape[:-2])
     for name, t in (("mu", mu), ("mask", mask)):
         if t is not None:
-            torch._check(list(t.shape) == lead + [rows, cols],
-                         lambda: f"{name} must have shape {lead + [rows, cols]}, got {list(t.shape)}")
+            torch._check_value(list(t.shape) == lead + [rows, cols],
+                               lambda: f"{name} must have shape {lead + [rows, cols]}, got {list(t.shape)}")
     for name, t in (("v", v), ("mu", mu), ("mask", mask), ("grad_w", grad_w)):
         if t is not None:
-            torch._check(t.dtype == u.dtype, lambda: f"{name} must have u's dtype {u.dtype}, got {t.dtype}")
-            torch._check(t.device == u.device, lambda: f"{name} must be on u's device {u.device}, got {t.device}")
-    torch._check(mask is None or mu is not None, lambda: "mask given without mu")
+            torch._check_type(t.dtype == u.dtype, lambda: f"{name} must have u's dtype {u.dtype}, got {t.dtype}")
+            torch._check_value(t.device == u.device, lambda: f"{name} must be on u's device {u.device}, got {t.device}")
+    torch._check_type(u.dtype in FLOAT_DTYPES, lambda: f"u must be a floating tensor, got {u.dtype}")
+    torch._check_value(mask is None or mu is not None, lambda: "mask given without mu")
     if u.dim() == 3:
-        torch._check(v.shape[0] == u.shape[0], lambda: f"v must have u's {u.shape[0]} clients")
+        torch._check_value(v.shape[0] == u.shape[0], lambda: f"v must have u's {u.shape[0]} clients")
     if grad_w is not None:
-        torch._check(list(grad_w.shape) == lead + list(shape),
-                     lambda: f"grad_w must have shape {lead + list(shape)}, got {list(grad_w.shape)}")
+        torch._check_value(list(grad_w.shape) == lead + list(shape),
+                           lambda: f"grad_w must have shape {lead + list(shape)}, got {list(grad_w.shape)}")
     return lead
 
 
 def _reference_forward(u, v, mu=None, mask=None, *, shape, layout="spatial"):
     _check_op_args(u, v, mu, mask, shape, layout)
     return ref.factorized_weight(u, v, mu, mask, shape=shape, layout=layout)
+
+
+def _check_soft_threshold_args(mu, threshold):
+    """Checks of soft_threshold_ that also hold under tracing (the C++ kernel's, in its order)."""
+    torch._check_type(mu.dtype in FLOAT_DTYPES, lambda: f"mu must be a floating tensor, got {mu.dtype}")
+    torch._check_value(0 <= threshold < math.inf, lambda: f"threshold must be a finite number >= 0, got {threshold}")
+    # Elements that share memory would be shrunk twice.
+    check_no_internal_overlap("mu", mu)
+
+
+def _reference_soft_threshold(mu, threshold):
+    _check_soft_threshold_args(mu, threshold)
+    ref.soft_threshold_(mu, threshold)
 
 
 def _reference_backward(grad_w, u, v, mu, mask, *, shape, layout, output_mask):
@@ -76,7 +91,7 @@ FACTORIZED_WEIGHT_BACKWARD = define_op(
     "SymInt[] shape, str layout, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)",
     _reference_backward,
 )
-SOFT_THRESHOLD = define_op("soft_threshold_(Tensor(a!) mu, float threshold) -> ()", ref.soft_threshold_)
+SOFT_THRESHOLD = define_op("soft_threshold_(Tensor(a!) mu, float threshold) -> ()", _reference_soft_threshold)
 
 
 @torch.library.register_fake(FACTORIZED_WEIGHT)
@@ -94,7 +109,7 @@ def _factorized_weight_backward_fake(grad_w, u, v, mu, mask, *, shape, layout, o
 
 @torch.library.register_fake(SOFT_THRESHOLD)
 def _soft_threshold_fake(mu, threshold):
-    torch._check(threshold >= 0, lambda: f"threshold must be >= 0, got {threshold}")
+    _check_soft_threshold_args(mu, threshold)
 
 
 # ---- autograd, every order ------------------------------------------------------------------

@@ -56,39 +56,50 @@ from typing import Optional
 import torch
 
 from ..reference import similarity as ref
-from ._checks import check_same, check_tensor
-from ._library import define_op
+from ._checks import FLOAT_DTYPES, check_same, check_tensor
+from ._library import define_op, register_autograd
 
 __all__ = ["pairwise_cosine", "pairwise_sqdist", "similarity_weights"]
 
 
 # ---------------------------------------------------------------- op-level checks
 
-def _check_pair(x, y):
-    """Checks of pairwise_cosine / pairwise_sqdist that also hold under tracing.  -> [K, M]."""
-    torch._check(x.dim() == 2, lambda: f"x must be [K, D], got {list(x.shape)}")
+def _check_pair(x, y, eps=None):
+    """Checks of pairwise_cosine (with its ``eps``) / pairwise_sqdist that also hold under
+    tracing, with the exception types of the wrappers'.  -> [K, M]."""
+    torch._check_value(x.dim() == 2, lambda: f"x must be [K, D], got {list(x.shape)}")
+    torch._check_type(x.dtype in FLOAT_DTYPES, lambda: f"x must be a floating tensor, got {x.dtype}")
+    if eps is not None:
+        # Comparisons, not math.isfinite: eps may be a symbolic float under torch.compile.
+        torch._check_value(-math.inf < eps < math.inf, lambda: f"eps must be finite, got {eps}")
+        torch._check_value(eps > 0, lambda: f"eps must be > 0, got {eps}")
     if y is None:
         return [x.shape[0], x.shape[0]]
-    torch._check(y.dim() == 2 and y.shape[1] == x.shape[1],
-                 lambda: f"y must be [M, D] with D = {x.shape[1]} (x's), got {list(y.shape)}")
-    torch._check(y.dtype == x.dtype, lambda: f"y must have x's dtype {x.dtype}, got {y.dtype}")
-    torch._check(y.device == x.device, lambda: f"y must be on x's device {x.device}, got {y.device}")
+    torch._check_value(y.dim() == 2 and y.shape[1] == x.shape[1],
+                       lambda: f"y must be [M, D] with D = {x.shape[1]} (x's), got {list(y.shape)}")
+    torch._check_type(y.dtype == x.dtype, lambda: f"y must have x's dtype {x.dtype}, got {y.dtype}")
+    torch._check_value(y.device == x.device, lambda: f"y must be on x's device {x.device}, got {y.device}")
     return [x.shape[0], y.shape[0]]
 
 
-def _check_weights_args(sim, self_index):
-    torch._check(sim.dim() == 2, lambda: f"sim must be [K, M], got {list(sim.shape)}")
+def _check_weights_args(sim, tau, scale, min_keep, self_index):
+    """Checks of similarity_weights that also hold under tracing (none reads sim's values)."""
+    torch._check_value(sim.dim() == 2, lambda: f"sim must be [K, M], got {list(sim.shape)}")
+    torch._check_type(sim.dtype in FLOAT_DTYPES, lambda: f"sim must be a floating tensor, got {sim.dtype}")
+    torch._check_value(-1.0 <= tau <= 1.0, lambda: f"tau must be in [-1, 1], got {tau}")
+    torch._check_value(-math.inf < scale < math.inf, lambda: f"scale must be finite, got {scale}")
+    torch._check_value(min_keep >= 0, lambda: f"min_keep must be >= 0, got {min_keep}")
     if self_index is None:
-        torch._check(sim.shape[0] == sim.shape[1],
-                     lambda: f"sim is {list(sim.shape)}, not square: pass self_index (each row's own "
-                             f"column, -1 for none)")
+        torch._check_value(sim.shape[0] == sim.shape[1],
+                           lambda: f"sim is {list(sim.shape)}, not square: pass self_index (each row's own "
+                                   f"column, -1 for none)")
     else:
-        torch._check(self_index.dim() == 1 and self_index.shape[0] == sim.shape[0],
-                     lambda: f"self_index must be [K] with K = {sim.shape[0]}, got {list(self_index.shape)}")
-        torch._check(self_index.dtype in (torch.int64, torch.int32),
-                     lambda: f"self_index must be an int64 or int32 tensor, got {self_index.dtype}")
-        torch._check(self_index.device == sim.device,
-                     lambda: f"self_index must be on sim's device {sim.device}, got {self_index.device}")
+        torch._check_value(self_index.dim() == 1 and self_index.shape[0] == sim.shape[0],
+                           lambda: f"self_index must be [K] with K = {sim.shape[0]}, got {list(self_index.shape)}")
+        torch._check_type(self_index.dtype in (torch.int64, torch.int32),
+                          lambda: f"self_index must be an int64 or int32 tensor, got {self_index.dtype}")
+        torch._check_value(self_index.device == sim.device,
+                           lambda: f"self_index must be on sim's device {sim.device}, got {self_index.device}")
 
 
 def check_weights_values(sim, self_index) -> None:
@@ -108,7 +119,7 @@ def check_weights_values(sim, self_index) -> None:
 
 
 def _reference_cosine(x, y, eps):
-    _check_pair(x, y)
+    _check_pair(x, y, eps)
     return ref.pairwise_cosine(x, y, eps)
 
 
@@ -118,7 +129,7 @@ def _reference_sqdist(x, y):
 
 
 def _reference_weights(sim, tau, scale, min_keep, self_index):
-    _check_weights_args(sim, self_index)
+    _check_weights_args(sim, tau, scale, min_keep, self_index)
     check_weights_values(sim, self_index)
     return ref.similarity_weights(sim, tau, scale, min_keep, self_index)
 
@@ -132,7 +143,7 @@ SIMILARITY_WEIGHTS = define_op(
 
 @torch.library.register_fake(PAIRWISE_COSINE)
 def _pairwise_cosine_fake(x, y, eps):
-    return x.new_empty(_check_pair(x, y), dtype=ref.acc_dtype(x.dtype))
+    return x.new_empty(_check_pair(x, y, eps), dtype=ref.acc_dtype(x.dtype))
 
 
 @torch.library.register_fake(PAIRWISE_SQDIST)
@@ -142,7 +153,7 @@ def _pairwise_sqdist_fake(x, y):
 
 @torch.library.register_fake(SIMILARITY_WEIGHTS)
 def _similarity_weights_fake(sim, tau, scale, min_keep, self_index):
-    _check_weights_args(sim, self_index)
+    _check_weights_args(sim, tau, scale, min_keep, self_index)
     return sim.new_empty(sim.shape, dtype=ref.acc_dtype(sim.dtype))
 
 
@@ -162,7 +173,7 @@ def _normalized_rows(t: torch.Tensor, acc: torch.dtype, eps: float):
     return scaled * f[:, None], sigma * f, live
 
 
-def _cosine_setup(ctx, inputs, output):
+def _cosine_setup(ctx, inputs, keyword_only_inputs, output):
     x, y, eps = inputs
     ctx.eps = eps
     ctx.has_y = y is not None
@@ -195,7 +206,7 @@ def _cosine_backward(ctx, grad):
     return grad_x, grad_y, None
 
 
-def _sqdist_setup(ctx, inputs, output):
+def _sqdist_setup(ctx, inputs, keyword_only_inputs, output):
     x, y = inputs
     ctx.has_y = y is not None
     ctx.acc = output.dtype
@@ -219,7 +230,7 @@ def _sqdist_backward(ctx, grad):
     return grad_x, grad_y
 
 
-def _weights_setup(ctx, inputs, output):
+def _weights_setup(ctx, inputs, keyword_only_inputs, output):
     sim, tau, scale, min_keep, self_index = inputs
     ctx.scale = scale
     ctx.sim_dtype = sim.dtype
@@ -232,9 +243,9 @@ def _weights_backward(ctx, grad):
     return grad_sim.to(ctx.sim_dtype), None, None, None, None
 
 
-torch.library.register_autograd(PAIRWISE_COSINE, _cosine_backward, setup_context=_cosine_setup)
-torch.library.register_autograd(PAIRWISE_SQDIST, _sqdist_backward, setup_context=_sqdist_setup)
-torch.library.register_autograd(SIMILARITY_WEIGHTS, _weights_backward, setup_context=_weights_setup)
+register_autograd(PAIRWISE_COSINE, _cosine_backward, _cosine_setup)
+register_autograd(PAIRWISE_SQDIST, _sqdist_backward, _sqdist_setup)
+register_autograd(SIMILARITY_WEIGHTS, _weights_backward, _weights_setup)
 
 
 # ---------------------------------------------------------------- wrappers

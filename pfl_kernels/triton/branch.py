@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ..ops import branch as _ops  # noqa: F401  (defines the schemas implemented here)
 from . import register_cuda
-from ..ops.branch import _check_op_args
+from ..ops.branch import _check_op_args, _check_project_args
 from ..reference import branch as _ref
 from .factorized import _acc_dtype, _check_devices, _device_guard, _launch
 
@@ -327,13 +327,9 @@ def project_simplex_triton_(x: torch.Tensor) -> None:
     contiguous temporary.  Rows longer than 1024 (``_MAX_SIMPLEX_B``) use the plain-PyTorch
     reference.
     """
-    torch._check(x.dim() >= 1 and x.shape[-1] >= 1,
-                 lambda: f"x must be [..., B] with B >= 1, got {list(x.shape)}")
+    _check_project_args(x)
     if x.numel() == 0:
         return
-    # As in the reference (copy_ into x): elements sharing memory cannot be updated in place.
-    torch._check(torch._debug_has_internal_overlap(x) != 1,
-                 lambda: "project_simplex_: x has elements that share memory (e.g. an expanded tensor)")
     b = x.shape[-1]
     if b > _MAX_SIMPLEX_B:
         _ref.project_simplex_(x)

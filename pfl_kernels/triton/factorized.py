@@ -37,7 +37,7 @@ import triton.language as tl
 from .._layout import layout_geometry
 from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
 from . import register_cuda
-from ..ops.factorized import _check_op_args
+from ..ops.factorized import _check_op_args, _check_soft_threshold_args
 
 try:  # torch >= 2.6: launches that make_fx / torch.export can trace
     from torch.library import wrap_triton as _wrap_triton
@@ -76,8 +76,8 @@ def _check_devices(*tensors: Optional[torch.Tensor]) -> None:
     """A kernel reads raw pointers: every operand must be on the first one's device."""
     dev = tensors[0].device
     for t in tensors:
-        torch._check(t is None or t.device == dev,
-                     lambda: f"all operands must be on {dev}, got one on {t.device}")
+        torch._check_value(t is None or t.device == dev,
+                           lambda: f"all operands must be on {dev}, got one on {t.device}")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -297,9 +297,7 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
     grad_mask = G * mu.  A gradient not asked for by ``output_mask`` (or whose input is
     None) is ``u.new_empty(0)``, as in the reference.  grad_w may have any strides.
     """
-    lead = _check_op_args(u, v, mu, mask, shape, layout)
-    torch._check(list(grad_w.shape) == lead + [int(s) for s in shape],
-                 lambda: f"grad_w must have shape {lead + list(shape)}, got {list(grad_w.shape)}")
+    lead = _check_op_args(u, v, mu, mask, shape, layout, grad_w)
     _check_devices(u, v, mu, mask, grad_w)
     rows, cols, outer, inner = layout_geometry(shape, layout)
     rank = u.shape[-1]
@@ -368,13 +366,10 @@ def soft_threshold_triton_(mu: torch.Tensor, threshold: float) -> None:
     other views of up to 4 dims are addressed through their strides; anything else goes
     through a contiguous temporary.
     """
-    torch._check(threshold >= 0, lambda: f"threshold must be >= 0, got {threshold}")
+    _check_soft_threshold_args(mu, threshold)
     n = mu.numel()
     if n == 0:
         return
-    # As in the reference (copy_ into mu): elements sharing memory cannot be updated in place.
-    torch._check(torch._debug_has_internal_overlap(mu) != 1,
-                 lambda: "soft_threshold_: mu has elements that share memory (e.g. an expanded tensor)")
     # The threshold travels as a 1-element tensor: a float argument would be fp32, which
     # is not exact enough for float64 mu.
     thr = torch.full((1,), float(threshold), dtype=_acc_dtype(mu.dtype), device=mu.device)

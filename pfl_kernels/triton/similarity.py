@@ -211,7 +211,7 @@ _Q_HIGH = torch.finfo(torch.float32).max / 8
 
 
 def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
-    shape = _check_pair(x, y)
+    shape = _check_pair(x, y, eps if mode == MODE_COSINE else None)
     _check_devices(x, y)
     if x.dtype == torch.float64:
         return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
@@ -306,7 +306,7 @@ def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_k
     """Triton ``pfl::similarity_weights`` (float32 math; float64 sim and rows longer than
     _MAX_ROW use the reference).  Raises ValueError for NaN/Inf in sim or self_index values
     outside [-1, M), as every kernel of the op (one device sync)."""
-    _check_weights_args(sim, self_index)
+    _check_weights_args(sim, tau, scale, min_keep, self_index)
     _check_devices(sim, self_index)
     check_weights_values(sim, self_index)
     k, m = sim.shape

@@ -331,7 +331,7 @@ def test_errors_bad_out():
 
 def test_op_level_checks_without_the_wrapper():
     p, a, n = make_inputs(3, 2, (4,))
-    with pytest.raises((RuntimeError, ValueError), match="counts must have shape"):
+    with pytest.raises(ValueError, match="counts must have shape"):
         torch.ops.pfl.branch_aggregate(p, a, n[:2])
     with pytest.raises(ValueError, match="counts must be >= 0"):
         torch.ops.pfl.branch_aggregate(p, a, torch.tensor([1, -2, 3]))
@@ -341,9 +341,9 @@ def test_op_level_checks_without_the_wrapper():
 
 def test_op_level_out_checks_without_the_wrapper():
     p, a, n = make_inputs(3, 2, (4,))
-    with pytest.raises((RuntimeError, ValueError), match="out must have shape"):
+    with pytest.raises(ValueError, match="out must have shape"):
         torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(2, 5))
-    with pytest.raises((RuntimeError, TypeError), match="out must have branch_params' dtype"):
+    with pytest.raises(TypeError, match="out must have branch_params' dtype"):
         torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(2, 4, dtype=F64))
     with pytest.raises(ValueError, match="out must not have elements that share memory"):
         torch.ops.pfl.branch_aggregate.out(p, a, n, out=torch.empty(4).expand(2, 4))
