@@ -13,6 +13,7 @@ The engine owns state, messages, accounting, executors and checkpoints.  An algo
 declarations
   ``Settings``        its hyperparameters: a frozen dataclass whose field types declare what
                       each admits (``mu: NonNegativeFloat = 0.01``); each is a --set key
+  ``prepare_model``   the model it trains, from the run's (e.g. factorized layers)
   ``capabilities``    what it needs and allows (:class:`Capabilities`)
   ``group_rules``     parameter groups beyond the model's ``body`` and ``head``
   ``local_groups``    the groups that never leave a client
@@ -115,6 +116,12 @@ class Algorithm:
         self.server = None  # set by the engine before setup()
 
     # ------------------------------------------------------------------ declarations
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model this algorithm trains, made from the run's freshly initialized ``model``
+        (each cohort's template, once, before banks and groups exist): e.g. converted with
+        ``pfl_kernels.nn.factorize``.  Runs under the run's seeded RNG, so it may draw."""
+        return model
 
     def group_rules(self) -> Sequence[GroupRule]:
         """Parameter groups beyond the model's ``body`` and ``head`` (claimed first)."""

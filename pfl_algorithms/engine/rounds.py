@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 import torch
+from torch import nn
 
 from .client import EvalTask, Evaluation, TrainTask, phase_optimizer, run_eval_task, run_train_task
 from .federation import EngineSettings, Federation, Server
@@ -120,10 +121,23 @@ def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:
             "mean_accuracy": sum(valid) / len(valid) if valid else float("nan")}
 
 
+def _prepared(algorithm, model: nn.Module) -> nn.Module:
+    prepared = algorithm.prepare_model(model)
+    if not isinstance(prepared, nn.Module):
+        raise TypeError(f"{type(algorithm).__name__}.prepare_model must return an nn.Module, got "
+                        f"{type(prepared).__name__}")
+    return prepared
+
+
 def federation_for(algorithm, models, inputs, labels, clients, settings: EngineSettings, *,
                    keep_head_local: bool = False, architectures=None, device="cpu", augment=None) -> Federation:
     """A federation shaped by ``algorithm``'s declarations (groups, local groups, extra client
-    state), with the algorithm attached (its ``setup`` has run)."""
+    state), with the algorithm attached (its ``setup`` has run).  Each model is first
+    replaced by ``algorithm.prepare_model(model)``."""
+    if isinstance(models, nn.Module):
+        models = _prepared(algorithm, models)
+    else:
+        models = {name: _prepared(algorithm, model) for name, model in models.items()}
     fed = Federation(models, inputs, labels, clients, settings, architectures=architectures,
                      group_rules=algorithm.group_rules(), local_groups=algorithm.local_groups(
                          keep_head_local=keep_head_local), client_state=algorithm.client_state(),

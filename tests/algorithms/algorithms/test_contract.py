@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import pfl_algorithms.algorithms as package
 from pfl_algorithms.algorithms import ALGORITHMS
@@ -66,3 +67,39 @@ def test_the_check_catches_engine_imports(line):
 def test_every_module_registers_what_it_defines():
     names = {cls.__module__.rsplit(".", 1)[1] for cls in ALGORITHMS.values()}
     assert names == {p.stem for p in ALGORITHM_FILES}
+
+
+def test_prepare_model_gives_the_trained_model():
+    """An algorithm's prepare_model replaces each cohort's template before banks and groups
+    exist: here every Linear is factorized, so the bank holds u, v and mu, not the weights."""
+    from pfl_algorithms.algorithms.fedavg import FedAvg
+    from pfl_algorithms.engine.rounds import run_round
+    from pfl_kernels.nn import FactorizedLinear, factorize
+    from tests.algorithms.algorithms.federation_cases import make_federation
+
+    class FactorizedFedAvg(FedAvg):
+        def prepare_model(self, model):
+            return factorize(model, rank=1)
+
+    algorithm = FactorizedFedAvg()
+    fed = make_federation(algorithm)
+    module = fed.cohorts[0].module
+    assert isinstance(module.head, FactorizedLinear)
+    names = [name for name, _ in module.named_parameters()]
+    assert any(name.endswith(".u") for name in names) and not any(name.endswith(".weight") for name in names)
+    before = fed.cohorts[0].params.data.clone()
+    run_round(fed, algorithm, 0)
+    after = fed.cohorts[0].params.data
+    assert torch.isfinite(after).all() and not torch.equal(before, after)
+
+
+def test_prepare_model_must_return_a_module():
+    from pfl_algorithms.algorithms.fedavg import FedAvg
+    from tests.algorithms.algorithms.federation_cases import make_federation
+
+    class Broken(FedAvg):
+        def prepare_model(self, model):
+            return None
+
+    with pytest.raises(TypeError, match="prepare_model must return an nn.Module"):
+        make_federation(Broken())
