@@ -147,6 +147,23 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--algorithms", type=_algorithm_names, default=None, metavar="A,B,...",
                       help="the algorithms to run (default: every one, as `pfl list` names them)")
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    from .reproduce.papers import PAPERS, SCALES
+
+    reproduce = sub.add_parser("reproduce", help="regenerate a paper's table: every method, setting and seed",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    reproduce.add_argument("paper", choices=list(PAPERS), help="the paper")
+    reproduce.add_argument("--scale", choices=SCALES, default="cpu",
+                           help="cpu: digits-sized, minutes on 2 cores; paper: the paper's own setting (real data "
+                                "under --data-root, a GPU in practice)")
+    reproduce.add_argument("--seeds", type=_positive_int, default=3, help="seeds per method and setting")
+    reproduce.add_argument("--out", default=None, help="folder of the runs and report.md (default: "
+                                                       "runs/reproduce-<paper>-<scale>)")
+    reproduce.add_argument("--data-root", default=None, help="the data root (default: $PFL_DATA_ROOT, else ./data)")
+    reproduce.add_argument("--device", default="cpu", help="where runs train, e.g. cuda")
+    reproduce.add_argument("--dry-run", action="store_true",
+                           help="check every run's settings and print the plan; train nothing")
+    reproduce.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
@@ -212,8 +229,7 @@ def _cmd_compare(args) -> int:
 def _cmd_demo(args) -> int:
     from .algorithms import ALGORITHMS
     from .compare import comparison_rows, find_summaries, format_table
-    from .engine.rundir import RunDirectory
-    from .runner import run
+    from .runner import run_or_keep
 
     out = Path(args.out)
     dirs = []
@@ -223,13 +239,8 @@ def _cmd_demo(args) -> int:
                                      model="digits-cnn", clients=20, rounds=args.rounds, seed=seed,
                                      local_epochs=2, batch_size=16, lr=0.05))
             run_dir = out / f"{algorithm}-seed{seed}"
-            previous = RunDirectory(run_dir)
-            if previous.is_run() and previous.summary.exists():
-                _check_same_settings(previous, config)
+            if run_or_keep(config, run_dir, progress=not args.quiet):
                 print(f"{run_dir}: finished earlier, kept")
-            else:
-                # A run left by a killed demo resumes (from round 0 when it has no checkpoint).
-                run(config, run_dir, resume=previous.is_run(), progress=not args.quiet)
             dirs.append(str(run_dir))
     print()
     print(format_table(comparison_rows(find_summaries(dirs))))
@@ -237,17 +248,13 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _check_same_settings(rundir, config: RunConfig) -> None:
-    """Refuse to keep a finished demo run made with other settings (e.g. another --rounds)."""
-    import json
+def _cmd_reproduce(args) -> int:
+    from .reproduce import reproduce
 
-    from .runner import json_value, setting_differences
-
-    differences = setting_differences(json_value(config.as_dict()), json.loads(rundir.config.read_text()),
-                                      ("now", "then"))
-    if differences:
-        raise ValueError(f"{rundir.root} holds a finished run with other settings: {', '.join(differences)}; "
-                         f"choose another --out")
+    report = reproduce(args.paper, scale=args.scale, seeds=args.seeds, out=args.out, data_root=args.data_root,
+                       device=args.device, dry_run=args.dry_run, progress=not args.quiet)
+    print(report if args.dry_run else f"report: {report}")
+    return 0
 
 
 def _one_line(text: str) -> str:
@@ -276,7 +283,9 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            return {"run": _cmd_run, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo}[args.command](args)
+            commands = {"run": _cmd_run, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo,
+                        "reproduce": _cmd_reproduce}
+            return commands[args.command](args)
         except (ValueError, FileNotFoundError, ImportError) as exc:
             print(f"pfl: error: {_one_line(exc)}", file=sys.stderr)
             return 2

@@ -149,6 +149,23 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, overwrite: bool =
             fed.close()  # the executor's worker threads
 
 
+def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
+    """Make sure ``out`` holds ``config``'s finished run: keep a finished run made with the same
+    settings (True), resume a stopped one (from round 0 if it has no checkpoint), or start it
+    (False).  A finished run with other settings is refused: a campaign (``pfl demo``, ``pfl
+    reproduce``) never mixes settings into one directory."""
+    previous = RunDirectory(out)
+    if previous.is_run() and previous.summary.exists():
+        differences = setting_differences(json_value(config.as_dict()), json.loads(previous.config.read_text()),
+                                          ("now", "then"))
+        if differences:
+            raise ValueError(f"{out} holds a finished run with other settings: {', '.join(differences)}; "
+                             f"choose another --out")
+        return True
+    run(config, out, resume=previous.is_run(), progress=progress)
+    return False
+
+
 def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, progress, stop_after, on_round):
     """The rounds from ``fed.round`` on (metrics, checkpoints, progress), then the summary."""
     first = fed.round

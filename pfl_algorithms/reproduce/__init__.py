@@ -1,0 +1,43 @@
+"""``pfl reproduce <paper>``: regenerate a paper's table (``papers.py`` says what runs,
+``campaign.py`` runs it resumably, ``report.py`` writes ``report.md`` and its plots)."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional, Union
+
+from .papers import PAPERS, SCALES, Paper
+
+__all__ = ["PAPERS", "SCALES", "Paper", "reproduce"]
+
+
+def reproduce(paper: str, *, scale: str = "cpu", seeds: int = 3, out: Optional[Union[str, Path]] = None,
+              data_root: Optional[str] = None, device: str = "cpu", dry_run: bool = False,
+              progress: bool = True) -> Union[Path, str]:
+    """Run every method of ``paper``'s table over every setting of ``scale`` for ``seeds``
+    seeds into ``out`` (default ``runs/reproduce-<paper>-<scale>``), keeping finished runs and
+    resuming stopped ones, then write ``out/report.md``; returns its path.  ``dry_run``: check
+    every run's config and return the plan as text, training nothing."""
+    from ..runner import run_or_keep
+    from .campaign import describe, plan
+    from .report import write_report
+
+    if paper not in PAPERS:
+        raise ValueError(f"paper must be one of {', '.join(PAPERS)}, got {paper!r}")
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be a positive integer, got {seeds!r}")
+    spec = PAPERS[paper]
+    out = Path(out) if out is not None else Path("runs") / f"reproduce-{paper}-{scale}"
+    runs = plan(spec, scale, seeds, out, data_root=data_root, device=device)
+    if dry_run:
+        return describe(spec, scale, runs)
+    for index, run in enumerate(runs, 1):
+        if progress:
+            print(f"[{index}/{len(runs)}] {run.setting.label}, {run.method.label}, seed {run.seed}",
+                  file=sys.stderr, flush=True)
+        run_or_keep(run.config, run.out, progress=progress)
+    command = shlex.join(["pfl", "reproduce", paper, "--scale", scale, "--seeds", str(seeds)])
+    return write_report(spec, scale, seeds, runs, out, command)

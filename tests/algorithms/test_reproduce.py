@@ -1,0 +1,165 @@
+"""``pfl reproduce``: the plan of every paper at both scales, a small comparison run end to end
+(report.md with the table, claims and plots; every run kept), resumability, paper-scale data
+read from a data root with the paper's numbers beside ours, and one-line errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from pfl_algorithms import runner
+from pfl_algorithms.cli import main
+from pfl_algorithms.reproduce import PAPERS, reproduce
+from pfl_algorithms.reproduce import papers as papers_module
+from pfl_algorithms.reproduce.campaign import plan, slug
+from pfl_algorithms.reproduce.papers import Claim, Method, Paper, Setting
+from tests.algorithms.fake_files import write_cifar
+
+TINY_BASE = dict(dataset="digits", model="mlp", clients=4, rounds=2, local_epochs=1, batch_size=16, lr=0.05,
+                 workers=1)
+
+
+def tiny_paper(**changes) -> Paper:
+    paper = Paper(
+        name="tiny", title="A tiny paper", table="Table 1",
+        methods=(Method("Stand-Alone", "local"), Method("FedAvg", "fedavg"),
+                 Method("FedProx", "fedprox", {"mu": 0.1})),
+        base={"cpu": TINY_BASE, "paper": dict(TINY_BASE, dataset="cifar10")},
+        settings={"cpu": (Setting("IID", {"scenario": "iid"}),
+                          Setting("Permuted IID", {"scenario": "permuted-iid"}, {"fedprox": {"mu": 0.5}})),
+                  "paper": (Setting("CIFAR-10 IID", {"scenario": "iid"}),)},
+        claims=(Claim("FedAvg", "<", "Stand-Alone", "Permuted"), Claim("FedProx", ">", "FedAvg", "Nowhere")),
+        paper_numbers={("FedAvg", "CIFAR-10 IID"): (70.28, 0.5), ("Stand-Alone", "CIFAR-10 IID"): (64.31, None)},
+        paper_costs={("FedAvg", "CIFAR-10 IID"): 20.39},
+        notes=("a note",))
+    return dataclasses.replace(paper, **changes)
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    paper = tiny_paper()
+    monkeypatch.setitem(papers_module.PAPERS, "tiny", paper)
+    return paper
+
+
+@pytest.mark.parametrize("scale", ["cpu", "paper"])
+@pytest.mark.parametrize("name", sorted(PAPERS))
+def test_every_paper_plans_every_run(name, scale, tmp_path):
+    """Every method × setting × seed of each paper has a valid config at both scales (no
+    training, no data read): a typo in a spec, or a method not registered, fails here."""
+    paper = PAPERS[name]
+    runs = plan(paper, scale, 2, tmp_path)
+    assert len(runs) == len(paper.methods) * len(paper.settings[scale]) * 2
+    assert len({r.out for r in runs}) == len(runs)
+    assert {r.config.algorithm for r in runs} == {m.algorithm for m in paper.methods}
+    text = reproduce(name, scale=scale, seeds=2, out=tmp_path, dry_run=True)
+    assert f"{len(runs)} runs" in text and not any(tmp_path.iterdir())
+
+
+def test_paper_numbers_name_real_rows_and_columns():
+    for paper in PAPERS.values():
+        labels = {s.label for s in paper.settings["paper"]}
+        methods = {m.label for m in paper.methods}
+        for method, setting in [*paper.paper_numbers, *paper.paper_costs]:
+            assert method in methods and setting in labels, (paper.name, method, setting)
+        for claim in paper.claims:
+            assert {claim.method, claim.other} <= methods
+            assert any(claim.setting_contains in s.label for scale in paper.settings for s in paper.settings[scale])
+
+
+def test_settings_reach_the_run_config(tiny, tmp_path):
+    runs = {(r.method.label, r.setting.label, r.seed): r for r in plan(tiny, "cpu", 2, tmp_path)}
+    permuted = runs[("FedProx", "Permuted IID", 1)]
+    assert permuted.config.algorithm_settings == {"mu": 0.5} and permuted.config.seed == 1
+    assert runs[("FedProx", "IID", 0)].config.algorithm_settings == {"mu": 0.1}
+    assert permuted.config.scenario == "permuted-iid" and permuted.config.clients == 4
+    assert permuted.out == tmp_path / "permuted-iid" / "fedprox" / "seed1"
+    assert slug("CIFAR-10 Standard Non-IID") == "cifar-10-standard-non-iid"
+
+
+def test_cpu_comparison_end_to_end_then_resumes_without_training(tiny, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "rep"
+    assert main(["reproduce", "tiny", "--seeds", "2", "--out", str(out), "--quiet"]) == 0
+    report = (out / "report.md").read_text()
+    runs = plan(tiny, "cpu", 2, out)
+    for run in runs:  # every run directory is kept, finished
+        assert json.loads((run.out / "summary.json").read_text())["rounds"] == 2
+    # The table as the paper lays it out: one row per method, one column per setting, mean ± std.
+    assert "| Method | IID | Permuted IID |" in report
+    summaries = [json.loads((r.out / "summary.json").read_text()) for r in runs
+                 if r.method.label == "FedAvg" and r.setting.label == "IID"]
+    accuracies = [100 * s["final_mean_accuracy"] for s in summaries]
+    mean, std = np.mean(accuracies), np.std(accuracies, ddof=1)
+    row = next(line for line in report.splitlines() if line.startswith("| FedAvg |"))
+    assert row.split(" | ")[1] == f"{mean:.2f} ± {std:.2f}"
+    assert "## Communication" in report and "(70.28" not in report  # the paper's numbers only at paper scale
+    # Claims: checked where a setting names them, with our numbers.
+    assert "- Permuted IID: FedAvg is below Stand-Alone: " in report and "Nowhere" not in report
+    assert "- a note" in report
+    plots = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert plots == sorted(f"{s}_{k}.png" for s in ("iid", "permuted-iid")
+                           for k in ("accuracy_vs_round", "accuracy_vs_bits"))
+
+    # A second call trains nothing: every run is finished.
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(runner, "run", no_training)
+    before = report
+    assert main(["reproduce", "tiny", "--seeds", "2", "--out", str(out), "--quiet"]) == 0
+    assert (out / "report.md").read_text() == before
+
+
+def test_a_stopped_comparison_resumes(tiny, tmp_path):
+    out = tmp_path / "rep"
+    runs = plan(tiny, "cpu", 1, out)
+    runner.run(runs[0].config, runs[0].out, progress=False, stop_after=1)  # killed after one round
+    reproduce("tiny", seeds=1, out=out, progress=False)
+    history = (runs[0].out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in history] == [0, 1]
+
+
+def test_paper_scale_reads_the_data_root_and_sets_the_papers_numbers_beside_ours(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("PFL_NO_TORCHVISION", "1")
+    write_cifar(tmp_path / "data", "cifar10", (16, 16), np.random.default_rng(0))
+    out = tmp_path / "rep"
+    report = reproduce("tiny", scale="paper", seeds=1, out=out, data_root=str(tmp_path / "data"),
+                       progress=False).read_text()
+    assert "| Method | CIFAR-10 IID |" in report
+    fedavg = next(line for line in report.splitlines() if line.startswith("| FedAvg |"))
+    assert "(70.28 ± 0.50)" in fedavg
+    stand_alone = next(line for line in report.splitlines() if line.startswith("| Stand-Alone |"))
+    assert "(64.31)" in stand_alone
+    assert "(20.39)" in report
+    config = json.loads((out / "cifar-10-iid" / "fedavg" / "seed0" / "config.json").read_text())
+    assert config["dataset"] == "cifar10" and config["data_root"] == str(tmp_path / "data")
+
+
+def test_missing_paper_data_is_one_line(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PFL_NO_TORCHVISION", "1")
+    code = main(["reproduce", "tiny", "--scale", "paper", "--seeds", "1", "--out", str(tmp_path / "r"),
+                 "--data-root", str(tmp_path / "nothing"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("pfl: error:") and "cifar" in err[0].lower()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["reproduce", "no-such-paper"], "paper"),
+    (["reproduce", "simfed", "--seeds", "0"], "--seeds"),
+    (["reproduce", "simfed", "--scale", "huge"], "--scale"),
+])
+def test_bad_arguments_are_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_finished_runs_with_other_settings_are_refused(tiny, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "rep"
+    reproduce("tiny", seeds=1, out=out, progress=False)
+    monkeypatch.setitem(papers_module.PAPERS, "tiny", tiny_paper(base={"cpu": dict(TINY_BASE, rounds=3),
+                                                                       "paper": TINY_BASE}))
+    assert main(["reproduce", "tiny", "--seeds", "1", "--out", str(out), "--quiet"]) == 2
+    assert "other settings" in capsys.readouterr().err
