@@ -29,6 +29,9 @@ client side (run by an executor, wherever the client is)
   ``plan(client)``    the phases of local training
   ``upload(view)``    what the client sends back (None: nothing)
 
+Model converters a ``prepare_model`` may apply: ``pfl_kernels.nn`` (``factorize``, ``multibranch``)
+and, from here, ``fedpara`` (FedPara's low-rank Hadamard layers, ``FEDPARA_LAYERS``).
+
 Subclasses with a ``name`` register themselves in :data:`ALGORITHMS`; adding a method is one
 file in ``pfl_algorithms/algorithms/``.
 """
@@ -45,12 +48,13 @@ from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import Message, Sparse
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
+from .models.fedpara import FEDPARA_LAYERS, fedpara
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
                            check_options, field_hints)
 
 __all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClientView", "Evaluation", "Fraction",
-           "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
-           "PositiveFloat", "PositiveInt", "Range", "Sparse", "StateSpec", "Uploads", "algorithm_class"]
+           "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
+           "PositiveFloat", "PositiveInt", "Range", "Sparse", "StateSpec", "Uploads", "algorithm_class", "fedpara"]
 
 ALGORITHMS: dict[str, type] = {}
 

@@ -145,6 +145,27 @@ class ClientView:
             tensors[BUFFERS] = shared_buffers.clone()
         return Message(tensors, extras or {}, self.num_examples)
 
+    @torch.no_grad()
+    def evaluate(self, split: str = "train", *, received: bool = False) -> tuple[float, float]:
+        """(accuracy, mean loss) of the client's model on its ``split``, in eval mode; nothing
+        changes.  ``received=True``: of the model it started the round with (its stored state
+        with the download applied), e.g. the loss F_k(w_t) of the global model that Agnostic-FL
+        and q-FFL ascend on; else of its current (trained) model."""
+        work, cohort = self._work, self._cohort
+        saved = (work.params.clone(), work.buffers.clone(), work.int_buffers.clone()) if received else None
+        if received:
+            row = cohort.row(self.client)
+            work.load(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
+            apply_download(cohort, work, self.download, self.client)
+        try:
+            data = self._fed.clients[self.client]
+            accuracy, loss, _ = evaluate(self.module, self._inputs, self._labels, data.part(split),
+                                         label_map=self._label_map)
+        finally:
+            if received:
+                work.load(*saved)
+        return accuracy, loss
+
     def loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
         """Cross-entropy of the model on a batch (with graph)."""
         return F.cross_entropy(forward(self.module, inputs)[0], labels)

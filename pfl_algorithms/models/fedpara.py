@@ -1,0 +1,168 @@
+"""FedPara layers (Hyeon-Woo, Ye-Bin and Oh, ICLR 2022), in pFedPara's personalized form.
+
+Each weight is the Hadamard product of two low-rank weights,
+
+    W = W1 ⊙ (W2 + 1) = W1 ⊙ W2 + W1                       (pFedPara, Sec. 3.3)
+
+with W1 shared with the server (FedAvg) and W2 kept by the client.
+
+* Linear (Proposition 1): W_i = X_i Y_iᵀ, X_i ∈ R^{out×R}, Y_i ∈ R^{in×R}.
+* Conv2d (Proposition 3, the paper's tensor form, as the authors' code builds it):
+  W_i = T_i ×₁ X_i ×₂ Y_i, i.e. W_i[o, c, h, w] = Σ_{a,b} T_i[a, b, h, w] X_i[o, a] Y_i[c, b],
+  T_i ∈ R^{R×R×kh×kw}, X_i ∈ R^{out×R}, Y_i ∈ R^{in×R}.
+
+The rank follows the paper's ratio γ (Sec. 3.1): R = ⌈(1 − γ) r_min + γ r_max⌉ with
+r_min = min(⌈√out⌉, ⌈√in⌉) and r_max the largest R whose two factorized weights hold no more
+parameters than the original (2R(in + out) ≤ in·out for a Linear; 2(R²·kh·kw + R(in + out)) ≤
+in·out·kh·kw for a Conv2d).  Biases are kept as they are (shared, with the body).
+
+Initialization (a choice of ours; the authors draw each factor from He-normal): every factor
+is normal with one std chosen so that W1 and W2 each have the variance of the weight the layer
+replaces; W2 + 1 is then close to 1 and the layer starts near its unconverted scale.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def fedpara_rank(fan_out: int, fan_in: int, kernel: int = 1, ratio: float = 0.5) -> int:
+    """The paper's rank for ratio γ = ``ratio``: ⌈(1 − γ) r_min + γ r_max⌉ (module docstring);
+    ``kernel`` is kh·kw for a convolution (the tensor form), 1 for a Linear."""
+    r_min = min(math.ceil(math.sqrt(fan_out)), math.ceil(math.sqrt(fan_in)))
+    if kernel == 1:
+        r_max = (fan_out * fan_in) // (2 * (fan_out + fan_in))
+    else:  # kernel·R² + (in + out)·R − in·out·kernel/2 = 0
+        b, c = fan_out + fan_in, fan_out * fan_in * kernel / 2
+        r_max = math.floor((-b + math.sqrt(b * b + 4 * kernel * c)) / (2 * kernel))
+    return max(1, math.ceil((1 - ratio) * r_min + ratio * r_max))
+
+
+def _normal_(tensors, target_var: float, order: int) -> None:
+    """Fill ``tensors`` (the factors of one weight) with N(0, s²) so that a sum over R^{order−1}
+    products of ``order`` factors has variance ``target_var``."""
+    count = tensors[1].shape[1] ** (order - 1)  # R (matrix) or R² (tensor form)
+    std = (target_var / count) ** (1.0 / (2 * order))
+    for t in tensors:
+        nn.init.normal_(t, 0.0, std)
+
+
+class FedParaLinear(nn.Module):
+    """y = x (W1 ⊙ (W2 + 1))ᵀ + b, W_i = X_i Y_iᵀ (Proposition 1)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True, *,
+                 device=None, dtype=None):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        kw = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.x1 = nn.Parameter(torch.empty(out_features, rank, **kw))
+        self.y1 = nn.Parameter(torch.empty(in_features, rank, **kw))
+        self.x2 = nn.Parameter(torch.empty(out_features, rank, **kw))
+        self.y2 = nn.Parameter(torch.empty(in_features, rank, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+        self.reset_parameters(1.0 / (3 * in_features))  # nn.Linear's default weight variance
+
+    def reset_parameters(self, weight_var: float) -> None:
+        with torch.no_grad():
+            _normal_((self.x1, self.y1), weight_var, 2)
+            _normal_((self.x2, self.y2), weight_var, 2)
+
+    def full_weight(self) -> torch.Tensor:
+        """W1 ⊙ (W2 + 1): [out, in]."""
+        return (self.x1 @ self.y1.T) * (self.x2 @ self.y2.T + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.full_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, rank={self.rank}, bias={self.bias is not None}"
+
+
+class FedParaConv2d(nn.Module):
+    """conv2d(x, W1 ⊙ (W2 + 1)) + b, W_i = T_i ×₁ X_i ×₂ Y_i (Proposition 3, tensor form)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, rank: int, bias: bool = True, *,
+                 stride=1, padding=0, dilation=1, device=None, dtype=None):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        kh, kw_ = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+        kw = {"device": device, "dtype": dtype}
+        self.in_channels, self.out_channels, self.kernel_size, self.rank = in_channels, out_channels, (kh, kw_), rank
+        self.stride, self.padding, self.dilation = stride, padding, dilation
+        self.t1 = nn.Parameter(torch.empty(rank, rank, kh, kw_, **kw))
+        self.x1 = nn.Parameter(torch.empty(out_channels, rank, **kw))
+        self.y1 = nn.Parameter(torch.empty(in_channels, rank, **kw))
+        self.t2 = nn.Parameter(torch.empty(rank, rank, kh, kw_, **kw))
+        self.x2 = nn.Parameter(torch.empty(out_channels, rank, **kw))
+        self.y2 = nn.Parameter(torch.empty(in_channels, rank, **kw))
+        self.bias = nn.Parameter(torch.zeros(out_channels, **kw)) if bias else None
+        self.reset_parameters(1.0 / (3 * in_channels * kh * kw_))  # nn.Conv2d's default weight variance
+
+    def reset_parameters(self, weight_var: float) -> None:
+        with torch.no_grad():
+            _normal_((self.t1, self.x1, self.y1), weight_var, 3)
+            _normal_((self.t2, self.x2, self.y2), weight_var, 3)
+
+    def full_weight(self) -> torch.Tensor:
+        """W1 ⊙ (W2 + 1): [out, in, kh, kw]."""
+        w1 = torch.einsum("abhw,oa,ib->oihw", self.t1, self.x1, self.y1)
+        w2 = torch.einsum("abhw,oa,ib->oihw", self.t2, self.x2, self.y2)
+        return w1 * (w2 + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, self.full_weight(), self.bias, self.stride, self.padding, self.dilation)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, rank={self.rank}, "
+                f"stride={self.stride}, padding={self.padding}, bias={self.bias is not None}")
+
+
+FEDPARA_LAYERS = (FedParaLinear, FedParaConv2d)
+
+
+def _converted(layer: nn.Module, ratio: float) -> nn.Module:
+    weight = layer.weight
+    kw = {"device": weight.device, "dtype": weight.dtype}
+    bias = layer.bias is not None
+    if isinstance(layer, nn.Linear):
+        new = FedParaLinear(layer.in_features, layer.out_features,
+                            fedpara_rank(layer.out_features, layer.in_features, 1, ratio), bias, **kw)
+    else:
+        if layer.groups != 1 or layer.padding_mode != "zeros" or isinstance(layer.padding, str):
+            raise ValueError(f"pFedPara converts Conv2d with groups=1, numeric padding and padding_mode='zeros'; "
+                             f"got {layer}")
+        kh, kw_ = layer.kernel_size
+        new = FedParaConv2d(layer.in_channels, layer.out_channels, layer.kernel_size,
+                            fedpara_rank(layer.out_channels, layer.in_channels, kh * kw_, ratio), bias,
+                            stride=layer.stride, padding=layer.padding, dilation=layer.dilation, **kw)
+    new.reset_parameters(float(weight.detach().double().var()) if weight.numel() > 1 else 1.0)
+    if bias:
+        with torch.no_grad():
+            new.bias.copy_(layer.bias)
+    new.train(layer.training)
+    return new
+
+
+def fedpara(model: nn.Module, ratio: float = 0.5) -> nn.Module:
+    """Replace every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` (in place) by its FedPara
+    layer of ratio γ = ``ratio``; biases are copied, everything else is untouched.  Returns
+    ``model``.  Draws the factors from torch's global RNG.
+
+    Raises:
+        ValueError: a ratio outside [0, 1], or a Conv2d with groups, string padding or a
+            padding mode other than zeros.
+    """
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"the FedPara ratio must be in [0, 1], got {ratio}")
+    for name, child in list(model.named_children()):
+        if isinstance(child, (nn.Linear, nn.Conv2d)):
+            setattr(model, name, _converted(child, ratio))
+        else:
+            fedpara(child, ratio)
+    return model
