@@ -82,7 +82,7 @@ def test_list_names_everything(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["run", "fedsgd"], "valid: fedavg"),
+    (["run", "fedsgd"], "unknown algorithm 'fedsgd'; valid: "),
     (["run", "fedavg", "--scenario", "nope"], "unknown scenario"),
     (["run", "fedavg", "--set", "tau=0.5"], "no setting of that name"),
     (["run", "fedavg", "--set", "scenario.beta=1"], "has no setting 'beta'"),
