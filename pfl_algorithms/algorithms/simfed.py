@@ -59,7 +59,7 @@ EMBEDDING = "embedding"
 
 @dataclass(frozen=True)
 class SimFedSettings:
-    alpha: float = 30.0  # α, the softmax scale of the similarities (Eq. 8)
+    alpha: NonNegativeFloat = 30.0  # α, the softmax scale of the similarities (Eq. 8)
     tau: Annotated[float, Range(ge=-1.0, le=1.0)] = 0.9  # τ, the similarity threshold (Eq. 3)
     lambda1: NonNegativeFloat = 1e-4  # λ1, the L1 weight on μ (Eq. 7)
     init: Annotated[str, OneOf(("xavier", "svd"))] = "xavier"
@@ -122,7 +122,7 @@ class SimFed(Algorithm):
         k = server.num_clients
         self.criteria = torch.randn((1, *server.input_shape), generator=server.generator())
         self.bank = {g: t.expand(k, -1).clone() for g, t in server.initial_model().items()}
-        self.embeddings = torch.zeros(k, 0)  # [K, d] once the first embeddings arrive
+        self.embeddings = torch.zeros(k, 0)  # [K, d] (CPU) once the first embeddings arrive
         self.seen = torch.zeros(k, dtype=torch.bool)
 
     def configure(self, round_, clients):
@@ -130,12 +130,13 @@ class SimFed(Algorithm):
         of stored uploads (the first round: the initial model, Algorithm 1's broadcast)."""
         s = self.settings
         weights = reflection_weights(self.embeddings, self.seen, clients, alpha=s.alpha, tau=s.tau)
-        models = {g: weighted_average(weights.to(bank.dtype), bank) for g, bank in self.bank.items()}
+        models = {g: weighted_average(weights.to(bank), bank) for g, bank in self.bank.items()}
         return {c: Message({g: m[i] for g, m in models.items()}, {CRITERIA: self.criteria})
                 for i, c in enumerate(clients.tolist())}
 
     def plan(self, client):
-        return (Phase(grad_terms=(l1_term(self.settings.lambda1),)),)
+        lam = self.settings.lambda1
+        return (Phase(grad_terms=(l1_term(lam),) if lam else ()),)
 
     def upload(self, view):
         message = view.message(view.received())
@@ -151,7 +152,7 @@ class SimFed(Algorithm):
         senders = uploads.clients
         for g, bank in self.bank.items():
             bank[senders] = uploads.stack(g).to(bank.dtype)
-        z = torch.stack(uploads.extras(EMBEDDING)).to(torch.float32)
+        z = torch.stack(uploads.extras(EMBEDDING)).to("cpu", torch.float32)  # [M, d]: the cosines run on CPU
         if self.embeddings.shape[1] != z.shape[1]:
             self.embeddings = torch.zeros(len(self.seen), z.shape[1])
         self.embeddings[senders] = z
