@@ -166,6 +166,25 @@ class ClientView:
                 work.load(*saved)
         return accuracy, loss
 
+    def embed(self, inputs: Tensor) -> Tensor:
+        """The model's embeddings of ``inputs`` (``module.embed``, else its ``body``: the
+        encoder without the head), in eval mode and without gradient; the client's state
+        (BatchNorm statistics, train mode) is left as it was.  SimFed's criteria embedding."""
+        module = self.module
+        encoder = getattr(module, "embed", None)
+        if encoder is None:
+            encoder = getattr(module, "body", None)
+            if not isinstance(encoder, nn.Module):
+                raise TypeError(f"{type(module).__name__} has neither an 'embed' method nor a 'body' module: "
+                                "no embedding to compute")
+        training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                return encoder(inputs)
+        finally:
+            module.train(training)
+
     def loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
         """Cross-entropy of the model on a batch (with graph)."""
         return F.cross_entropy(forward(self.module, inputs)[0], labels)

@@ -87,6 +87,16 @@ class Server:
         """Each client's number of training samples, [K] float64."""
         return self._fed.train_sizes()
 
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one input example (e.g. (C, H, W))."""
+        return tuple(self._fed.inputs.shape[1:])
+
+    def generator(self, round_: int = -1) -> torch.Generator:
+        """The algorithm's own random stream on the server for ``round_`` (-1: once per run), seeded
+        by the run's seed (``engine.seeds``): a resumed run draws the same values."""
+        return self._fed.generator("server", round_)
+
     def initial_model(self, groups: Optional[Sequence[str]] = None) -> dict[str, torch.Tensor]:
         """Copies of the initial values of ``groups`` (None: every shared group) and of the shared
         groups' floating buffers (``buffers``, if any): the first cohort holding each, first client."""
