@@ -25,8 +25,12 @@ Defaults (shared/papers/README.md, the released settings): the label-permuted on
 Table 1's top half (τ = 0, ε = 1, at least 10 kept); for the multi-domain scenario pass
 ``tau=0.95 scale=20 min_keep=4``.  λ = 5e-4 for both the L1 weight and the threshold.
 
-Communication, Table 1 (dry run of our accounting, :func:`table1_costs` in
-``pfl_algorithms/algorithms/factorized_fl_costs.py``… see :data:`TABLE1_FINDING`).
+Communication, Table 1: ``pfl_algorithms.costs.table1`` dry-runs our accounting on the
+paper's ResNet-9 (20 clients, 50 rounds).  The paper's "Gb" is gigabytes (10⁹ bytes) of
+float32, both directions: FedAvg 20.594 GB (paper 20.39, +1.0%); α, counted as the paper
+describes it (u and v_last up, u down), 0.263 GB against 0.32 (the released code sends its
+BatchNorm and head as well, which gives 0.320); β's 18.25 GB implies μ sent at 78.9%
+density (21% of μ below the threshold).  Details in ``pfl_algorithms/costs.py``.
 """
 from __future__ import annotations
 
@@ -86,6 +90,7 @@ class FactorizedFL(Algorithm):
     def __init__(self, **settings):
         super().__init__(**settings)
         self._match_params: set[str] = set()
+        self._local: set[str] = set()
 
     # ------------------------------------------------------------------ declarations
 
@@ -99,6 +104,14 @@ class FactorizedFL(Algorithm):
             layer.reset_parameters()
         self._match_params.add(f"{layers[-1][0]}.v")
         return model
+
+    def local_groups(self, *, keep_head_local):
+        self._local = self.kept_local(keep_head_local)
+        return self._local
+
+    def kept_local(self, keep_head_local: bool) -> set[str]:
+        """The groups that never leave a client (the classifier where the scenario asks)."""
+        return {"head"} if keep_head_local else set()
 
     def group_rules(self):
         match = lambda name, owner, attribute: name in self._match_params
@@ -148,7 +161,7 @@ class FactorizedFL(Algorithm):
         return (Phase(grad_terms=(l1_term(self.settings.l1),) if self.settings.l1 > 0 else ()),)
 
     def upload(self, view):
-        message = view.message([g for g in view.groups if g in self.aggregated or g == MATCH])
+        message = view.message([g for g in view.groups if g == MATCH or (g in self.aggregated and g not in self._local)])
         if "mu" in message.tensors:
             tensors = dict(message.tensors, mu=Sparse(message.tensors["mu"], self.settings.threshold))
             message = Message(tensors, message.extras, message.num_examples)
@@ -162,7 +175,7 @@ class FactorizedFLAlpha(FactorizedFL):
     description = "rank-1 factorized layers; v-matched personalized averaging of u only (v, mu local)"
     aggregated = ("u",)
 
-    def local_groups(self, *, keep_head_local):
+    def kept_local(self, keep_head_local):
         # Everything but u stays: v_last travels up for matching only, never aggregated.
         return {"v", "mu", MATCH, "body", "head"}
 
