@@ -139,7 +139,7 @@ class FactorizedFL(Algorithm):
         weights = matching_weights(uploads.stack(MATCH), tau=self.settings.tau, scale=self.settings.scale,
                                    min_keep=self.settings.min_keep)
         for group in uploads.names():
-            if group == MATCH and MATCH not in self.aggregated:
+            if group not in self.aggregated:  # α: v_last came for matching only
                 continue
             rows = uploads.stack(group)
             mixed = weighted_average(weights.to(rows.dtype), rows.reshape(len(rows), -1))
