@@ -89,9 +89,10 @@ CPU_BASE = dict(dataset="digits", model="digits-cnn", clients=20, rounds=10, loc
 # noise), four clients each, stand in for the papers' multi-domain CIFAR-100.
 CPU_DOMAINS = dict(scenario="multi-domain", scenario_options={"domains": "feature-shift"})
 
-# Factorized-FL's matching settings from the released code (README facts).
-_FFL_LABEL = {"tau": 0.0, "epsilon": 1.0, "min_keep": 10}
-_FFL_DOMAIN = {"tau": 0.95, "epsilon": 20.0, "min_keep": 4}
+# Factorized-FL's matching settings from the released code (README facts): τ, ε (``scale``) and
+# the minimum kept.
+_FFL_LABEL = {"tau": 0.0, "scale": 1.0, "min_keep": 10}
+_FFL_DOMAIN = {"tau": 0.95, "scale": 20.0, "min_keep": 4}
 _FFL = ("factorized-fl-alpha", "factorized-fl-beta")
 
 
