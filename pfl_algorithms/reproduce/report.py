@@ -32,14 +32,16 @@ def _history(run: PlannedRun) -> list[dict]:
 
 def cell_results(runs: list[PlannedRun]) -> dict:
     """{(method label, setting label): {"accuracy": (mean, std), "gb": (mean, std), "seeds": n}}
-    from the finished runs' summaries (final-round mean personalized accuracy, in %)."""
+    from the finished runs' summaries (final-round mean personalized accuracy, in %; "gb":
+    gigabytes sent up and down, the unit of the papers' cost columns)."""
     cells: dict = {}
     for run in runs:
         summary = json.loads((run.out / "summary.json").read_text())
         cell = cells.setdefault((run.method.label, run.setting.label), {"accuracy": [], "gb": []})
         if summary["final_mean_accuracy"] is not None:
             cell["accuracy"].append(100 * summary["final_mean_accuracy"])
-        cell["gb"].append(summary["comm_gb"]["up"] + summary["comm_gb"]["down"])
+        # The ledger counts gigabits; the papers' "Gb" are gigabytes (pfl_algorithms/costs.py).
+        cell["gb"].append((summary["comm_gb"]["up"] + summary["comm_gb"]["down"]) / 8)
     return {key: {"accuracy": _mean_std(c["accuracy"]), "gb": _mean_std(c["gb"]), "seeds": len(c["gb"])}
             for key, c in cells.items()}
 
@@ -143,7 +145,7 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
                 text += f" ({theirs})"
             row.append(text)
         rows.append(row)
-    lines += ["## Communication (Gb = 10⁹ bits, up + down, whole run)", "",
+    lines += ["## Communication (GB = 10⁹ bytes, up + down, whole run: the unit of the papers' \"Gb\")", "",
               *(["The paper's cost column is in brackets."] if beside and paper.paper_costs else []),
               *_table(header, rows), ""]
     claims = claim_lines(paper, scale, cells)
