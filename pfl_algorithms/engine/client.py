@@ -145,6 +145,17 @@ class ClientView:
             tensors[BUFFERS] = shared_buffers.clone()
         return Message(tensors, extras or {}, self.num_examples)
 
+    def shared_buffers(self) -> Tensor:
+        """The floating buffers of the shared groups (BatchNorm statistics; a flat view, in the
+        order of a message's ``buffers``)."""
+        return self.buffers[self._cohort.shared_buffer_span()]
+
+    def evaluate(self, split: str = "val") -> tuple[float, float, int]:
+        """(accuracy, mean loss, samples) of the client's current model on its split ``split``
+        ('train', 'val' or 'test'), in eval mode without gradients; NaNs for an empty split."""
+        return evaluate(self.module, self._inputs, self._labels, self._fed.clients[self.client].part(split),
+                        label_map=self._label_map)
+
     def loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
         """Cross-entropy of the model on a batch (with graph)."""
         return F.cross_entropy(forward(self.module, inputs)[0], labels)
@@ -236,6 +247,8 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
     data = fed.clients[view.client]
     batches = []
     view.step = 0
+    if phase.begin is not None:
+        phase.begin(view)
     try:
         for index in client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator):
             x = fed.inputs[index]

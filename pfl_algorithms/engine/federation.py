@@ -87,6 +87,11 @@ class Server:
         """Each client's number of training samples, [K] float64."""
         return self._fed.train_sizes()
 
+    def generator(self, round_: int) -> torch.Generator:
+        """The server's random stream of round ``round_``, from the run's seed (the same on a
+        resumed run): e.g. FedFomo's ε-greedy choice of the models each client downloads."""
+        return self._fed.generator("server", round_)
+
     def initial_model(self, groups: Optional[Sequence[str]] = None) -> dict[str, torch.Tensor]:
         """Copies of the initial values of ``groups`` (None: every shared group) and of the shared
         groups' floating buffers (``buffers``, if any): the first cohort holding each, first client."""

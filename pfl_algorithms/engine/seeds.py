@@ -21,7 +21,7 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 # The streams of a run: one per purpose, so that drawing more for one never shifts another.
-STREAMS = {"sample": 1, "train": 2, "eval": 3, "finetune": 4}
+STREAMS = {"sample": 1, "train": 2, "eval": 3, "finetune": 4, "server": 5}
 
 
 def splitmix64(x: int) -> int:
