@@ -233,6 +233,7 @@ def check(config: RunConfig) -> RunConfig:
         raise ValueError(f"clients_per_round={config.clients_per_round} but only clients={config.clients}")
     ALGORITHMS[config.algorithm].check_config(config)
     _check_scenario_values(config)
+    _check_validation_split(config)
     if config.augment is not None:
         from .data.augment import make_augmentation
 
@@ -245,6 +246,19 @@ def check(config: RunConfig) -> RunConfig:
     elif config.device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     return config
+
+
+def _check_validation_split(config: RunConfig) -> None:
+    """An algorithm that reads the clients' validation splits (``needs_validation``) refuses a
+    split without one."""
+    from .data.scenarios import check_split
+
+    if not ALGORITHMS[config.algorithm].capabilities.needs_validation:
+        return
+    split = config.scenario_options.get("split", SCENARIOS[config.scenario].defaults["split"])
+    if check_split(split, "scenario.split")[1] <= 0:
+        raise ValueError(f"scenario.split={tuple(split)} leaves no validation split, but {config.algorithm!r} "
+                         "reads each client's validation split: give it a fraction > 0")
 
 
 def _check_scenario_values(config: RunConfig) -> None:

@@ -62,7 +62,7 @@ class AgnosticFL(FedAvg):
         self.iterates = 1  # w_0 is in the average
 
     def upload(self, view):
-        _, loss = view.evaluate("train", received=True)
+        _, loss, _ = view.evaluate("train", received=True)
         return view.message(view.received(), extras={"loss": loss})
 
     def aggregate(self, round_, uploads):

@@ -140,17 +140,18 @@ class ClientView:
         """A message with copies of ``groups`` and, if any, the floating buffers of the shared
         groups (BatchNorm statistics), plus ``extras`` and the client's training-set size."""
         tensors = {g: self.group(g).clone() for g in groups if g != BUFFERS}
-        shared_buffers = self.buffers[self._cohort.shared_buffer_span()]
+        shared_buffers = self.shared_buffers()
         if shared_buffers.numel():
             tensors[BUFFERS] = shared_buffers.clone()
         return Message(tensors, extras or {}, self.num_examples)
 
     @torch.no_grad()
-    def evaluate(self, split: str = "train", *, received: bool = False) -> tuple[float, float]:
-        """(accuracy, mean loss) of the client's model on its ``split``, in eval mode; nothing
+    def evaluate(self, split: str = "val", *, received: bool = False) -> tuple[float, float, int]:
+        """(accuracy, mean loss, samples) of the client's model on its split ``split`` ('train',
+        'val' or 'test'), in eval mode without gradients (NaNs for an empty split); nothing
         changes.  ``received=True``: of the model it started the round with (its stored state
         with the download applied), e.g. the loss F_k(w_t) of the global model that Agnostic-FL
-        and q-FFL ascend on; else of its current (trained) model."""
+        and q-FFL ascend on; else of its current model (FedFomo scores downloaded models so)."""
         work, cohort = self._work, self._cohort
         saved = (work.params.clone(), work.buffers.clone(), work.int_buffers.clone()) if received else None
         if received:
@@ -158,13 +159,11 @@ class ClientView:
             work.load(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
             apply_download(cohort, work, self.download, self.client)
         try:
-            data = self._fed.clients[self.client]
-            accuracy, loss, _ = evaluate(self.module, self._inputs, self._labels, data.part(split),
-                                         label_map=self._label_map)
+            return evaluate(self.module, self._inputs, self._labels, self._fed.clients[self.client].part(split),
+                            label_map=self._label_map)
         finally:
             if received:
                 work.load(*saved)
-        return accuracy, loss
 
     def embed(self, inputs: Tensor) -> Tensor:
         """The model's embeddings of ``inputs`` (``module.embed``, else its ``body``: the
@@ -184,6 +183,11 @@ class ClientView:
                 return encoder(inputs)
         finally:
             module.train(training)
+
+    def shared_buffers(self) -> Tensor:
+        """The floating buffers of the shared groups (BatchNorm statistics; a flat view, in the
+        order of a message's ``buffers``)."""
+        return self.buffers[self._cohort.shared_buffer_span()]
 
     def loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
         """Cross-entropy of the model on a batch (with graph)."""
@@ -276,6 +280,8 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
     data = fed.clients[view.client]
     batches = []
     view.step = 0
+    if phase.begin is not None:
+        phase.begin(view)
     try:
         for index in client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator):
             x = fed.inputs[index]

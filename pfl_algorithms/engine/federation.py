@@ -94,7 +94,8 @@ class Server:
 
     def generator(self, round_: int = -1) -> torch.Generator:
         """The algorithm's own random stream on the server for ``round_`` (-1: once per run), seeded
-        by the run's seed (``engine.seeds``): a resumed run draws the same values."""
+        by the run's seed (``engine.seeds``): a resumed run draws the same values (SimFed's
+        criteria input, FedFomo's ε-greedy choice of the models each client downloads)."""
         return self._fed.generator("server", round_)
 
     def initial_model(self, groups: Optional[Sequence[str]] = None) -> dict[str, torch.Tensor]:

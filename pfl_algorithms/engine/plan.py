@@ -17,6 +17,9 @@ Hooks an algorithm can give a phase:
   step's gradient in ``view.grads`` (it may move ``view.params`` meanwhile, as long as it
   puts them back), and the engine's optimizer then takes the step.  Per-FedAvg and pFedMe
   are written this way.
+* ``begin``: ``begin(view) -> None`` runs once on the client before the phase's first step
+  (it may read the client's splits with ``view.evaluate`` and change ``view.params``):
+  FedFomo's first-order combination of the downloaded models.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class Batch:
 LossTerm = Callable[[Batch], Tensor]
 GradTerm = Callable[[Any], Optional[Tensor]]
 CustomGradient = Callable[[Any, list], Tensor]
+Begin = Callable[[Any], None]
 
 
 def _positive_or_none(name: str, value, *, allow_zero: bool) -> None:
@@ -72,7 +76,7 @@ class Phase:
             the run's settings are not used.
         state: the name of this phase's optimizer state (None: the phase's position in its
             plan, so phases never share state unless they name the same one).
-        loss_terms, grad_terms, gradient, batches_per_step: module docstring.
+        loss_terms, grad_terms, gradient, batches_per_step, begin: module docstring.
     """
 
     groups: Optional[tuple[str, ...]] = None
@@ -87,6 +91,7 @@ class Phase:
     grad_terms: tuple[GradTerm, ...] = ()
     gradient: Optional[CustomGradient] = None
     batches_per_step: int = 1
+    begin: Optional[Begin] = None
 
     def __post_init__(self):
         if isinstance(self.groups, str):

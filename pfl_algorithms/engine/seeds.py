@@ -21,7 +21,7 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 # The streams of a run: one per purpose, so that drawing more for one never shifts another.
-# "server": the algorithm's own draws on the server (``Server.generator``, e.g. SimFed's criteria input).
+# "server": the algorithm's own draws on the server (``Server.generator``, SimFed's criteria input, FedFomo's picks).
 STREAMS = {"sample": 1, "train": 2, "eval": 3, "finetune": 4, "server": 5}
 
 

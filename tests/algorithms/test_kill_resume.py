@@ -39,8 +39,14 @@ def metric_lines(out) -> list[dict]:
 
 @pytest.mark.parametrize("algorithm", sorted(CASES))
 def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
+    assert_kill_resume_bitwise(tmp_path, [algorithm, *ARGS, *CASES[algorithm]], ROUNDS)
+
+
+def assert_kill_resume_bitwise(tmp_path, args: list[str], rounds: int) -> None:
+    """``pfl run *args`` (an algorithm first, then options giving ``rounds`` rounds) once whole,
+    once killed with SIGKILL after its third round and resumed: the same metrics and final
+    checkpoint, bit for bit."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    args = [algorithm, *ARGS, *CASES[algorithm]]
     subprocess.run(pfl(*args, "--out", str(whole)), check=True, timeout=600)
     process = subprocess.Popen(pfl(*args, "--out", str(killed)), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -50,11 +56,11 @@ def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL
-    assert len(metric_lines(killed)) < ROUNDS  # it really was killed mid-run
-    subprocess.run(pfl(algorithm, "--out", str(killed), "--resume", "--quiet"), check=True, timeout=600,
+    assert len(metric_lines(killed)) < rounds  # it really was killed mid-run
+    subprocess.run(pfl(args[0], "--out", str(killed), "--resume", "--quiet"), check=True, timeout=600,
                    stderr=subprocess.DEVNULL)
     resumed, reference = metric_lines(killed), metric_lines(whole)
-    assert [r["round"] for r in resumed] == list(range(ROUNDS))
+    assert [r["round"] for r in resumed] == list(range(rounds))
     for a, b in zip(resumed, reference):
         a.pop("wall_s"), b.pop("wall_s")
         assert a == b
