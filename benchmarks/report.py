@@ -259,6 +259,18 @@ SUITES = {
                 "ratio: baseline / ours (speed-up). Target >= 1.5. The whole 10-round command against the "
                 "plain script: benchmarks/fedavg_command.py.\n" + _TIMES_LEGEND),
     ),
+    "factorized_fl_round": Suite(
+        name="factorized_fl_round",
+        cases={"factorized_fl_round": Case("factorized-fl beta round", speedup=True, target=2.0)},
+        ops=("factorized_weight", "pairwise_cosine", "similarity_weights", "weighted_average"),
+        reference_note="NOTE: the factorized and server ops ran the plain-PyTorch reference on CPU.",
+        legend=("ours: one factorized-fl-beta round of pfl_algorithms' engine (fused factorized layers, banks, "
+                "matching and aggregation by pairwise_cosine -> similarity_weights -> weighted_average); "
+                "baseline: benchmarks/plain_factorized_fl_loop.py, the released loop (deepcopy per client, eager "
+                "weight reconstruction, DataLoader, per-client matching and per-key state_dict averaging).\n"
+                "Job: 20 clients x 250 CIFAR-shaped samples, LeNet-5 factorized (rank 1, view layout), batch 64, "
+                "1 epoch, SGD lr 0.01.\nratio: baseline / ours (speed-up). Target >= 2.\n" + _TIMES_LEGEND),
+    ),
     "augment": Suite(
         name="augment",
         cases={"crop_flip": Case("crop + flip", speedup=True, target=None),
