@@ -173,3 +173,16 @@ def train_step(layer: nn.Module, shape: Shape) -> Callable[[], tuple[torch.Tenso
         return torch.autograd.grad(layer(x), params, grad_out)
 
     return fn
+
+
+def next_round(fed, algorithm):
+    """A function running the federation's next round each time it is called (rounds 0, 1, ...)."""
+    from pfl_algorithms.engine.rounds import run_round
+
+    state = {"round": 0}
+
+    def fn():
+        run_round(fed, algorithm, state["round"])
+        state["round"] += 1
+
+    return fn

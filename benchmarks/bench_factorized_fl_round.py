@@ -30,7 +30,7 @@ from pfl_algorithms.algorithms.factorized_fl import FactorizedFLBeta
 from pfl_algorithms.data.partition import ClientSplit
 from pfl_algorithms.engine.federation import EngineSettings
 from pfl_algorithms.engine.local import LocalSchedule
-from pfl_algorithms.engine.rounds import federation_for, run_round
+from pfl_algorithms.engine.rounds import federation_for
 from pfl_algorithms.models import build_model
 
 SHAPES = [Shape("lenet5-factorized-20x250-cifar", (plain.CLIENTS, plain.SAMPLES, 3, 32, 32))]
@@ -69,13 +69,7 @@ def match_key(fed) -> str:
 
 def engine_round():
     fed, algorithm = engine(*job())
-    state = {"round": 0}
-
-    def fn():
-        run_round(fed, algorithm, state["round"])
-        state["round"] += 1
-
-    return fn
+    return common.next_round(fed, algorithm)
 
 
 def loop_round():

@@ -27,7 +27,7 @@ from pfl_algorithms.algorithms.fedavg import FedAvg
 from pfl_algorithms.data.partition import ClientSplit
 from pfl_algorithms.engine.federation import EngineSettings
 from pfl_algorithms.engine.local import LocalSchedule
-from pfl_algorithms.engine.rounds import federation_for, run_round
+from pfl_algorithms.engine.rounds import federation_for
 from pfl_algorithms.models import build_model
 
 CLIENTS, SAMPLES, BATCH, LR = (plain_fedavg_loop.CLIENTS, plain_fedavg_loop.SAMPLES, plain_fedavg_loop.BATCH,
@@ -53,13 +53,7 @@ def engine_round():
                               schedule=LocalSchedule(batch_size=BATCH, epochs=1))
     algorithm = FedAvg()
     fed = federation_for(algorithm, model, inputs, labels, clients, settings)
-    state = {"round": 0}
-
-    def fn():
-        run_round(fed, algorithm, state["round"])
-        state["round"] += 1
-
-    return fn
+    return common.next_round(fed, algorithm)
 
 
 def loop_round():

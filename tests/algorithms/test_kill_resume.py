@@ -42,16 +42,16 @@ def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
     assert_kill_resume_bitwise(tmp_path, [algorithm, *ARGS, *CASES[algorithm]], ROUNDS)
 
 
-def assert_kill_resume_bitwise(tmp_path, args: list[str], rounds: int) -> None:
+def assert_kill_resume_bitwise(tmp_path, args: list[str], rounds: int, kill_after: int = 3) -> tuple[list, dict]:
     """``pfl run *args`` (an algorithm first, then options giving ``rounds`` rounds) once whole,
-    once killed with SIGKILL after its third round and resumed: the same metrics and final
-    checkpoint, bit for bit."""
+    once killed with SIGKILL after its ``kill_after``-th round and resumed: the same metrics and
+    final checkpoint, bit for bit.  Returns the whole run's (metric lines, checkpoint)."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     subprocess.run(pfl(*args, "--out", str(whole)), check=True, timeout=600)
     process = subprocess.Popen(pfl(*args, "--out", str(killed)), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
-    while len(metric_lines(killed)) < 3 and process.poll() is None and time.monotonic() < deadline:
+    while len(metric_lines(killed)) < kill_after and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
@@ -67,3 +67,4 @@ def assert_kill_resume_bitwise(tmp_path, args: list[str], rounds: int) -> None:
     final, want = read_checkpoint(killed / "checkpoint.pt"), read_checkpoint(whole / "checkpoint.pt")
     assert_same(final["federation"], want["federation"])
     assert_same(final["algorithm"], want["algorithm"])
+    return reference, want

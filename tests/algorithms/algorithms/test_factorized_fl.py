@@ -3,12 +3,7 @@ vectors, what each variant sends, the L1 gradient, μ's sparse count, Table 1's 
 from a dry run of the accounting, and a few rounds on digits (kill -9 and resume bitwise)."""
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +16,7 @@ from pfl_algorithms.api import Message, Uploads
 from pfl_algorithms.engine.checkpoint import read_checkpoint
 from pfl_algorithms.engine.rounds import run_round
 from pfl_kernels.nn import FactorizedLinear
-from tests.algorithms.state_checks import assert_same
-from tests.algorithms.test_kill_resume import metric_lines, pfl
+from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise, metric_lines
 
 from .federation_cases import make_federation
 
@@ -181,25 +175,4 @@ def test_a_few_rounds_on_digits_lower_the_loss(tmp_path, variant):
 
 def test_kill_9_then_resume_is_bitwise(tmp_path):
     pytest.importorskip("sklearn")
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    args = ["factorized-fl-beta", *ARGS]
-    subprocess.run(pfl(*args, "--out", str(whole)), check=True, timeout=300)
-    lines = metric_lines(whole)
-    state = read_checkpoint(whole / "checkpoint.pt")
-    process = subprocess.Popen(pfl(*args, "--out", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while len(metric_lines(killed)) < 3 and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    if len(metric_lines(killed)) >= ROUNDS:
-        pytest.fail("the run finished before the kill")
-    subprocess.run(pfl(args[0], "--out", str(killed), "--resume", "--quiet"), check=True, timeout=300,
-                   stderr=subprocess.DEVNULL)
-    resumed = metric_lines(killed)
-    for a, b in zip(resumed, lines, strict=True):
-        a.pop("wall_s"), b.pop("wall_s")
-        assert a == b
-    final = read_checkpoint(killed / "checkpoint.pt")
-    assert_same(final["federation"], state["federation"])
-    assert_same(final["algorithm"], state["algorithm"])
+    assert_kill_resume_bitwise(tmp_path, ["factorized-fl-beta", *ARGS], ROUNDS)

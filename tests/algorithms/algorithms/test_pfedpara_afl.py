@@ -3,10 +3,6 @@ digits through the CLI with kill -9 / --resume."""
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
@@ -16,13 +12,11 @@ from torch.nn import functional as F
 
 from pfl_algorithms.algorithms.agnostic_fl import AgnosticFL, ascend_lambda
 from pfl_algorithms.algorithms.pfedpara import PFedPara
-from pfl_algorithms.engine.checkpoint import read_checkpoint
 from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.models import build_model
 from pfl_algorithms.models.fedpara import FedParaConv2d, FedParaLinear, fedpara, fedpara_rank
 from tests.algorithms.engine.test_client_view import cross_entropy
-from tests.algorithms.state_checks import assert_same
-from tests.algorithms.test_kill_resume import metric_lines, pfl
+from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
 
 from .federation_cases import make_federation
 
@@ -208,30 +202,10 @@ CASES = {"pfedpara": ["--scenario", "iid"], "agnostic-fl": ["--scenario", "diric
 @pytest.mark.parametrize("algorithm", sorted(CASES))
 def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
     args = [algorithm, "--dataset", "digits", "--clients", "3", "--rounds", str(ROUNDS), "--quiet", *CASES[algorithm]]
-    subprocess.run(pfl(*args, "--out", str(whole)), check=True, timeout=600)
-    reference = metric_lines(whole)
+    reference, state = assert_kill_resume_bitwise(tmp_path, args, ROUNDS, kill_after=2)
     mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
     assert len(reference) == ROUNDS and all(math.isfinite(v) for v in mean) and mean[-1] < mean[0]
-    state = read_checkpoint(whole / "checkpoint.pt")
     for value in state["algorithm"].values():
         tensors = value.values() if isinstance(value, dict) else [value]
         assert all(torch.isfinite(t).all() for t in tensors if isinstance(t, torch.Tensor))
-    process = subprocess.Popen(pfl(*args, "--out", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while len(metric_lines(killed)) < 2 and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    assert len(metric_lines(killed)) < ROUNDS
-    subprocess.run(pfl(algorithm, "--out", str(killed), "--resume", "--quiet"), check=True, timeout=600,
-                   stderr=subprocess.DEVNULL)
-    resumed = metric_lines(killed)
-    assert [r["round"] for r in resumed] == list(range(ROUNDS))
-    for a, b in zip(resumed, reference):
-        a.pop("wall_s"), b.pop("wall_s")
-        assert a == b
-    final = read_checkpoint(killed / "checkpoint.pt")
-    assert_same(final["federation"], state["federation"])
-    assert_same(final["algorithm"], state["algorithm"])
