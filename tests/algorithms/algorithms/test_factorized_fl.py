@@ -173,6 +173,7 @@ def test_a_few_rounds_on_digits_lower_the_loss(tmp_path, variant):
     assert all(torch.isfinite(t).all() for t in state["algorithm"]["personal"].values())
 
 
-def test_kill_9_then_resume_is_bitwise(tmp_path):
+@pytest.mark.parametrize("variant", ["alpha", "beta"])
+def test_kill_9_then_resume_is_bitwise(tmp_path, variant):
     pytest.importorskip("sklearn")
-    assert_kill_resume_bitwise(tmp_path, ["factorized-fl-beta", *ARGS], ROUNDS)
+    assert_kill_resume_bitwise(tmp_path, [f"factorized-fl-{variant}", *ARGS], ROUNDS)
