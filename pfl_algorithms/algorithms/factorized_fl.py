@@ -77,10 +77,6 @@ def matching_weights(v: torch.Tensor, *, tau: float, scale: float, min_keep: int
     return similarity_weights(pairwise_cosine(v), tau=tau, scale=scale, min_keep=min_keep)
 
 
-def _not_head(name, owner, attribute) -> bool:
-    return not name.startswith("head.")
-
-
 class FactorizedFL(Algorithm):
     """Factorized layers, v-matched personalized aggregation; ``aggregated`` names the variant's groups."""
 
@@ -116,7 +112,7 @@ class FactorizedFL(Algorithm):
     def group_rules(self):
         match = lambda name, owner, attribute: name in self._match_params
         return (GroupRule(MATCH, modules=FACTORIZED, attributes=("v",), select=match),
-                *(GroupRule(a, modules=FACTORIZED, attributes=(a,), select=_not_head) for a in ("u", "v", "mu")))
+                *(GroupRule(a, modules=FACTORIZED, attributes=(a,), outside_head=True) for a in ("u", "v", "mu")))
 
     # ------------------------------------------------------------------ server side
 

@@ -43,8 +43,7 @@ class PFedPara(FedAvg):
         return fedpara(model, self.settings.ratio)
 
     def group_rules(self):
-        outside_head = lambda name, owner, attribute: not name.startswith("head.")  # noqa: E731
-        return (GroupRule("w1", modules=FEDPARA_LAYERS, attributes=("x1", "y1", "t1"), select=outside_head),
+        return (GroupRule("w1", modules=FEDPARA_LAYERS, attributes=("x1", "y1", "t1"), outside_head=True),
                 GroupRule("w2", modules=FEDPARA_LAYERS, attributes=("x2", "y2", "t2")))
 
     def local_groups(self, *, keep_head_local):

@@ -66,10 +66,6 @@ class SimFedSettings:
     mu_threshold: NonNegativeFloat = 0.0  # μ entries below this do not travel (0: the nonzeros)
 
 
-def _outside_head(name, owner, attribute) -> bool:
-    return not name.startswith("head.")
-
-
 def l1_term(lam: float):
     """The gradient term of λ1 Σ ‖μ‖₁ over the model's factorized layers (each μ once)."""
     def l1(view):
@@ -116,7 +112,7 @@ class SimFed(Algorithm):
 
     def group_rules(self):
         layers = (FactorizedConv2d, FactorizedLinear)
-        return tuple(GroupRule(g, modules=layers, attributes=(g,), select=_outside_head) for g in FACTORS)
+        return tuple(GroupRule(g, modules=layers, attributes=(g,), outside_head=True) for g in FACTORS)
 
     def setup(self, server):
         k = server.num_clients

@@ -32,13 +32,16 @@ class GroupRule:
 
     ``modules``: optional module types the owner must be an instance of (e.g. the factorized
     layers), checked before ``select``; ``attributes``: optional parameter attribute names
-    (e.g. ``("u",)``).  A rule with neither and no ``select`` is refused.
+    (e.g. ``("u",)``).  A rule with neither and no ``select`` is refused.  ``outside_head``:
+    the rule never takes the model's head (the classifier, found once by the model), which then
+    stays in the ``head`` group.
     """
 
     name: str
     modules: tuple[type, ...] = ()
     attributes: tuple[str, ...] = ()
     select: Optional[Selector] = None
+    outside_head: bool = False
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str) or self.name == BUFFERS:
@@ -116,7 +119,8 @@ def declare_groups(model: nn.Module, rules: Sequence[GroupRule], *, head: Iterab
     members: dict[str, list[str]] = {name: [] for name in [*names, "head", "body"]}
     for name, _ in model.named_parameters():
         owner, attribute = _owner(model, name)
-        chosen = next((r.name for r in rules if r.takes(name, owner, attribute)), None)
+        chosen = next((r.name for r in rules if not (r.outside_head and name in head)
+                       and r.takes(name, owner, attribute)), None)
         members[chosen or ("head" if name in head else "body")].append(name)
     position = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     declared = sorted((g for g in members if members[g]), key=lambda g: position[members[g][0]])
