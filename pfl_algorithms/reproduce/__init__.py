@@ -33,7 +33,7 @@ def reproduce(paper: str, *, scale: str = "cpu", seeds: int = 3, out: Optional[U
     out = Path(out) if out is not None else Path("runs") / f"reproduce-{paper}-{scale}"
     runs = plan(spec, scale, seeds, out, data_root=data_root, device=device)
     if dry_run:
-        return describe(spec, scale, runs)
+        return describe(spec, scale, seeds, out, runs)
     for index, run in enumerate(runs, 1):
         if progress:
             print(f"[{index}/{len(runs)}] {run.setting.label}, {run.method.label}, seed {run.seed}",

@@ -52,15 +52,15 @@ def plan(paper: Paper, scale: str, seeds: int, out: Path, *, data_root: Optional
             for setting in paper.settings[scale] for seed in range(seeds) for method in paper.methods]
 
 
-def describe(paper: Paper, scale: str, runs: list[PlannedRun]) -> str:
+def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[PlannedRun]) -> str:
     """The plan as text (``--dry-run``): one line per setting, with its methods and run count."""
-    lines = [f"{paper.name} at scale {scale}: {len(runs)} runs ({len(paper.methods)} methods × "
-             f"{len(paper.settings[scale])} settings × {len(runs) // max(1, len(paper.methods) * len(paper.settings[scale]))}"
-             f" seeds); every config checked"]
-    for setting in paper.settings[scale]:
+    settings = paper.settings[scale]
+    lines = [f"{paper.name} at scale {scale}: {len(runs)} runs ({len(paper.methods)} methods × {len(settings)} "
+             f"settings × {seeds} seeds); every config checked"]
+    for setting in settings:
         config = next(r.config for r in runs if r.setting is setting)
         lines.append(f"  {setting.label}: {config.dataset}/{config.scenario}, model {config.model}, "
                      f"{config.clients} clients, {config.rounds} rounds × {config.local_epochs} epochs "
-                     f"-> {runs[0].out.parents[2]}/{slug(setting.label)}/")
+                     f"-> {out / slug(setting.label)}/")
     lines.append("  methods: " + ", ".join(f"{m.label} ({m.algorithm})" for m in paper.methods))
     return "\n".join(lines)
