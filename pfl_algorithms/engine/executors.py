@@ -19,6 +19,7 @@ import os
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
@@ -36,6 +37,11 @@ def one_intra_op_thread():
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _on_one_intra_op_thread(run_one: Callable[[Task], Result], task: Task) -> Result:
+    torch.set_num_threads(1)
+    return run_one(task)
 
 
 class Executor(ABC):
@@ -78,9 +84,16 @@ class ThreadedExecutor(Executor):
                 return [run_one(task) for task in tasks]
         if self._pool is None:
             # Kept between rounds, so each thread keeps its working models.
-            self._pool = ThreadPoolExecutor(max_workers=self.workers, initializer=torch.set_num_threads,
-                                            initargs=(1,), thread_name_prefix="pfl-client")
-        return list(self._pool.map(run_one, tasks))
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="pfl-client")
+        # torch's intra-op thread count is partly process-wide (the count a thread adopts on its
+        # first parallel op, MKL's pool): a worker's set_num_threads(1) would otherwise stay in
+        # force for the caller after the round.  So each task sets 1 before any work (every
+        # task then runs on one thread whatever ran before), and the caller's count comes back.
+        previous = torch.get_num_threads()
+        try:
+            return list(self._pool.map(partial(_on_one_intra_op_thread, run_one), tasks))
+        finally:
+            torch.set_num_threads(previous)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,7 +1,10 @@
 """Every algorithm gives bitwise the same results on every executor."""
 from __future__ import annotations
 
+import threading
+
 import pytest
+import torch
 
 from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
 from pfl_algorithms.engine.executors import make_executor
@@ -31,3 +34,21 @@ def test_threaded_and_sequential_executors_agree_bitwise(name):
 def test_unknown_executor_is_refused():
     with pytest.raises(ValueError, match="executor must be one of"):
         make_executor("ray")
+
+
+def test_a_threaded_round_leaves_the_callers_thread_count_alone():
+    # Workers run each task on one intra-op thread; that must not leak into the process
+    # (it once did: a benchmark's plain-PyTorch baseline then ran on 1 thread of 2).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        algo = make_algorithm("fedavg")
+        fed = make_federation(algo, rounds=1, epochs=1, executor="threaded", workers=2)
+        run_round(fed, algo, 0)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert (torch.get_num_threads(), seen) == (2, [2])
+    finally:
+        torch.set_num_threads(threads)
