@@ -30,7 +30,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install "torch==$TORCH_VERSION"
 fi
 missing=()
-for spec in "triton:triton" "pytest:pytest" "pytest_benchmark:pytest-benchmark" "numpy:numpy" \
+for spec in "triton:triton" "pytest:pytest" "pytest_benchmark:pytest-benchmark" "xdist:pytest-xdist" "numpy:numpy" \
             "ninja:ninja" "setuptools:setuptools" "expecttest:expecttest" "sklearn:scikit-learn" \
             "matplotlib:matplotlib" "scipy:scipy" "PIL:pillow"; do
   "$PY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
