@@ -48,13 +48,15 @@ from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import Message, Sparse
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
+from .models.base import head_parameter_names
 from .models.fedpara import FEDPARA_LAYERS, fedpara
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
                            check_options, field_hints)
 
 __all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClientView", "Evaluation", "Fraction",
            "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
-           "PositiveFloat", "PositiveInt", "Range", "Sparse", "StateSpec", "Uploads", "algorithm_class", "fedpara"]
+           "PositiveFloat", "PositiveInt", "Range", "Sparse", "StateSpec", "Uploads", "algorithm_class", "fedpara",
+           "head_parameter_names"]
 
 ALGORITHMS: dict[str, type] = {}
 

@@ -310,6 +310,8 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
                 if value is not None:
                     extra = extra + value
             optimizer.step(work.params, work.grads, state, ranges=ranges)
+            if phase.after_step is not None:
+                phase.after_step(view)
             n = sum(int(b[1].numel()) for b in batches)
             totals.loss += (loss.detach() + extra) * n
             totals.samples += n

@@ -20,6 +20,8 @@ Hooks an algorithm can give a phase:
 * ``begin``: ``begin(view) -> None`` runs once on the client before the phase's first step
   (it may read the client's splits with ``view.evaluate`` and change ``view.params``):
   FedFomo's first-order combination of the downloaded models.
+* ``after_step``: ``after_step(view) -> None`` runs after each optimizer step (it may change
+  ``view.params`` in place): pFedMB's projection of α back onto the simplex.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ LossTerm = Callable[[Batch], Tensor]
 GradTerm = Callable[[Any], Optional[Tensor]]
 CustomGradient = Callable[[Any, list], Tensor]
 Begin = Callable[[Any], None]
+AfterStep = Callable[[Any], None]
 
 
 def _positive_or_none(name: str, value, *, allow_zero: bool) -> None:
@@ -76,7 +79,7 @@ class Phase:
             the run's settings are not used.
         state: the name of this phase's optimizer state (None: the phase's position in its
             plan, so phases never share state unless they name the same one).
-        loss_terms, grad_terms, gradient, batches_per_step, begin: module docstring.
+        loss_terms, grad_terms, gradient, batches_per_step, begin, after_step: module docstring.
     """
 
     groups: Optional[tuple[str, ...]] = None
@@ -92,6 +95,7 @@ class Phase:
     gradient: Optional[CustomGradient] = None
     batches_per_step: int = 1
     begin: Optional[Begin] = None
+    after_step: Optional[AfterStep] = None
 
     def __post_init__(self):
         if isinstance(self.groups, str):

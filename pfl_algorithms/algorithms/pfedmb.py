@@ -1,0 +1,197 @@
+"""pFedMB (Mori, Yoshiyama, Furukawa and Teranishi, "Personalized Federated Learning with
+Multi-branch Architecture", IJCNN 2023): every layer is a convex combination of B branches,
+
+    W_l = Σ_b α_{l,b} W_{l,b},   α_l ≥ 0, Σ_b α_{l,b} = 1            (Eq. 1–2)
+
+with the branches W shared by all clients and the branch weights α personal.
+
+Local update (Algorithm 1, lines 18–20), a two-phase plan, each phase with its own optimizer
+state (momentum and Adam moments of α never mix with those of W):
+
+1. E epochs on α with W fixed, at η_α (``alpha_lr``; None: the run's lr)    (Eq. 3)
+2. E epochs on W with α fixed, at the run's lr                              (Eq. 4)
+
+α stays on the simplex by a softmax over per-branch logits (``simplex='softmax'``, the
+default: the paper does not say how) or by Euclidean projection after every step of phase 1
+(``'projection'``).  Initial α is uniform (the paper's choice) and each branch is drawn
+independently as a fresh layer's weight would be (CondConv's experts are; the paper does
+not say): with uniform α, branches that start equal get equal gradients and never part.
+
+Server (Eq. 5): each branch b of each layer l is averaged over the senders weighted by
+n_i·α^i_{l,b},  W_{l,b} = Σ_i n_i α^i_{l,b} W^i_{l,b} / Σ_j n_j α^j_{l,b}, as one
+``branch_aggregate`` per α over the round's uploads (with ``shared_alpha``, one for the whole
+model).  A branch nobody weights keeps the plain average (the op's rule).  ``weighting=
+'uniform'`` is the paper's ablation "without α-weighted averaging" (Eq. 6): plain n_i-weighted
+averaging, as FedAvg does.
+
+Communication: the branches go down and up.  α is never downloaded (nor averaged); under
+Eq. 5 each client sends its α up with its branches (Algorithm 1, line 21: the server cannot
+weight by α_i otherwise), B numbers per layer, counted; under Eq. 6 α is never sent.
+
+Which layers branch (``layers``): the paper "extends each linear layer to a multi-branch
+layer", and its CNN has two convolutions and three fully connected layers; a convolution is
+a linear map too, and the paper's Eq. 2 writes W_l * x, a convolution, so ``'all'`` (the
+default) branches every Conv2d and Linear, classifier included; ``'fc'`` branches only the
+fully connected layers (the convolutions are then plain FedAvg-averaged weights).
+``shared_alpha``: one α for all layers (Section 5.2, the paired experiment of Table 1).
+The classifier stays with the client in the permuted and multi-domain scenarios, as for
+every method; its α is personal as all α are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import torch
+from torch import nn
+
+from pfl_kernels.nn import MultiBranchConv2d, MultiBranchLinear, multibranch, multibranch_layers
+from pfl_kernels.ops import branch_aggregate, project_simplex_
+
+from ..api import GroupRule, OneOf, Phase, PositiveFloat, PositiveInt, head_parameter_names
+from .fedavg import FedAvg
+
+MULTIBRANCH = (MultiBranchConv2d, MultiBranchLinear)
+BRANCHED = ("branch_weight", "branch_bias")  # the attributes holding [B, ...] branch tensors
+ALPHA = "alpha"
+
+
+@dataclass(frozen=True)
+class PFedMBSettings:
+    branches: PositiveInt = 5  # B (the paper: B ≤ 10, 5 in its paired experiment)
+    weighting: Annotated[str, OneOf(("alpha", "uniform"))] = "alpha"  # Eq. 5, or Eq. 6's plain averaging
+    shared_alpha: bool = False  # one α for every layer (Section 5.2)
+    simplex: Annotated[str, OneOf(("softmax", "projection"))] = "softmax"
+    alpha_lr: Optional[PositiveFloat] = None  # η_α (tuned on validation in the paper, not reported); None: the run's lr
+    layers: Annotated[str, OneOf(("all", "fc"))] = "all"  # which layers branch (module docstring)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """One parameter inside its group's flat row: where, how long, and its α (None: not branched)."""
+
+    start: int
+    numel: int
+    slot: Optional[int]
+
+
+class PFedMB(FedAvg):
+    """Multi-branch layers: personal α trained first, then shared branches; α-weighted branch averaging."""
+
+    name = "pfedmb"
+    description = "multi-branch layers: personal branch weights alpha, branches averaged weighted by n_i*alpha_i"
+    Settings = PFedMBSettings
+
+    def __init__(self, **settings):
+        super().__init__(**settings)
+        self._segments: Optional[dict[str, list[_Segment]]] = None
+        self._weight_groups: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ declarations
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        s = self.settings
+        exclude = [] if s.layers == "all" else [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+        multibranch(model, branches=s.branches, simplex="softmax" if s.simplex == "softmax" else "project",
+                    shared_alpha=s.shared_alpha, exclude=exclude)
+        layers = multibranch_layers(model)
+        if not layers:
+            raise ValueError(f"{self.name}: the model has no layer to make multi-branch (layers={s.layers!r})")
+        for layer in layers:  # independent draws per branch: copies of one dense weight would stay equal forever
+            layer.reset_parameters()
+        segments, groups = self._layout(model)
+        if self._segments is not None and segments != self._segments:
+            raise ValueError(f"{self.name} needs every client on one architecture")
+        self._segments, self._weight_groups = segments, groups
+        return model
+
+    @staticmethod
+    def _layout(model: nn.Module) -> tuple[dict[str, list[_Segment]], tuple[str, ...]]:
+        """Each group's parameters in row order (the groups' rule: model order) with their α
+        slot, and the groups phase 2 trains (everything but α)."""
+        owners = {id(p): (m, attr) for m in model.modules() for attr, p in m.named_parameters(recurse=False)}
+        slots: dict[int, int] = {}  # id(alpha_param) -> its position in the alpha group
+        head = set(head_parameter_names(model))
+        segments: dict[str, list[_Segment]] = {}
+        offsets: dict[str, int] = {}
+        for name, p in model.named_parameters():
+            module, attribute = owners[id(p)]
+            branched = isinstance(module, MULTIBRANCH) and attribute in BRANCHED
+            if isinstance(module, MULTIBRANCH) and attribute == "alpha_param":
+                group = ALPHA
+                slots.setdefault(id(p), len(slots))
+            else:
+                group = "head" if name in head else ("branches" if branched else "body")
+            slot = slots.setdefault(id(module.alpha_param), len(slots)) if branched else None
+            start = offsets.get(group, 0)
+            segments.setdefault(group, []).append(_Segment(start, p.numel(), slot))
+            offsets[group] = start + p.numel()
+        return segments, tuple(g for g in ("branches", "body", "head") if g in segments)
+
+    def group_rules(self):
+        return (GroupRule(ALPHA, modules=MULTIBRANCH, attributes=("alpha_param",)),
+                GroupRule("branches", modules=MULTIBRANCH, attributes=BRANCHED, outside_head=True))
+
+    def local_groups(self, *, keep_head_local):
+        return {ALPHA} | super().local_groups(keep_head_local=keep_head_local)
+
+    # ------------------------------------------------------------------ server side
+
+    def aggregate(self, round_, uploads):
+        """Eq. 5 (or Eq. 6) for the branched parameters, n_i-weighted averaging for the rest."""
+        if not uploads:
+            return
+        alpha = self.sender_alpha(uploads.stack(ALPHA)) if self.settings.weighting == "alpha" else None
+        counts = uploads.num_examples
+        model = dict(self.global_model)
+        for group in uploads.names():
+            if group == ALPHA:
+                continue
+            rows = uploads.stack(group)
+            if group in self._segments and any(seg.slot is not None for seg in self._segments[group]):
+                model[group] = self.branch_mean(rows, self._segments[group], alpha, counts, self.settings.branches)
+            else:
+                model[group] = uploads.weighted_mean([group])[group]
+        self.global_model = model
+
+    def sender_alpha(self, rows: torch.Tensor) -> torch.Tensor:
+        """[M, S, B] α of every sender (S: the model's α, one per layer or one shared) from
+        their alpha rows (softmax logits, or α itself under projection)."""
+        alpha = rows.reshape(len(rows), -1, self.settings.branches)
+        return torch.softmax(alpha, dim=-1) if self.settings.simplex == "softmax" else alpha
+
+    @staticmethod
+    def branch_mean(rows: torch.Tensor, segments: list[_Segment], alpha: Optional[torch.Tensor],
+                    counts: torch.Tensor, branches: int) -> torch.Tensor:
+        """One group's aggregate: for each α slot, every branch tensor it weighs gathered into one
+        [M, B, P] bank and reduced by one ``branch_aggregate`` (Eq. 5; uniform α: Eq. 6);
+        parameters that do not branch are averaged with weights n_i / Σ n."""
+        out = torch.empty_like(rows[0])
+        by_slot: dict[int, list[torch.Tensor]] = {}
+        for seg in segments:
+            positions = torch.arange(seg.start, seg.start + seg.numel, device=rows.device)
+            if seg.slot is None:
+                out[positions] = (counts / counts.sum()).to(rows.dtype) @ rows[:, positions]
+            else:
+                by_slot.setdefault(seg.slot, []).append(positions.reshape(branches, -1))
+        for slot, parts in by_slot.items():
+            index = torch.cat(parts, dim=1)  # [B, P]: branch-major across the slot's tensors
+            weights = torch.ones(len(rows), branches, dtype=torch.float64) if alpha is None else alpha[:, slot]
+            out[index] = branch_aggregate(rows[:, index], weights, counts)
+        return out
+
+    # ------------------------------------------------------------------ client side
+
+    def plan(self, client):
+        s = self.settings
+        project = self._project_alpha if s.simplex == "projection" else None
+        return (Phase(groups=(ALPHA,), lr=s.alpha_lr, state="alpha", after_step=project),
+                Phase(groups=self._weight_groups, state="weights"))
+
+    def _project_alpha(self, view) -> None:
+        with torch.no_grad():
+            project_simplex_(view.group(ALPHA).view(-1, self.settings.branches))
+
+    def upload(self, view):
+        extra = [ALPHA] if self.settings.weighting == "alpha" else []
+        return view.message([*view.received(), *extra])

@@ -1,0 +1,201 @@
+"""pFedMB: Eq. 5 / Eq. 6 against float64 references, the two phases, α on the simplex, what
+travels, and digits through the CLI with kill -9 / --resume."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pfl_algorithms.algorithms.pfedmb import ALPHA, PFedMB
+from pfl_algorithms.api import Message, Uploads
+from pfl_algorithms.engine.rounds import run_round
+from pfl_kernels.nn import multibranch_layers
+from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+
+from .federation_cases import make_federation
+
+TOL = dict(rtol=1e-12, atol=1e-12)
+B = 3
+
+
+def federation(**settings):
+    algo = PFedMB(branches=B, **settings)
+    return algo, make_federation(algo)
+
+
+def test_segments_follow_the_engines_layout():
+    """The algorithm's view of each group's row is where the engine put each tensor."""
+    for shared in (False, True):
+        algo, fed = federation(shared_alpha=shared)
+        cohort = fed.cohorts[0]
+        for group, segments in algo._segments.items():
+            start = cohort.span(group).start
+            members = cohort.groups.members[group]
+            assert [(cohort.layout.by_name[n].offset - start, math.prod(cohort.layout.by_name[n].shape))
+                    for n in members] == [(s.start, s.numel) for s in segments]
+        # TinyNet: body Linear and head Linear, both branched; α one per layer, or one shared.
+        assert cohort.groups.members[ALPHA] == (("body.0.alpha_param",) if shared else
+                                                 ("body.0.alpha_param", "head.alpha_param"))
+        assert [s.slot for s in algo._segments["branches"]] == [0, 0]
+        assert [s.slot for s in algo._segments["head"]] == [0, 0] if shared else [1, 1]
+
+
+def random_uploads(algo, fed, senders=(0, 2), *, zero_branch=None, gen_seed=1):
+    """Uploads with random (non-zero) rows for every group the clients send, α on the simplex."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    cohort = fed.cohorts[0]
+    messages = []
+    for k in senders:
+        tensors = {g: torch.randn(cohort.span(g).stop - cohort.span(g).start, generator=gen, dtype=torch.float64)
+                   for g in ("branches", "head", ALPHA)}
+        if zero_branch is not None:  # α as projection keeps it: branch `zero_branch` weighted 0 by everyone
+            alpha = torch.rand(len(tensors[ALPHA]) // B, B, generator=gen, dtype=torch.float64)
+            alpha[:, zero_branch] = 0
+            tensors[ALPHA] = (alpha / alpha.sum(1, keepdim=True)).reshape(-1)
+        messages.append(Message(tensors, {}, 10 + 7 * k))
+    return Uploads(list(senders), messages)
+
+
+def reference(fed, uploads, alpha_of, group):
+    """Eq. 5 per layer, parameter and branch, in float64, from the model's own parameter list."""
+    cohort = fed.cohorts[0]
+    start = cohort.span(group).start
+    n = uploads.num_examples
+    out = []
+    for name in cohort.groups.members[group]:
+        entry = cohort.layout.by_name[name]
+        lo, size = entry.offset - start, math.prod(entry.shape)
+        layer = name.rsplit(".", 1)[0]
+        w = uploads.stack(group)[:, lo:lo + size].reshape(len(n), B, -1)  # [M, B, P]
+        a = torch.stack([alpha_of(m, layer) for m in uploads.messages])  # [M, B]
+        weight = n[:, None] * a
+        out.append(((weight[:, :, None] * w).sum(0) / weight.sum(0)[:, None]).reshape(-1))
+    return torch.cat(out)
+
+
+def alpha_reader(fed, softmax: bool):
+    cohort = fed.cohorts[0]
+    names = cohort.groups.members[ALPHA]
+
+    def alpha_of(message, layer):
+        name = f"{layer}.alpha_param" if f"{layer}.alpha_param" in names else names[0]  # shared: the first
+        lo = names.index(name) * B
+        a = message.tensors[ALPHA][lo:lo + B]
+        return torch.softmax(a, 0) if softmax else a
+
+    return alpha_of
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_eq5_weights_each_branch_by_n_times_alpha(shared):
+    algo, fed = federation(shared_alpha=shared)
+    uploads = random_uploads(algo, fed)
+    algo.aggregate(0, uploads)
+    for group in ("branches", "head"):
+        torch.testing.assert_close(algo.global_model[group], reference(fed, uploads, alpha_reader(fed, True), group),
+                                   **TOL)
+
+
+def test_eq6_is_plain_sample_weighted_averaging():
+    algo, fed = federation(weighting="uniform")
+    uploads = random_uploads(algo, fed)
+    algo.aggregate(0, uploads)
+    for group in ("branches", "head"):
+        want = (uploads.weights()[:, None] * uploads.stack(group)).sum(0)
+        torch.testing.assert_close(algo.global_model[group], want, **TOL)
+
+
+def test_projection_alpha_and_a_branch_nobody_weights_keeps_the_plain_average():
+    algo, fed = federation(simplex="projection")
+    uploads = random_uploads(algo, fed, zero_branch=1)
+    algo.aggregate(0, uploads)
+    for group in ("branches", "head"):
+        got = algo.global_model[group]
+        want = reference(fed, uploads, alpha_reader(fed, False), group)
+        plain = uploads.stack(group).mean(0)  # branch 1: Σ n α = 0, the unweighted mean (the op's rule)
+        start = fed.cohorts[0].span(group).start
+        for name in fed.cohorts[0].groups.members[group]:
+            entry = fed.cohorts[0].layout.by_name[name]
+            lo, size = entry.offset - start, math.prod(entry.shape)
+            per_branch = size // B
+            b1 = slice(lo + per_branch, lo + 2 * per_branch)
+            torch.testing.assert_close(got[b1], plain[b1], **TOL)
+            for b in (0, 2):
+                part = slice(lo + b * per_branch, lo + (b + 1) * per_branch)
+                torch.testing.assert_close(got[part], want[part], **TOL)
+
+
+def test_the_two_phases_touch_only_their_own_parameters_with_their_own_state():
+    algo, fed = federation()
+    plan = algo.plan(0)
+    assert [p.groups for p in plan] == [(ALPHA,), ("branches", "head")] and [p.state for p in plan] == ["alpha", "weights"]
+    cohort = fed.cohorts[0]
+    alpha, weights = cohort.span(ALPHA), [cohort.span(g) for g in ("branches", "head")]
+    for only in (0, 1):
+        algo_one, fed_one = federation()
+        algo_one.plan = lambda client, only=only: (algo.plan(client)[only],)
+        before = fed_one.cohorts[0].params.data.clone()
+        run_round(fed_one, algo_one, 0)
+        after = fed_one.cohorts[0].params.data
+        assert torch.equal(after[:, alpha], before[:, alpha]) == (only == 1)
+        for span in weights:
+            assert torch.equal(after[:, span], before[:, span]) == (only == 0)
+    # Kept momentum: each phase's state lives in its own bank and only over its own groups.
+    algo, fed = PFedMB(branches=B), None
+    fed = make_federation(algo, optimizer_settings={"lr": 0.1, "momentum": 0.9}, optimizer_state="keep")
+    run_round(fed, algo, 0)
+    cohort = fed.cohorts[0]
+    momentum = {s: next(iter(banks.values())).data for s, banks in cohort.optimizer_state.items()}
+    assert set(momentum) == {"alpha", "weights"}
+    assert momentum["alpha"][:, alpha].abs().sum() > 0 and momentum["weights"][:, alpha].abs().sum() == 0
+    for span in weights:
+        assert momentum["weights"][:, span].abs().sum() > 0 and momentum["alpha"][:, span].abs().sum() == 0
+
+
+def test_projection_keeps_alpha_on_the_simplex_after_every_step():
+    algo, fed = federation(simplex="projection", alpha_lr=5.0)  # big steps would leave the simplex
+    for round_ in range(2):
+        run_round(fed, algo, round_)
+    rows = fed.cohorts[0].params.data[:, fed.cohorts[0].span(ALPHA)].reshape(-1, B)
+    assert (rows >= 0).all()
+    torch.testing.assert_close(rows.sum(1), torch.ones(len(rows), dtype=rows.dtype), **TOL)
+    assert not torch.allclose(rows, torch.full_like(rows, 1 / B))  # α did move
+
+
+def test_alpha_goes_up_only_under_eq5_and_never_down():
+    for weighting, sent in (("alpha", True), ("uniform", False)):
+        algo, fed = federation(weighting=weighting)
+        run_round(fed, algo, 0)
+        assert ALPHA not in algo.configure(1, torch.tensor([0])).tensors
+        assert ALPHA not in algo.global_model
+        captured = []
+        aggregate = algo.aggregate
+        algo.aggregate = lambda r, uploads: (captured.append(uploads), aggregate(r, uploads))
+        run_round(fed, algo, 1)
+        assert (ALPHA in captured[0].names()) == sent
+
+
+def test_layers_fc_leaves_convolutions_dense_and_bad_settings_name_the_setting():
+    from pfl_algorithms.models import build_model
+    model = PFedMB(branches=2, layers="fc").prepare_model(build_model("lenet5", input_shape=(3, 32, 32), num_classes=10))
+    kinds = [type(m).__name__ for m in multibranch_layers(model)]
+    assert kinds == ["MultiBranchLinear"] * 3
+    assert all(type(m).__name__ == "Conv2d" for m in model.modules() if "Conv" in type(m).__name__)
+    for bad, key in (({"branches": 0}, "branches"), ({"weighting": "alpha-ish"}, "weighting"),
+                     ({"simplex": "clip"}, "simplex"), ({"alpha_lr": -1.0}, "alpha_lr"), ({"layers": "conv"}, "layers")):
+        with pytest.raises(ValueError, match=key):
+            PFedMB(**bad)
+
+
+def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
+    pytest.importorskip("sklearn")
+    rounds = 4
+    args = ["pfedmb", "--dataset", "digits", "--clients", "3", "--rounds", str(rounds), "--quiet",
+            "--scenario", "pathological", "--optimizer-state", "keep"]
+    reference, state = assert_kill_resume_bitwise(tmp_path, args, rounds, kill_after=2)
+    mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
+    assert all(math.isfinite(v) for v in mean) and mean[-1] < mean[0]
+    for tensor in state["algorithm"]["global_model"].values():
+        assert torch.isfinite(tensor).all()
+
