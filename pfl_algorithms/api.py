@@ -107,6 +107,9 @@ class Algorithm:
     description: ClassVar[str] = ""
     Settings: ClassVar[type] = NoSettings
     capabilities: ClassVar[Capabilities] = Capabilities()
+    # Local fine-tuning epochs before evaluation when the run gives no --finetune-epochs
+    # (the engine runs it for every algorithm: ``rounds.finetune_phase``).
+    finetune_epochs: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -67,11 +67,14 @@ FLAGS = {
     "data_root": (str, "where dataset files are read"),
     "augment": (str, "training-batch augmentation, e.g. crop,flip (`pfl list`)"),
     "keep_head_local": (_flag_bool, "true: the classifier head never leaves a client"),
+    "finetune_epochs": (int, "local epochs each client fine-tunes its evaluation model first (fresh optimizer "
+                             "state; never stored or sent)"),
 }
 # What a default of None means, for the help of the flags whose RunConfig default is None.
 _NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "samples_per_client": "all of a client's share",
                "workers": "one per CPU core", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
-               "keep_head_local": "true in the permuted and multi-domain scenarios, else false"}
+               "keep_head_local": "true in the permuted and multi-domain scenarios, else false",
+               "finetune_epochs": "the algorithm's: 0, fedavg-ft 1"}
 _METAVARS = {int: "N", float: "X", str: "NAME", _flag_bool: "true|false", "data_root": "DIR", "augment": "SPEC",
              "device": "DEVICE"}
 

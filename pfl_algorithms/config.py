@@ -71,6 +71,7 @@ class RunConfig:
     augment: Optional[str] = None  # training-batch augmentation, e.g. "crop,flip" (see `pfl list`)
     samples_per_client: Optional[PositiveInt] = None
     keep_head_local: Optional[bool] = None  # None: True in HEAD_LOCAL_SCENARIOS
+    finetune_epochs: Optional[NonNegativeInt] = None  # None: the algorithm's own (0; fedavg-ft: 1)
     algorithm_settings: dict = field(default_factory=dict)
     scenario_options: dict = field(default_factory=dict)
     dataset_options: dict = field(default_factory=dict)
@@ -78,6 +79,13 @@ class RunConfig:
 
     def head_local(self) -> bool:
         return self.scenario in HEAD_LOCAL_SCENARIOS if self.keep_head_local is None else self.keep_head_local
+
+    def finetune(self) -> int:
+        """Epochs each client fine-tunes before evaluation (``finetune_epochs``, else the
+        algorithm's default)."""
+        if self.finetune_epochs is not None:
+            return self.finetune_epochs
+        return ALGORITHMS[self.algorithm].finetune_epochs
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -58,7 +58,7 @@ def build(config: RunConfig):
                               schedule=schedule, optimizer=config.optimizer,
                               optimizer_settings=_optimizer_settings(config), eval_every=config.eval_every,
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=config.executor,
-                              workers=config.workers)
+                              workers=config.workers, finetune_epochs=config.finetune())
     augment = None
     if config.augment is not None:
         from .data.augment import make_augmentation

@@ -1,25 +1,15 @@
 """FedAvg-FT: FedAvg, and each client is evaluated after fine-tuning the global model on its
-own training split (``finetune_epochs`` local epochs from the global model, fresh optimizer
-state; the fine-tuned copy is used for evaluation only and never sent)."""
+own training split: FedAvg with the run's ``--finetune-epochs`` defaulting to 1 (fresh
+optimizer state; the fine-tuned copy is used for evaluation only and never sent).  Any
+algorithm fine-tunes the same way with ``--finetune-epochs E``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..api import Evaluation, Message, NonNegativeInt, Phase
 from .fedavg import FedAvg
-
-
-@dataclass(frozen=True)
-class FedAvgFTSettings:
-    finetune_epochs: NonNegativeInt = 1
 
 
 class FedAvgFT(FedAvg):
     """FedAvg, then local fine-tuning before each evaluation."""
 
     name = "fedavg-ft"
-    description = "FedAvg, evaluated after each client fine-tunes the global model locally"
-    Settings = FedAvgFTSettings
-
-    def evaluation(self, client):
-        return Evaluation(Message(self.global_model), plan=(Phase(epochs=self.settings.finetune_epochs),))
+    description = "FedAvg, evaluated after each client fine-tunes the global model locally (--finetune-epochs, 1)"
+    finetune_epochs = 1

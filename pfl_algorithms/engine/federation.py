@@ -35,6 +35,8 @@ class EngineSettings:
     from fresh optimizer state, as FedAvg-style code does) or 'keep' (each client's state
     persists in its bank rows).  ``executor``: where client tasks run ('threaded', the CPU
     default, or 'sequential'); ``workers``: tasks at once for 'threaded' (None: one per core).
+    ``finetune_epochs``: before evaluation, each client fine-tunes a scratch copy of its
+    evaluation model for that many epochs (``rounds.finetune_phase``; 0: none).
     """
 
     rounds: int = 10
@@ -48,6 +50,7 @@ class EngineSettings:
     optimizer_state: str = "reset"
     executor: str = "threaded"
     workers: Optional[int] = None
+    finetune_epochs: int = 0
 
     def __post_init__(self):
         if self.rounds < 0:
@@ -61,6 +64,9 @@ class EngineSettings:
         count = self.clients_per_round
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ValueError(f"clients_per_round must be None or an integer >= 1, got {count!r}")
+        epochs = self.finetune_epochs
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ValueError(f"finetune_epochs must be an integer >= 0, got {epochs!r}")
 
 
 class Server:

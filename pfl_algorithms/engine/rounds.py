@@ -18,7 +18,7 @@ A client whose update is not finite sends nothing and keeps the state it had bef
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Union
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 from .client import EvalTask, Evaluation, TrainTask, phase_optimizer, run_eval_task, run_train_task
 from .federation import EngineSettings, Federation, Server
 from .messages import Message
-from .plan import state_names
+from .plan import Phase, state_names
 from .uploads import Uploads
 
 
@@ -110,9 +110,31 @@ def _evaluation(value) -> Evaluation:
     raise TypeError(f"evaluation() must return None, a Message or an Evaluation, got {type(value).__name__}")
 
 
+def finetune_phase(algorithm, client: int, epochs: int) -> Phase:
+    """Local fine-tuning before evaluation, for every algorithm (pFedMB's tables fine-tune every
+    method): ``epochs`` epochs of the run's optimizer, from fresh state, on the groups the
+    client trains in its local plan (every group if a phase trains every group)."""
+    groups: Optional[set] = set()
+    for phase in algorithm.plan(client):
+        if phase.groups is None:
+            groups = None
+            break
+        groups.update(phase.groups)
+    return Phase(epochs=epochs, groups=None if groups is None else tuple(sorted(groups)), state="finetune")
+
+
+def _evaluation_task(fed: Federation, algorithm, client: int, split: str) -> EvalTask:
+    evaluation = _evaluation(algorithm.evaluation(client))
+    if fed.settings.finetune_epochs:  # after the algorithm's own adaptation (Per-FedAvg's step), if any
+        evaluation = replace(evaluation, plan=(*evaluation.plan,
+                                               finetune_phase(algorithm, client, fed.settings.finetune_epochs)))
+    return EvalTask(client, fed.round, split, evaluation)
+
+
 def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:
-    """Personalized accuracy: every client's evaluation model on its own split; means over clients."""
-    tasks = [EvalTask(c, fed.round, split, _evaluation(algorithm.evaluation(c))) for c in range(fed.num_clients)]
+    """Personalized accuracy: every client's evaluation model on its own split, fine-tuned first
+    when the run asks (``finetune_epochs``); means over clients."""
+    tasks = [_evaluation_task(fed, algorithm, c, split) for c in range(fed.num_clients)]
     results = fed.executor.run(tasks, lambda task: run_eval_task(fed, task))
     acc = {r.client: r.accuracy for r in results}
     loss = {r.client: r.loss for r in results}

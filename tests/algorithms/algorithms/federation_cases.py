@@ -42,7 +42,7 @@ def client_splits(sizes, label_maps=None):
 def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sample=1.0, clients_per_round=None,
                     steps=None, epochs=1, lr=0.1, keep_head_local=False, label_maps=None, seed=0, batch_size=16,
                     workers=1, executor="threaded", optimizer="sgd", optimizer_settings=None, optimizer_state="reset",
-                    models=None, architectures=None, dtype=torch.float64):
+                    models=None, architectures=None, dtype=torch.float64, finetune_epochs=0):
     inputs, labels = blobs(sum(sizes[:clients]), seed=seed)
     inputs = inputs.to(dtype)
     torch.manual_seed(seed)
@@ -50,6 +50,7 @@ def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sampl
     settings = EngineSettings(rounds=rounds, sample=sample, clients_per_round=clients_per_round, seed=seed,
                               optimizer=optimizer, optimizer_settings=optimizer_settings or {"lr": lr},
                               workers=workers, executor=executor, optimizer_state=optimizer_state,
+                              finetune_epochs=finetune_epochs,
                               schedule=LocalSchedule(batch_size=batch_size, epochs=epochs, steps=steps))
     return federation_for(algorithm, models, inputs, labels, client_splits(sizes[:clients], label_maps), settings,
                           keep_head_local=keep_head_local, architectures=architectures)

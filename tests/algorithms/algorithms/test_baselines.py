@@ -119,9 +119,9 @@ def test_fedper_clients_start_each_round_from_their_own_head_and_the_global_body
         torch.testing.assert_close(row(fed, k), want[k], rtol=1e-12, atol=1e-12)
 
 
-def test_fedavg_ft_finetunes_for_evaluation_only():
-    base, ft0, ft = FedAvg(), FedAvgFT(finetune_epochs=0), FedAvgFT(finetune_epochs=2)
-    feds = [make_federation(a) for a in (base, ft0, ft)]
+def test_finetune_epochs_finetunes_for_evaluation_only():
+    base, ft0, ft = FedAvg(), FedAvg(), FedAvg()
+    feds = [make_federation(a, finetune_epochs=e) for a, e in ((base, 0), (ft0, 0), (ft, 2))]
     for fed, a in zip(feds, (base, ft0, ft)):
         run_round(fed, a, 0)
     fed = feds[2]
@@ -143,6 +143,14 @@ def test_fedavg_ft_finetunes_for_evaluation_only():
         want_loss = float(F.cross_entropy(logits, fed.labels[test], reduction="sum").double() / test.numel())
         assert evals[2]["loss"][client] == pytest.approx(want_loss, rel=1e-10)
         assert evals[2]["loss"][client] != evals[0]["loss"][client]  # fine-tuning changed the model
+
+
+def test_fedavg_ft_is_fedavg_finetuning_one_epoch_by_default():
+    from pfl_algorithms.config import RunConfig
+    assert issubclass(FedAvgFT, FedAvg) and "evaluation" not in vars(FedAvgFT)
+    assert RunConfig(algorithm="fedavg-ft").finetune() == 1 and RunConfig(algorithm="fedavg").finetune() == 0
+    assert RunConfig(algorithm="fedavg-ft", finetune_epochs=0).finetune() == 0
+    assert RunConfig(algorithm="pfedme", finetune_epochs=3).finetune() == 3
 
 
 def test_non_finite_update_is_not_aggregated():
