@@ -242,6 +242,7 @@ def phase_optimizer(phase: Phase, settings):
     if phase.lr is not None:
         values["lr"] = phase.lr
     values.update(phase.optimizer_settings)
+    values["lr"] = values["lr"] * phase.lr_scale
     return make_optimizer(name, **values)
 
 

@@ -74,6 +74,7 @@ class Phase:
         epochs / steps: how long (at most one of them; both None: the run's schedule).
         batch_size: None: the run's.
         optimizer: 'sgd' | 'adam' | 'adamw', None: the run's.  lr: None: the run's.
+        lr_scale: multiplies that lr (pFedMB's branches: B times the run's lr).
         optimizer_settings: other settings of the optimizer (momentum, weight_decay, betas,
             ...), replacing the run's where given; with another optimizer than the run's,
             the run's settings are not used.
@@ -88,6 +89,7 @@ class Phase:
     batch_size: Optional[int] = None
     optimizer: Optional[str] = None
     lr: Optional[float] = None
+    lr_scale: float = 1.0
     optimizer_settings: Mapping[str, Any] = field(default_factory=dict)
     state: Optional[str] = None
     loss_terms: tuple[LossTerm, ...] = ()
@@ -112,6 +114,8 @@ class Phase:
             raise ValueError(f"Phase takes epochs or steps, not both (epochs={self.epochs}, steps={self.steps})")
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and self.lr >= 0):
             raise ValueError(f"Phase lr must be a number >= 0 or None, got {self.lr!r}")
+        if not (isinstance(self.lr_scale, (int, float)) and self.lr_scale > 0):
+            raise ValueError(f"Phase lr_scale must be a number > 0, got {self.lr_scale!r}")
         if self.batches_per_step != 1 and self.gradient is None:
             raise ValueError("batches_per_step needs a custom gradient (one batch per step otherwise)")
 

@@ -199,3 +199,12 @@ def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
     for tensor in state["algorithm"]["global_model"].values():
         assert torch.isfinite(tensor).all()
 
+
+
+def test_branches_step_at_b_times_the_run_lr_unless_weight_lr_is_given():
+    from pfl_algorithms.engine.client import phase_optimizer
+    for settings, want in (({}, B * 0.1), ({"weight_lr": 0.02}, 0.02)):
+        algo, fed = federation(**settings)
+        alpha_phase, weight_phase = algo.plan(0)
+        assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(want)
+        assert phase_optimizer(alpha_phase, fed.settings).lr == pytest.approx(0.1)
