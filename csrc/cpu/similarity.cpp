@@ -13,7 +13,7 @@
 //                    Per chunk the norms are summed while the block is in cache (bfloat16:
 //                    during its conversion to a float32 buffer, so no float32 copy of x is
 //                    ever made) and the block's product is added to the group's partial
-//                    [K, M] with BLAS (single-threaded inside the parallel region).  The
+//                    [K, M] with BLAS (sequential: SequentialBlas).  The
 //                    partials are then added in group order: the groups depend on D, K and M
 //                    only, so the result does not depend on the thread count.  Small K·M is
 //                    where the product is bound by reading x and y, so one read matters; it
@@ -164,6 +164,26 @@ at::Tensor unit_inner(const at::Tensor& t) { return t.stride(1) == 1 || t.size(1
 
 // ---------------------------------------------------------------- the product
 
+// MKL's thread count for the calling thread only (libtorch_cpu exports it when torch is built
+// with MKL; weak, so null with another BLAS).  MKL does not treat at::parallel_for's master
+// thread as inside a parallel region: there a split-D block's addmm_ ran on every thread, its
+// sum split over D in an order that depends on the thread count (pairwise_sqdist of [4, 38282]
+// float32 rows differed in the last bits between 1 and 2 threads, so FedAMP's resumed run was
+// not bitwise).  The guard makes each block's product sequential, as the path requires.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+struct SequentialBlas {
+  int previous = 0;
+  SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) previous = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);  // 0: the global setting again
+  }
+  SequentialBlas(const SequentialBlas&) = delete;
+  SequentialBlas& operator=(const SequentialBlas&) = delete;
+};
+
 struct Product {
   at::Tensor s;   // [K, M] x·yᵀ in the accumulation type (the output, finished in place)
   at::Tensor sx;  // [K] squared norms of x's rows
@@ -190,6 +210,7 @@ Product product_split(const at::Tensor& x, const std::optional<at::Tensor>& y) {
   const int64_t sxr = x.stride(0), syr = has_y ? y->stride(0) : 0;
   acc_t* pn = part_norm.data_ptr<acc_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const SequentialBlas sequential;
     at::Tensor buf = kConvert ? at::empty({rows, chunk}, opts) : at::Tensor();
     for (int64_t g = g0; g < g1; ++g) {
       // Group g owns chunks [c0, c1): an equal share, fixed by D, K and M alone.
@@ -216,7 +237,7 @@ Product product_split(const at::Tensor& x, const std::optional<at::Tensor>& y) {
             }
           }
         }
-        acc_g.addmm_(xb, yb.t());  // BLAS, single-threaded here (inside the parallel region)
+        acc_g.addmm_(xb, yb.t());  // BLAS, sequential (SequentialBlas)
       }
     }
   });

@@ -157,6 +157,17 @@ def test_independent_of_thread_count():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("k, m, d", [(4, 4, 38_282), (2, 4, 38_282), (3, 5, 70_001)])
+def test_few_rows_are_independent_of_thread_count(k, m, d):
+    """Few rows, several blocks of D (FedAMP's distances of 4 digits CNNs): MKL called from
+    at::parallel_for's master thread ran each block on every thread unless told not to."""
+    x, y = make_rows(k, d, torch.float32), make_rows(m, d, torch.float32, seed=7)
+    results = on_one_and_many_threads(lambda: (pairwise_sqdist(x, y), pairwise_sqdist(x), pairwise_cosine(x, y),
+                                               pairwise_cosine(y)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 # ---- gradients -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
