@@ -13,12 +13,14 @@ class FedProxSettings:
     mu: NonNegativeFloat = 0.01  # weight of the proximal term
 
 
-def proximal_term(mu: float):
-    """The gradient term of (μ/2)‖w − w_received‖² over the groups the client received."""
+def proximal_term(mu: float, anchor=None):
+    """The gradient term of (μ/2)‖w − a‖², a the anchor: ``anchor(view) -> {group: tensor}``,
+    by default the groups the client received (FedProx's global model; FedAMP's cloud model)."""
     def proximal(view):
+        targets = anchor(view) if anchor is not None else {g: view.download.dense(g) for g in view.received()}
         total = 0.0
-        for group in view.received():
-            diff = view.group(group) - view.download.dense(group)
+        for group, target in targets.items():
+            diff = view.group(group) - target
             view.grad(group).add_(diff, alpha=mu)
             total = total + diff.square().sum()
         return 0.5 * mu * total

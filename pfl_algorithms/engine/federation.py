@@ -10,6 +10,7 @@ cohort that has it, since the server combines it across them.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
@@ -116,6 +117,38 @@ class Server:
         if buffers.numel():
             model[BUFFERS] = buffers.clone()
         return model
+
+    def fresh_model(self, index: int) -> dict[str, torch.Tensor]:
+        """Another initialization of the model, as :meth:`initial_model` gives it (shared groups
+        and their buffers): a copy of the first cohort's model with every submodule that has a
+        ``reset_parameters()`` (torch's layers, ``pfl_kernels.nn``'s) drawn again, from the run's
+        seed and ``index`` (a resumed run draws the same).  IFCA's k cluster models."""
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"index must be an integer >= 0, got {index!r}")
+        cohort = self._fed.cohorts[0]
+        work = cohort.work.copy()
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=self._fed.generator("server", -2, index)))
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            for module in work.module.modules():
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset) and not _required_arguments(reset):
+                    reset()
+        model = {group: work.params[cohort.span(group)].clone() for group in self.shared if group in cohort.groups.members}
+        buffers = work.buffers[cohort.shared_buffer_span()]
+        if buffers.numel():
+            model[BUFFERS] = buffers.clone()
+        return model
+
+
+def _required_arguments(function) -> bool:
+    """Whether ``function`` needs arguments (FedPara's ``reset_parameters(weight_var)`` does)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return True
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               for p in signature.parameters.values())
 
 
 class Federation:
