@@ -48,15 +48,21 @@ class WorkingModel:
 
     def _bind(self) -> None:
         current = dict(self.module.named_parameters())
+        # A parameter tied into several modules (pFedMB's shared α) has one entry in the layout
+        # under its first name; every module holding it must get the same flat-vector view.
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
         param_views = self.layout.views(self.params)
         grad_views = self.layout.views(self.grads)
         with torch.no_grad():
             for name, view in param_views.items():
                 view.copy_(current[name])
-                owner, leaf = _owner(self.module, name)
                 param = nn.Parameter(view, requires_grad=current[name].requires_grad)
                 param.grad = grad_views[name]
-                owner._parameters[leaf] = param
+                for alias in aliases[id(current[name])]:
+                    owner, leaf = _owner(self.module, alias)
+                    owner._parameters[leaf] = param
             for layout, flat in ((self.buffer_layout, self.buffers), (self.int_buffer_layout, self.int_buffers)):
                 current_buffers = dict(self.module.named_buffers())
                 for name, view in layout.views(flat).items():
