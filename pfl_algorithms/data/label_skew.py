@@ -6,10 +6,12 @@ subset).  The multi-domain and fda scenarios reuse them within a domain or over 
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 from torch import Tensor
 
-from ..option_types import NonNegativeInt, PositiveFloat, PositiveInt
+from ..option_types import NonNegativeInt, OneOf, PositiveFloat, PositiveInt
 
 MAX_DIRICHLET_DRAWS = 1000
 
@@ -73,19 +75,30 @@ def dirichlet(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Gen
 
 
 def pathological(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
-                 classes_per_client: PositiveInt = 2) -> list[Tensor]:
-    """Every client holds exactly ``classes_per_client`` classes.  Classes are laid out in a
-    seeded random order and client i takes the next k of them, cyclically, so each class is
-    held by about num_clients·k/num_classes clients; a class's samples are dealt evenly over
-    its holders.  Classes nobody holds (num_clients·k < num_classes) go unused."""
+                 classes_per_client: PositiveInt = 2,
+                 layout: Annotated[str, OneOf(("cyclic", "random"))] = "cyclic") -> list[Tensor]:
+    """Every client holds exactly ``classes_per_client`` classes, and a class's samples are
+    dealt evenly over its holders.  ``layout='cyclic'``: classes are laid out in a seeded random
+    order and client i takes the next k of them, cyclically, so each class is held by about
+    num_clients·k/num_classes clients (with 10 classes, k = 2 and 10 clients: five pairs of
+    clients holding the same two classes, pFedMB's Section 5.2).  ``layout='random'``: each
+    client draws its k classes uniformly at random (pFedMB's "each client is randomly assigned
+    2 classes").  Classes nobody holds go unused."""
     k = classes_per_client
     if int(k) != k or not 1 <= k <= num_classes:
         raise ValueError(f"classes_per_client must be an int in [1, {num_classes}], got {k!r}")
-    order = torch.randperm(num_classes, generator=gen).tolist()
+    if layout not in ("cyclic", "random"):
+        raise ValueError(f"layout must be 'cyclic' or 'random', got {layout!r}")
     holders: list[list[int]] = [[] for _ in range(num_classes)]
-    for client in range(num_clients):
-        for j in range(k):
-            holders[order[(client * k + j) % num_classes]].append(client)
+    if layout == "cyclic":
+        order = torch.randperm(num_classes, generator=gen).tolist()
+        for client in range(num_clients):
+            for j in range(k):
+                holders[order[(client * k + j) % num_classes]].append(client)
+    else:
+        for client in range(num_clients):
+            for c in torch.randperm(num_classes, generator=gen)[:k].tolist():
+                holders[c].append(client)
     pieces: list[list[Tensor]] = [[] for _ in range(num_clients)]
     for idx, held_by in zip(class_indices(labels, num_classes, gen), holders):
         if not held_by:

@@ -101,7 +101,7 @@ SCENARIOS: dict[str, ScenarioSpec] = {spec.name: spec for spec in (
     _spec("dirichlet", "label skew: per-class client shares drawn from Dirichlet(alpha)",
           _label_skew(dirichlet, False), alpha=0.5, min_samples=10),
     _spec("pathological", "each client holds exactly classes_per_client classes", _label_skew(pathological, False),
-          classes_per_client=2),
+          classes_per_client=2, layout="cyclic"),
     _spec("permuted-iid", "iid plus a random permutation of class ids per client (label heterogeneity)",
           _label_skew(iid, True)),
     _spec("permuted-dirichlet", "dirichlet plus a random permutation of class ids per client",

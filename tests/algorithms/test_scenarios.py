@@ -88,6 +88,27 @@ def test_pathological_classes_per_client():
     assert ((few > 0).sum(1) == 2).all() and few.sum().item() == 4 * 60
 
 
+def test_pathological_cyclic_pairs_and_random_layout():
+    """Cyclic, 10 clients × 2 of 10 classes: five pairs (i, i + 5) holding the same two classes
+    (pFedMB's Section 5.2).  Random: each client draws its own 2 classes, so the class sets are
+    not that pattern, every client still holds exactly 2 and a class's holders share it evenly."""
+    paired = make_partition("pathological", DATA, 10, seed=3).label_counts(DATA, None) > 0
+    assert (paired.sum(1) == 2).all()
+    assert all(torch.equal(paired[i], paired[i + 5]) for i in range(5))
+    assert len({tuple(row.tolist()) for row in paired}) == 5
+    layouts = [make_partition("pathological", DATA, 15, seed=s, layout="random").label_counts(DATA, None)
+               for s in range(3)]
+    for counts in layouts:
+        held = counts > 0
+        assert (held.sum(1) == 2).all()
+        for c in range(10):  # a class is cut evenly over its holders
+            sizes = counts[held[:, c], c]
+            assert sizes.numel() == 0 or int(sizes.max() - sizes.min()) <= 1
+    assert len({tuple(row.tolist()) for row in layouts[0] > 0}) > 5  # not 5 repeated pairs
+    with pytest.raises(ValueError, match="layout"):
+        make_partition("pathological", DATA, 4, seed=0, layout="shuffled")
+
+
 @pytest.mark.parametrize("name", ["permuted-iid", "permuted-dirichlet"])
 def test_label_maps_are_permutations(name):
     part = make_partition(name, DATA, 6, seed=5)
