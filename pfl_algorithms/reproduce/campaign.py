@@ -42,25 +42,36 @@ def run_config(paper: Paper, scale: str, method: Method, setting: Setting, seed:
         raise ValueError(f"{paper.name} {setting.label!r}, {method.label}: {error}") from None
 
 
+def method_folder(paper: Paper, method: Method) -> str:
+    """A row's folder: its algorithm, and its own settings where two rows share the algorithm
+    (pFedMB with and without α-weighting: ``pfedmb``, ``pfedmb-weighting-uniform``)."""
+    if sum(m.algorithm == method.algorithm for m in paper.methods) == 1 or not method.settings:
+        return method.algorithm
+    return slug("-".join([method.algorithm, *(f"{k}-{v}" for k, v in sorted(method.settings.items()))]))
+
+
 def plan(paper: Paper, scale: str, seeds: int, out: Path, *, data_root: Optional[str] = None,
          device: str = "cpu") -> list[PlannedRun]:
-    """Every run of the comparison, in the order they run (setting by setting, seed by seed),
-    each config checked before anything trains."""
+    """Every run of the comparison, in the order they run (setting by setting, seed by seed;
+    a setting runs the rows it names, all by default), each config checked before anything
+    trains."""
     return [PlannedRun(method, setting, seed,
                        run_config(paper, scale, method, setting, seed, data_root=data_root, device=device),
-                       out / slug(setting.label) / method.algorithm / f"seed{seed}")
-            for setting in paper.settings[scale] for seed in range(seeds) for method in paper.methods]
+                       out / slug(setting.label) / method_folder(paper, method) / f"seed{seed}")
+            for setting in paper.settings[scale] for seed in range(seeds) for method in paper.methods
+            if setting.runs(method)]
 
 
 def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[PlannedRun]) -> str:
     """The plan as text (``--dry-run``): one line per setting, with its methods and run count."""
     settings = paper.settings[scale]
-    lines = [f"{paper.name} at scale {scale}: {len(runs)} runs ({len(paper.methods)} methods × {len(settings)} "
-             f"settings × {seeds} seeds); every config checked"]
+    lines = [f"{paper.name} at scale {scale}: {len(runs)} runs ({len(paper.methods)} methods, {len(settings)} "
+             f"settings, {seeds} seeds); every config checked"]
     for setting in settings:
         config = next(r.config for r in runs if r.setting is setting)
         lines.append(f"  {setting.label}: {config.dataset}/{config.scenario}, model {config.model}, "
                      f"{config.clients} clients, {config.rounds} rounds × {config.local_epochs} epochs "
-                     f"-> {out / slug(setting.label)}/")
+                     f"-> {out / slug(setting.label)}/"
+                     + ("" if setting.methods is None else f" ({', '.join(setting.methods)})"))
     lines.append("  methods: " + ", ".join(f"{m.label} ({m.algorithm})" for m in paper.methods))
     return "\n".join(lines)

@@ -128,17 +128,25 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
     for method in paper.methods:
         row = [method.label]
         for setting in settings:
+            if not setting.runs(method):
+                row.append("·")
+                continue
             text = _pm(cells.get((method.label, setting.label), {}).get("accuracy"))
             theirs = paper.paper_numbers.get((method.label, setting.label))
             if beside and theirs is not None:
                 text += f" ({_pm(theirs)})"
             row.append(text)
         rows.append(row)
-    lines += ["## Accuracy (%)", "", *_table(header, rows), ""]
+    partial = any(s.methods is not None for s in settings)
+    lines += ["## Accuracy (%)", "", *(["`·`: the column's table has no such row."] if partial else []),
+              *_table(header, rows), ""]
     rows = []
     for method in paper.methods:
         row = [method.label]
         for setting in settings:
+            if not setting.runs(method):
+                row.append("·")
+                continue
             text = _pm(cells.get((method.label, setting.label), {}).get("gb"), 4)
             theirs = paper.paper_costs.get((method.label, setting.label))
             if beside and theirs is not None:

@@ -51,7 +51,8 @@ def test_every_paper_plans_every_run(name, scale, tmp_path):
     training, no data read): a typo in a spec, or a method not registered, fails here."""
     paper = PAPERS[name]
     runs = plan(paper, scale, 2, tmp_path)
-    assert len(runs) == len(paper.methods) * len(paper.settings[scale]) * 2
+    cells = sum(setting.runs(method) for setting in paper.settings[scale] for method in paper.methods)
+    assert len(runs) == cells * 2 and cells >= len(paper.settings[scale])
     assert len({r.out for r in runs}) == len(runs)
     assert {r.config.algorithm for r in runs} == {m.algorithm for m in paper.methods}
     text = reproduce(name, scale=scale, seeds=2, out=tmp_path, dry_run=True)
@@ -167,3 +168,28 @@ def test_finished_runs_with_other_settings_are_refused(tiny, tmp_path, capsys, m
                                                                        "paper": TINY_BASE}))
     assert main(["reproduce", "tiny", "--seeds", "1", "--out", str(out), "--quiet"]) == 2
     assert "other settings" in capsys.readouterr().err
+
+
+def test_pfedmb_tables_run_their_own_rows_with_fine_tuning(tmp_path):
+    """Table 1's column runs its four rows (α shared by all layers), Table 2's columns their nine;
+    pFedMB with and without α-weighting get their own folders; every run fine-tunes E epochs."""
+    paper = PAPERS["pfedmb"]
+    for scale in ("cpu", "paper"):
+        runs = plan(paper, scale, 1, tmp_path)
+        by_setting = {}
+        for run in runs:
+            by_setting.setdefault(run.setting.label, []).append(run)
+            assert run.config.finetune() == run.config.local_epochs
+        paired = by_setting.pop("Paired, 10 clients")
+        assert [r.method.label for r in paired] == ["Local", "FedAvg", "pFedMB w/o α-weighting", "pFedMB"]
+        assert {r.out.parent.name for r in paired} == {"local", "fedavg", "pfedmb-weighting-uniform", "pfedmb"}
+        assert all(r.config.algorithm_settings.get("shared_alpha") for r in paired if r.config.algorithm == "pfedmb")
+        assert paired[2].config.algorithm_settings["weighting"] == "uniform" and paired[0].config.clients == 10
+        assert len(by_setting) == 4 and all(len(rows) == 9 for rows in by_setting.values())
+        fifty = by_setting["Dirichlet, 50 clients"][0].config
+        assert (fifty.clients, fifty.clients_per_round, fifty.scenario) == (50, 10, "dirichlet")
+        assert by_setting["Random 2 classes, 15 clients"][0].config.scenario_options["layout"] == "random"
+    paper_runs = plan(paper, "paper", 1, tmp_path)
+    assert {(r.config.dataset, r.config.model, r.config.local_epochs, r.config.batch_size) for r in paper_runs} == {
+        ("cifar10", "lenet5", 5, 64)}
+
