@@ -8,7 +8,7 @@ with the branches W shared by all clients and the branch weights α personal.
 Local update (Algorithm 1, lines 18–20), a two-phase plan, each phase with its own optimizer
 state (momentum and Adam moments of α never mix with those of W):
 
-1. E epochs on α with W fixed, at η_α (``alpha_lr``; None: the run's lr)    (Eq. 3)
+1. E epochs on α with W fixed, at η_α (``alpha_lr``; None: the run's lr, / L if shared)  (Eq. 3)
 2. E epochs on W with α fixed, at η_W (``weight_lr``; None: B × the run's lr) (Eq. 4)
 
 The paper tunes η_α and η_W on validation data and does not report them.  η_W defaults to B
@@ -16,6 +16,10 @@ times the run's lr because a step on the branches moves the combined weight by
 Σ_b α_b ΔW_b = −η_W Σ_b α_b² g, which is −η_W g / B under uniform α: at B × lr, pFedMB's
 first steps move W as the dense layer's SGD at lr does (at lr itself it learned B times
 slower and had not left the initial plateau after 10 rounds on digits with B = 5).
+With ``shared_alpha`` the one α receives the sum of the L branched layers' gradients, so η_α
+defaults to the run's lr / L (the per-layer α's step, averaged over layers): at the run's lr
+it concentrated within two rounds of the paired experiment (10 clients, digits), the
+branches' effective rate rose towards B × lr, and every client diverged (NaN) from round 4.
 
 α stays on the simplex by a softmax over per-branch logits (``simplex='softmax'``, the
 default: the paper does not say how) or by Euclidean projection after every step of phase 1
@@ -72,7 +76,7 @@ class PFedMBSettings:
     weighting: Annotated[str, OneOf(("alpha", "uniform"))] = "alpha"  # Eq. 5, or Eq. 6's plain averaging
     shared_alpha: bool = False  # one α for every layer (Section 5.2)
     simplex: Annotated[str, OneOf(("softmax", "projection"))] = "softmax"
-    alpha_lr: Optional[PositiveFloat] = None  # η_α (tuned on validation in the paper, not reported); None: the run's lr
+    alpha_lr: Optional[PositiveFloat] = None  # η_α (tuned, not reported); None: the run's lr (/ L with shared_alpha)
     weight_lr: Optional[PositiveFloat] = None  # η_W; None: B × the run's lr (module docstring)
     layers: Annotated[str, OneOf(("all", "fc"))] = "all"  # which layers branch (module docstring)
 
@@ -97,6 +101,7 @@ class PFedMB(FedAvg):
         super().__init__(**settings)
         self._segments: Optional[dict[str, list[_Segment]]] = None
         self._weight_groups: tuple[str, ...] = ()
+        self._layers = 1  # L, the multi-branch layers (sharing one α with shared_alpha)
 
     # ------------------------------------------------------------------ declarations
 
@@ -115,6 +120,7 @@ class PFedMB(FedAvg):
                 for p in (layer.branch_weight, layer.branch_bias):
                     if p is not None:
                         p.mul_(scale)
+        self._layers = len(layers)
         segments, groups = self._layout(model)
         if self._segments is not None and segments != self._segments:
             raise ValueError(f"{self.name} needs every client on one architecture")
@@ -201,7 +207,8 @@ class PFedMB(FedAvg):
     def plan(self, client):
         s = self.settings
         project = self._project_alpha if s.simplex == "projection" else None
-        return (Phase(groups=(ALPHA,), lr=s.alpha_lr, state="alpha", after_step=project),
+        alpha_scale = 1.0 / self._layers if s.shared_alpha and s.alpha_lr is None else 1.0
+        return (Phase(groups=(ALPHA,), lr=s.alpha_lr, lr_scale=alpha_scale, state="alpha", after_step=project),
                 Phase(groups=self._weight_groups, state="weights", lr=s.weight_lr,
                       lr_scale=1.0 if s.weight_lr is not None else float(s.branches)))
 

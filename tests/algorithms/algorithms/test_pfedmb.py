@@ -2,6 +2,7 @@
 travels, and digits through the CLI with kill -9 / --resume."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -208,3 +209,29 @@ def test_branches_step_at_b_times_the_run_lr_unless_weight_lr_is_given():
         alpha_phase, weight_phase = algo.plan(0)
         assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(want)
         assert phase_optimizer(alpha_phase, fed.settings).lr == pytest.approx(0.1)
+
+
+def test_a_shared_alpha_steps_at_the_run_lr_over_the_layers_sharing_it_unless_alpha_lr_is_given():
+    from pfl_algorithms.engine.client import phase_optimizer
+    for settings, want in (({"shared_alpha": True}, 0.1 / 2), ({"shared_alpha": True, "alpha_lr": 0.03}, 0.03),
+                           ({}, 0.1)):
+        algo, fed = federation(**settings)
+        assert algo._layers == 2  # the tiny net's two Linear layers branch
+        assert phase_optimizer(algo.plan(0)[0], fed.settings).lr == pytest.approx(want)
+
+
+def test_paired_digits_with_a_shared_alpha_stays_finite(tmp_path):
+    """The paired experiment's setting (10 clients, 5 pairs, one α for all layers): at the
+    run's lr on the shared α every client diverged from round 4 (the default is now lr / L)."""
+    from pfl_algorithms.config import RunConfig, check
+    from pfl_algorithms.runner import run
+
+    pytest.importorskip("sklearn")
+    for weighting in ("alpha", "uniform"):
+        out = tmp_path / weighting
+        config = check(RunConfig(algorithm="pfedmb", dataset="digits", scenario="pathological", clients=10, rounds=6,
+                                 local_epochs=2, batch_size=16, lr=0.05, eval_every=6,
+                                 algorithm_settings={"shared_alpha": True, "weighting": weighting}))
+        run(config, out, progress=False)
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert all(not m["skipped_non_finite"] for m in lines)
