@@ -9,13 +9,17 @@ Local update (Algorithm 1, lines 18–20), a two-phase plan, each phase with its
 state (momentum and Adam moments of α never mix with those of W):
 
 1. E epochs on α with W fixed, at η_α (``alpha_lr``; None: the run's lr, / L if shared)  (Eq. 3)
-2. E epochs on W with α fixed, at η_W (``weight_lr``; None: B × the run's lr) (Eq. 4)
+2. E epochs on W with α fixed, at η_W (``weight_lr``; None: per layer, lr / ‖α_l‖²) (Eq. 4)
 
-The paper tunes η_α and η_W on validation data and does not report them.  η_W defaults to B
-times the run's lr because a step on the branches moves the combined weight by
-Σ_b α_b ΔW_b = −η_W Σ_b α_b² g, which is −η_W g / B under uniform α: at B × lr, pFedMB's
-first steps move W as the dense layer's SGD at lr does (at lr itself it learned B times
-slower and had not left the initial plateau after 10 rounds on digits with B = 5).
+The paper tunes η_α and η_W on validation data and does not report them.  A step on layer
+l's branches moves its combined weight by Σ_b α_b ΔW_b = −η_W Σ_b α_b² g = −η_W ‖α_l‖² g
+(g the gradient of the combined weight), so by default each layer's branches step at
+η_W,l = lr / ‖α_l‖², with the client's α of this round: the combined weight then moves as
+the dense layer's SGD at the run's lr does, whatever α is.  Under uniform α that is B × lr;
+at the run's lr itself pFedMB learned B times slower and had not left the initial plateau
+after 10 rounds on digits with B = 5.  A fixed B × lr instead (this file's first default)
+became B times the dense step once α concentrated: in the paired experiment (seed 2) every
+client diverged.  ``weight_lr`` given: that one rate for every layer (Eq. 4 as written).
 With ``shared_alpha`` the one α receives the sum of the L branched layers' gradients, so η_α
 defaults to the run's lr / L (the per-layer α's step, averaged over layers): at the run's lr
 it concentrated within two rounds of the paired experiment (10 clients, digits), the
@@ -77,7 +81,7 @@ class PFedMBSettings:
     shared_alpha: bool = False  # one α for every layer (Section 5.2)
     simplex: Annotated[str, OneOf(("softmax", "projection"))] = "softmax"
     alpha_lr: Optional[PositiveFloat] = None  # η_α (tuned, not reported); None: the run's lr (/ L with shared_alpha)
-    weight_lr: Optional[PositiveFloat] = None  # η_W; None: B × the run's lr (module docstring)
+    weight_lr: Optional[PositiveFloat] = None  # η_W; None: per layer lr / ‖α_l‖² (module docstring)
     layers: Annotated[str, OneOf(("all", "fc"))] = "all"  # which layers branch (module docstring)
 
 
@@ -208,9 +212,23 @@ class PFedMB(FedAvg):
         s = self.settings
         project = self._project_alpha if s.simplex == "projection" else None
         alpha_scale = 1.0 / self._layers if s.shared_alpha and s.alpha_lr is None else 1.0
+        dense_equivalent = () if s.weight_lr is not None else (self._dense_equivalent_step,)
         return (Phase(groups=(ALPHA,), lr=s.alpha_lr, lr_scale=alpha_scale, state="alpha", after_step=project),
-                Phase(groups=self._weight_groups, state="weights", lr=s.weight_lr,
-                      lr_scale=1.0 if s.weight_lr is not None else float(s.branches)))
+                Phase(groups=self._weight_groups, state="weights", lr=s.weight_lr, grad_terms=dense_equivalent))
+
+    def _dense_equivalent_step(self, view) -> None:
+        """The default η_W (module docstring): each branched tensor's gradient times 1/‖α_l‖²
+        of its layer's α (fixed during this phase), so the run's lr moves the combined weight
+        as a dense layer's SGD step."""
+        s = self.settings
+        alpha = view.group(ALPHA).view(-1, s.branches)
+        alpha = torch.softmax(alpha, dim=-1) if s.simplex == "softmax" else alpha
+        factor = (1.0 / alpha.square().sum(-1)).tolist()
+        for group in self._weight_groups:
+            grad = view.grad(group)
+            for seg in self._segments.get(group, ()):
+                if seg.slot is not None:
+                    grad[seg.start:seg.start + seg.numel].mul_(factor[seg.slot])
 
     def _project_alpha(self, view) -> None:
         with torch.no_grad():

@@ -202,13 +202,36 @@ def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
 
 
 
-def test_branches_step_at_b_times_the_run_lr_unless_weight_lr_is_given():
+def test_branches_step_as_the_dense_layer_unless_weight_lr_is_given():
+    """Default η_W: the run's lr with each layer's branch gradients times 1/‖α_l‖² (B under
+    uniform α), so the combined weight moves as dense SGD at lr; weight_lr: one plain rate."""
+    from types import SimpleNamespace
+
     from pfl_algorithms.engine.client import phase_optimizer
-    for settings, want in (({}, B * 0.1), ({"weight_lr": 0.02}, 0.02)):
-        algo, fed = federation(**settings)
-        alpha_phase, weight_phase = algo.plan(0)
-        assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(want)
-        assert phase_optimizer(alpha_phase, fed.settings).lr == pytest.approx(0.1)
+    algo, fed = federation()
+    _, weight_phase = algo.plan(0)
+    assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(0.1)
+    cohort = fed.cohorts[0]
+    logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.5, 0.5]], dtype=torch.float64)  # two layers' α logits
+    groups = {g: cohort.params.row(0)[cohort.span(g)].clone() for g in cohort.groups.order}
+    groups[ALPHA] = logits.flatten()
+    grads = {g: torch.randn_like(t) for g, t in groups.items()}
+    before = {g: t.clone() for g, t in grads.items()}
+    view = SimpleNamespace(group=groups.__getitem__, grad=grads.__getitem__)
+    assert weight_phase.grad_terms[0](view) is None
+    factor = 1.0 / torch.softmax(logits, -1).square().sum(-1)
+    seen = set()
+    for group in algo._weight_groups:
+        for seg in algo._segments[group]:
+            want = before[group][seg.start:seg.start + seg.numel]
+            if seg.slot is not None:
+                want = want * factor[seg.slot]
+                seen.add(seg.slot)
+            torch.testing.assert_close(grads[group][seg.start:seg.start + seg.numel], want, **TOL)
+    assert seen == {0, 1}
+    algo, fed = federation(weight_lr=0.02)
+    _, weight_phase = algo.plan(0)
+    assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(0.02) and not weight_phase.grad_terms
 
 
 def test_a_shared_alpha_steps_at_the_run_lr_over_the_layers_sharing_it_unless_alpha_lr_is_given():
