@@ -1,8 +1,9 @@
-"""What the CPU benchmark suites (``bench_factorized.py``, ``bench_branch.py``) share.
+"""What the CPU benchmark suites (``bench_factorized.py``, ``bench_branch.py``, the round suites) share.
 
 The layer shapes they measure, the run settings, the timing marks, the parametrization
 (repeats outer, shapes, then B where a suite varies it, then the sides of a group back to
-back), the labels ``benchmarks/report.py`` groups by, and the layer training step.
+back), the labels ``benchmarks/report.py`` groups by, the layer training step, and the job
+of the round suites (``cifar_job``, ``shard_federation``, ``next_round``).
 
 Not collected by pytest (the suites name their files on the command line).
 """
@@ -186,3 +187,37 @@ def next_round(fed, algorithm):
         state["round"] += 1
 
     return fn
+
+
+def cifar_job(clients: int, samples: int, seed: int = 0):
+    """The round suites' data and model: ``clients * samples`` random CIFAR-shaped inputs
+    (3x32x32, standard normal) with random labels (10 classes) from a generator seeded by
+    ``seed``, and the registry's LeNet-5 built right after ``torch.manual_seed(seed)``."""
+    from pfl_algorithms.models import build_model
+
+    gen = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(clients * samples, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (clients * samples,), generator=gen)
+    torch.manual_seed(seed)
+    return inputs, labels, build_model("lenet5", input_shape=(3, 32, 32), num_classes=10)
+
+
+def shard_federation(algorithm, inputs: torch.Tensor, labels: torch.Tensor, model: nn.Module,
+                     sizes: Sequence[int], *, lr: float, batch: int, epochs: int = 1,
+                     workers: Optional[int] = None):
+    """A federation of ``algorithm`` on the engine whose client k trains on the k-th contiguous
+    shard of ``sizes[k]`` samples (no validation or test data), SGD at ``lr`` without momentum,
+    ``epochs`` epochs of batches of ``batch``, every client every round, the threaded executor
+    with ``workers`` tasks at once (None: one per core), no evaluation."""
+    from pfl_algorithms.data.partition import ClientSplit
+    from pfl_algorithms.engine.federation import EngineSettings
+    from pfl_algorithms.engine.local import LocalSchedule
+    from pfl_algorithms.engine.rounds import federation_for
+
+    empty = torch.empty(0, dtype=torch.int64)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    clients = [ClientSplit(train=torch.arange(start, start + size), val=empty, test=empty)
+               for start, size in zip(starts, sizes)]
+    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer_settings={"lr": lr, "momentum": 0.0},
+                              schedule=LocalSchedule(batch_size=batch, epochs=epochs), workers=workers)
+    return federation_for(algorithm, model, inputs, labels, clients, settings)

@@ -21,17 +21,11 @@ on detached tensors).  The ratio is baseline / ours (speed-up).  Target on CPU: 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from benchmarks import _common as common
 from benchmarks import plain_factorized_fl_loop as plain
 from benchmarks._common import Shape
 from pfl_algorithms.algorithms.factorized_fl import FactorizedFLBeta
-from pfl_algorithms.data.partition import ClientSplit
-from pfl_algorithms.engine.federation import EngineSettings
-from pfl_algorithms.engine.local import LocalSchedule
-from pfl_algorithms.engine.rounds import federation_for
-from pfl_algorithms.models import build_model
 
 SHAPES = [Shape("lenet5-factorized-20x250-cifar", (plain.CLIENTS, plain.SAMPLES, 3, 32, 32))]
 SIDES = (("ours", "engine"), ("baseline", "released-loop-port"))
@@ -42,23 +36,14 @@ pytestmark = common.benchmark_mark(max_time=3.0, quick_max_time=1.0)
 
 def job(seed: int = 0):
     """The data (random CIFAR-shaped tensors, random labels) and the initial LeNet-5."""
-    gen = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(plain.CLIENTS * plain.SAMPLES, 3, 32, 32, generator=gen)
-    labels = torch.randint(0, 10, (plain.CLIENTS * plain.SAMPLES,), generator=gen)
-    torch.manual_seed(seed)
-    return inputs, labels, build_model("lenet5", input_shape=(3, 32, 32), num_classes=10)
+    return common.cifar_job(plain.CLIENTS, plain.SAMPLES, seed)
 
 
 def engine(inputs, labels, model, *, batch: int = plain.BATCH):
     """(the federation, the algorithm) of the job."""
-    n = plain.SAMPLES
-    clients = [ClientSplit(train=torch.arange(k * n, (k + 1) * n), val=torch.empty(0, dtype=torch.int64),
-                           test=torch.empty(0, dtype=torch.int64)) for k in range(plain.CLIENTS)]
-    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6,
-                              optimizer_settings={"lr": plain.LR, "momentum": 0.0},
-                              schedule=LocalSchedule(batch_size=batch, epochs=1))
     algorithm = FactorizedFLBeta(**SETTINGS)
-    return federation_for(algorithm, model, inputs, labels, clients, settings), algorithm
+    return common.shard_federation(algorithm, inputs, labels, model, [plain.SAMPLES] * plain.CLIENTS,
+                                   lr=plain.LR, batch=batch), algorithm
 
 
 def match_key(fed) -> str:

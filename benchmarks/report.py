@@ -271,6 +271,25 @@ SUITES = {
                 "Job: 20 clients x 250 CIFAR-shaped samples, LeNet-5 factorized (rank 1, view layout), batch 64, "
                 "1 epoch, SGD lr 0.01.\nratio: baseline / ours (speed-up). Target >= 2.\n" + _TIMES_LEGEND),
     ),
+    "pfedmb_round": Suite(
+        name="pfedmb_round",
+        cases={"pfedmb_round": Case("pfedmb round", speedup=True, target=1.5),
+               "pfedmb_round_loop_1thread": Case("pfedmb round, loop on 1 thread", speedup=True, target=None)},
+        ops=("branch_combine", "branch_aggregate"),
+        reference_note="NOTE: the branch ops ran the plain-PyTorch reference on CPU.",
+        legend=("ours: one pfedmb round of pfl_algorithms' engine (fused branch_combine in every layer, banks, the "
+                "alpha and branch phases as a plan, clients trained concurrently, one branch_aggregate per alpha); "
+                "baseline: benchmarks/plain_pfedmb_loop.py (deepcopy per client, a Python loop over the branches "
+                "in every layer at every forward, DataLoader, two torch.optim.SGD, per-key, per-branch and "
+                "per-client loops for Eq. 5).\n"
+                "Job: 15 clients x 250 CIFAR-shaped samples, LeNet-5 with every layer multi-branch (B = 5, "
+                "softmax alpha), batch 64, 1 epoch on alpha (lr 0.01) then 1 on the branches (lr 0.05), Eq. 5; "
+                "both sides on all cores (the loop: torch.set_num_threads(cores); ours: one client per core).\n"
+                "ratio: baseline / ours (speed-up). Target >= 1.5.\n"
+                "pfedmb round, loop on 1 thread: the same with the loop on one intra-op thread (ours unchanged), "
+                "for information, no target: under OMP_WAIT_POLICY=PASSIVE the loop runs faster on 1 thread than "
+                "on 2 (with the default policy, slower; bench_pfedmb_round.py).\n" + _TIMES_LEGEND),
+    ),
     "augment": Suite(
         name="augment",
         cases={"crop_flip": Case("crop + flip", speedup=True, target=None),
