@@ -149,7 +149,16 @@ def test_empty_shapes():
             assert (c == 0).all() and (s == 0).all()
 
 
+def needs_cpp_kernels():
+    """The thread-count promise is the C++ kernels' (the plain-PyTorch reference's BLAS calls
+    make none): skip where they are switched off."""
+    import pfl_kernels
+    if pfl_kernels.backend_info()["pfl::pairwise_sqdist"]["cpu"]["implementation"] != "cpp":
+        pytest.skip("the C++ similarity kernels are not in use")
+
+
 def test_independent_of_thread_count():
+    needs_cpp_kernels()
     x, y = make_rows(20, 200_001, torch.float32), make_rows(20, 200_001, torch.float32, seed=7)
     xb = x.to(torch.bfloat16)
     results = on_one_and_many_threads(lambda: (pairwise_cosine(x, y), pairwise_sqdist(x), pairwise_cosine(xb)))
@@ -161,6 +170,7 @@ def test_independent_of_thread_count():
 def test_few_rows_are_independent_of_thread_count(k, m, d):
     """Few rows, several blocks of D (FedAMP's distances of 4 digits CNNs): MKL called from
     at::parallel_for's master thread ran each block on every thread unless told not to."""
+    needs_cpp_kernels()
     x, y = make_rows(k, d, torch.float32), make_rows(m, d, torch.float32, seed=7)
     results = on_one_and_many_threads(lambda: (pairwise_sqdist(x, y), pairwise_sqdist(x), pairwise_cosine(x, y),
                                                pairwise_cosine(y)))
