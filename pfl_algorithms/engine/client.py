@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .groups import BUFFERS
-from .local import LocalResult, LocalSchedule, client_batches, evaluate
+from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate
 from .messages import Message
 from .optim import make_optimizer
 from .plan import Batch, Phase, state_names
@@ -291,6 +291,7 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
                 y = data.label_map[y]
             if augment is not None:
                 x = augment(x, generator)
+            x = conv_layout(x)
             batches.append((x, y))
             if len(batches) < phase.batches_per_step:
                 continue
