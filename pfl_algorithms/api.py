@@ -24,6 +24,7 @@ server side
   ``configure``       what the sampled clients receive: a Message for all, or one per client
   ``aggregate``       combine the round's :class:`Uploads` into new server state
   ``evaluation``      which model a client is evaluated with (a Message or an Evaluation)
+  ``round_metrics``   its own numbers for the round's metrics line (FedDAF's α)
   ``state_dict``      server state for checkpoints
 client side (run by an executor, wherever the client is)
   ``plan(client)``    the phases of local training
@@ -77,11 +78,14 @@ class Capabilities:
             group whose shapes differ between them).
         batchable: its client tasks can run stacked in one vmapped forward/backward (no
             custom gradient that steps clients one by one).
+        roles: the client roles it needs from the scenario (FedDAF: ``source`` and
+            ``target``, which the ``fda`` scenario gives); ``server.clients_with_role``.
     """
 
     needs_validation: bool = False
     mixed_architectures: bool = False
     batchable: bool = True
+    roles: tuple[str, ...] = ()
 
 
 def make_settings(cls, name: str, values: dict):
@@ -164,6 +168,11 @@ class Algorithm:
         """The model ``client`` is evaluated with: None, its own; a Message applied to a copy of
         its state; or an :class:`Evaluation` (with fine-tuning, or another state)."""
         return None
+
+    def round_metrics(self, round_: int) -> Mapping[str, float]:
+        """Numbers of this algorithm worth a line of ``metrics.jsonl`` after ``round_``'s
+        aggregation (FedDAF's mixing weight α), under the key ``algorithm``; JSON values."""
+        return {}
 
     def state_dict(self) -> dict:
         """Server state for checkpoints (tensors, numbers, strings, lists and dicts of them)."""

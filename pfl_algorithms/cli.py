@@ -238,9 +238,13 @@ def _cmd_demo(args) -> int:
     dirs = []
     for seed in range(args.seeds):
         for algorithm in args.algorithms or ALGORITHMS:
-            config = check(RunConfig(algorithm=algorithm, dataset="digits", scenario="permuted-iid",
-                                     model="digits-cnn", clients=20, rounds=args.rounds, seed=seed,
-                                     local_epochs=2, batch_size=16, lr=0.05))
+            # Methods that need a source and a target (FedDAF) run the fda scenario: noisy, scarce target.
+            roles = ALGORITHMS[algorithm].capabilities.roles
+            scenario = dict(scenario="fda", scenario_options={"noise": 0.6, "target_fraction": 0.25}) if roles \
+                else dict(scenario="permuted-iid")
+            config = check(RunConfig(algorithm=algorithm, dataset="digits", model="digits-cnn", clients=20,
+                                     rounds=args.rounds, seed=seed, local_epochs=2, batch_size=16, lr=0.05,
+                                     **scenario))
             run_dir = out / f"{algorithm}-seed{seed}"
             if run_or_keep(config, run_dir, progress=not args.quiet):
                 print(f"{run_dir}: finished earlier, kept")

@@ -242,6 +242,7 @@ def check(config: RunConfig) -> RunConfig:
     ALGORITHMS[config.algorithm].check_config(config)
     _check_scenario_values(config)
     _check_validation_split(config)
+    _check_roles(config)
     if config.augment is not None:
         from .data.augment import make_augmentation
 
@@ -254,6 +255,21 @@ def check(config: RunConfig) -> RunConfig:
     elif config.device != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {config.device!r}")
     return config
+
+
+# The client roles each scenario gives (``Partition.roles``).
+SCENARIO_ROLES = {"fda": ("source", "target")}
+
+
+def _check_roles(config: RunConfig) -> None:
+    """An algorithm that needs client roles (FedDAF's source and target) refuses a scenario
+    that does not give them."""
+    needed = ALGORITHMS[config.algorithm].capabilities.roles
+    missing = [r for r in needed if r not in SCENARIO_ROLES.get(config.scenario, ())]
+    if missing:
+        givers = [name for name, roles in SCENARIO_ROLES.items() if set(needed) <= set(roles)]
+        raise ValueError(f"{config.algorithm!r} needs clients with the roles {', '.join(needed)}, which scenario "
+                         f"{config.scenario!r} does not give; use --scenario {' or '.join(givers)}")
 
 
 def _check_validation_split(config: RunConfig) -> None:

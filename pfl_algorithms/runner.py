@@ -66,7 +66,7 @@ def build(config: RunConfig):
         augment = make_augmentation(config.augment, mean=dataset.mean, std=dataset.std)
     fed = federation_for(algorithm, models, dataset.inputs, dataset.labels, partition.clients, settings,
                          keep_head_local=config.head_local(), architectures=architectures, device=config.device,
-                         augment=augment)
+                         augment=augment, roles=partition.roles)
     return fed, algorithm, partition
 
 

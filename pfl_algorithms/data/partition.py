@@ -111,6 +111,15 @@ class Partition:
         names = [c.architecture for c in self.clients]
         return None if all(n is None for n in names) else names
 
+    @property
+    def roles(self) -> dict[str, list[int]]:
+        """The clients of each role the scenario gives (the fda scenario: one ``target``, the
+        other clients ``source``); empty when every client plays the same part."""
+        if "target_client" not in self.info:
+            return {}
+        target = int(self.info["target_client"])
+        return {"source": [k for k in range(self.num_clients) if k != target], "target": [target]}
+
     def apply_transforms(self, dataset: ArrayDataset) -> ArrayDataset:
         """The dataset the clients see: ``dataset`` with this partition's input transforms
         (feature shifts, Gaussian noise) applied to the samples of the clients they name.

@@ -165,6 +165,29 @@ class ClientView:
             if received:
                 work.load(*saved)
 
+    def mean_gradient(self, split: str = "train", batch_size: int = 32) -> Tensor:
+        """The mean over ``split``'s mini-batches (in order, ``batch_size`` each) of the loss
+        gradient at the current parameters, [P] (FedDAF's mean gradient field); in train mode,
+        with the model's buffers (BatchNorm statistics) and ``grads`` left as they were.  NaNs
+        for an empty split."""
+        work = self._work
+        indices = self._fed.clients[self.client].part(split)
+        saved = (work.buffers.clone(), work.int_buffers.clone(), work.grads.clone())
+        total = torch.zeros_like(work.params)
+        count = 0
+        try:
+            for start in range(0, indices.numel(), batch_size):
+                batch = indices[start:start + batch_size]
+                y = self._labels[batch] if self._label_map is None else self._label_map[self._labels[batch]]
+                self.forward_backward(conv_layout(self._inputs[batch]), y)
+                total += work.grads
+                count += 1
+        finally:
+            work.buffers.copy_(saved[0])
+            work.int_buffers.copy_(saved[1])
+            work.grads.copy_(saved[2])
+        return total / count if count else torch.full_like(total, float("nan"))
+
     def embed(self, inputs: Tensor) -> Tensor:
         """The model's embeddings of ``inputs`` (``module.embed``, else its ``body``: the
         encoder without the head), in eval mode and without gradient; the client's state

@@ -105,6 +105,14 @@ class Server:
         criteria input, FedFomo's ε-greedy choice of the models each client downloads)."""
         return self._fed.generator("server", round_)
 
+    def clients_with_role(self, role: str) -> torch.Tensor:
+        """The clients of ``role`` in the scenario ([n] int64, ascending): the fda scenario's
+        ``source`` and ``target``.  ValueError, naming the roles there are, if none has it."""
+        if role not in self._fed.roles:
+            there = ", ".join(sorted(self._fed.roles)) or "none: every client plays the same part"
+            raise ValueError(f"no client has the role {role!r} in this scenario (roles: {there})")
+        return torch.tensor(self._fed.roles[role], dtype=torch.int64)
+
     def initial_model(self, groups: Optional[Sequence[str]] = None) -> dict[str, torch.Tensor]:
         """Copies of the initial values of ``groups`` (None: every shared group) and of the shared
         groups' floating buffers (``buffers``, if any): the first cohort holding each, first client."""
@@ -166,9 +174,15 @@ class Federation:
                  labels: torch.Tensor, clients: Sequence[ClientSplit], settings: EngineSettings, *,
                  architectures: Optional[Sequence[str]] = None, group_rules: Sequence[GroupRule] = (),
                  local_groups: Sequence[str] = (), client_state: Optional[Mapping[str, StateSpec]] = None,
-                 device="cpu", augment=None):
+                 device="cpu", augment=None, roles: Optional[Mapping[str, Sequence[int]]] = None):
         if not clients:
             raise ValueError("a federation needs at least one client")
+        self.roles = {}
+        for role, members in dict(roles or {}).items():
+            ids = sorted(int(k) for k in members)
+            if not ids or ids[0] < 0 or ids[-1] >= len(clients) or len(set(ids)) != len(ids):
+                raise ValueError(f"role {role!r} must name distinct clients in [0, {len(clients)}), got {list(members)}")
+            self.roles[role] = tuple(ids)
         models = {"model": models} if isinstance(models, nn.Module) else dict(models)
         if architectures is None:
             if len(models) != 1:

@@ -81,9 +81,10 @@ def conv_layout(batch: torch.Tensor) -> torch.Tensor:
     return batch
 
 
+@torch.no_grad()
 def evaluate(module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor, *,
              label_map: Optional[torch.Tensor] = None, batch_size: int = 512) -> tuple[float, float, int]:
-    """(accuracy, mean loss, samples) of ``module`` on ``indices``, in eval mode."""
+    """(accuracy, mean loss, samples) of ``module`` on ``indices``, in eval mode, without autograd."""
     was_training = module.training
     module.eval()
     correct = torch.zeros((), dtype=torch.int64, device=inputs.device)

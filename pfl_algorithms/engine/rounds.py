@@ -18,7 +18,7 @@ A client whose update is not finite sends nothing and keeps the state it had bef
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
 
 import torch
@@ -43,11 +43,13 @@ class RoundRecord:
     bits_down: float
     wall_s: float
     eval: Optional[dict] = None
+    algorithm: dict = field(default_factory=dict)  # the algorithm's own numbers (``round_metrics``)
 
     def as_dict(self) -> dict:
         return {"round": self.round, "clients": self.clients, "train_loss": self.train_loss,
                 "skipped_non_finite": self.skipped, "bits_up": self.bits_up, "bits_down": self.bits_down,
-                "wall_s": self.wall_s, **({"eval": self.eval} if self.eval is not None else {})}
+                "wall_s": self.wall_s, **({"eval": self.eval} if self.eval is not None else {}),
+                **({"algorithm": self.algorithm} if self.algorithm else {})}
 
 
 def attach(fed: Federation, algorithm) -> None:
@@ -94,7 +96,8 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
     fed.round = round_ + 1
     record = RoundRecord(round=round_, clients=clients, train_loss={r.client: r.local.loss for r in results},
                          skipped=skipped, bits_up=fed.comm.total("up") - up0,
-                         bits_down=fed.comm.total("down") - down0, wall_s=time.perf_counter() - start)
+                         bits_down=fed.comm.total("down") - down0, wall_s=time.perf_counter() - start,
+                         algorithm=dict(algorithm.round_metrics(round_)))
     if (round_ + 1) % fed.settings.eval_every == 0 or round_ + 1 == fed.settings.rounds:
         record.eval = evaluate_all(fed, algorithm)
     return record
@@ -152,7 +155,8 @@ def _prepared(algorithm, model: nn.Module) -> nn.Module:
 
 
 def federation_for(algorithm, models, inputs, labels, clients, settings: EngineSettings, *,
-                   keep_head_local: bool = False, architectures=None, device="cpu", augment=None) -> Federation:
+                   keep_head_local: bool = False, architectures=None, device="cpu", augment=None,
+                   roles=None) -> Federation:
     """A federation shaped by ``algorithm``'s declarations (groups, local groups, extra client
     state), with the algorithm attached (its ``setup`` has run).  Each model is first
     replaced by ``algorithm.prepare_model(model)``."""
@@ -163,6 +167,6 @@ def federation_for(algorithm, models, inputs, labels, clients, settings: EngineS
     fed = Federation(models, inputs, labels, clients, settings, architectures=architectures,
                      group_rules=algorithm.group_rules(), local_groups=algorithm.local_groups(
                          keep_head_local=keep_head_local), client_state=algorithm.client_state(),
-                     device=device, augment=augment)
+                     device=device, augment=augment, roles=roles)
     attach(fed, algorithm)
     return fed

@@ -20,6 +20,18 @@ class TinyNet(nn.Module):
         return self.head(self.body(x))
 
 
+class BatchNormNet(nn.Module):
+    """body: Linear(4, 6) (30) + BatchNorm1d(6) (12 params, 12 floating buffers); head: Linear(6, 3) (21)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def blobs(n=120, features=4, classes=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, classes, (n,), generator=g)
@@ -42,7 +54,9 @@ def client_splits(sizes, label_maps=None):
 def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sample=1.0, clients_per_round=None,
                     steps=None, epochs=1, lr=0.1, keep_head_local=False, label_maps=None, seed=0, batch_size=16,
                     workers=1, executor="threaded", optimizer="sgd", optimizer_settings=None, optimizer_state="reset",
-                    models=None, architectures=None, dtype=torch.float64, finetune_epochs=0):
+                    models=None, architectures=None, dtype=torch.float64, finetune_epochs=0, roles=None):
+    if roles is None and algorithm.capabilities.roles:  # FedDAF: the last client is the target
+        roles = {"source": list(range(clients - 1)), "target": [clients - 1]}
     inputs, labels = blobs(sum(sizes[:clients]), seed=seed)
     inputs = inputs.to(dtype)
     torch.manual_seed(seed)
@@ -53,4 +67,4 @@ def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sampl
                               finetune_epochs=finetune_epochs,
                               schedule=LocalSchedule(batch_size=batch_size, epochs=epochs, steps=steps))
     return federation_for(algorithm, models, inputs, labels, client_splits(sizes[:clients], label_maps), settings,
-                          keep_head_local=keep_head_local, architectures=architectures)
+                          keep_head_local=keep_head_local, architectures=architectures, roles=roles)

@@ -3,26 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from pfl_algorithms.algorithms.fedavg import FedAvg
 from pfl_algorithms.engine.comm import CommLedger
 from pfl_algorithms.engine.messages import Message, Sparse, payload_bits
 from pfl_algorithms.engine.rounds import run_round
 
-from ..algorithms.federation_cases import make_federation
-
-
-class BatchNormNet(nn.Module):
-    """body: Linear(4, 6) (30) + BatchNorm1d(6) (12 params, 12 floating buffers); head: Linear(6, 3) (21)."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
+from ..algorithms.federation_cases import BatchNormNet, make_federation
 
 
 @pytest.mark.parametrize("keep_head_local", [False, True])
