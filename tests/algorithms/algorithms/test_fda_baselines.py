@@ -1,5 +1,6 @@
-"""FedDAF's baselines: target-only's silence; then a few rounds on digits ``fda`` (the target's
-loss goes down, the state stays finite, kill -9 and --resume is bitwise)."""
+"""FedDAF's baselines: FedGP's per-tensor projection (positive cosines only, β), target-only's
+silence; then a few rounds of each on digits ``fda`` (the target's loss goes down, the state
+stays finite, kill -9 and --resume is bitwise)."""
 from __future__ import annotations
 
 import math
@@ -7,11 +8,14 @@ import math
 import pytest
 import torch
 
+from pfl_algorithms.algorithms.fedgp import FedGP, projection_coefficients
 from pfl_algorithms.algorithms.target_only import TargetOnly
+from pfl_algorithms.api import Message
 from pfl_algorithms.engine.rounds import run_round
+from pfl_algorithms.engine.uploads import Uploads
 from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
 
-from .federation_cases import make_federation
+from .federation_cases import BatchNormNet, make_federation
 from .test_baselines import batches_of, row, sgd_steps
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -20,6 +24,78 @@ TARGET = 2  # make_federation's target for algorithms that need roles: the last 
 
 def rows(fed):
     return torch.stack([row(fed, k) for k in range(fed.num_clients)])
+
+
+# ---------------------------------------------------------------- FedGP
+
+
+def test_projection_keeps_positive_cosines_only_and_weighs_by_beta():
+    g_target = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    g_sources = torch.tensor([[2.0, 2.0], [-1.0, 1.0], [0.0, 0.0], [0.0, -3.0]], dtype=torch.float64)
+    shares = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64)
+    # Proj₊(g_T | g_1) = <g_T, g_1>/‖g_1‖² g_1 = 2/8 g_1; the others conflict (cos < 0), are zero,
+    # or are orthogonal: no weight.
+    paper = projection_coefficients(g_target, g_sources, shares, 0.3)
+    torch.testing.assert_close(paper, torch.tensor([0.7, 0.3 * 0.4 * 0.25, 0.0, 0.0, 0.0], dtype=torch.float64), **TOL)
+    cosine = projection_coefficients(g_target, g_sources, shares, 0.3, "cosine")
+    torch.testing.assert_close(cosine, torch.tensor([0.7, 0.3 * 0.4 / math.sqrt(2), 0.0, 0.0, 0.0],
+                                                    dtype=torch.float64), **TOL)
+    assert projection_coefficients(g_target, g_sources, shares, 0.0).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def fedgp_step(old, updates, target, sources, shares, beta):
+    """The FedGP step on one tensor, written out: old + (1 − β)g_T + β Σ p_i max(<g_T, g_i>, 0)/‖g_i‖² g_i."""
+    g_t = updates[target]
+    step = (1 - beta) * g_t
+    for p, i in zip(shares, sources):
+        g_i = updates[i]
+        step = step + beta * p * max(float(g_t @ g_i), 0.0) / float(g_i @ g_i) * g_i
+    return old + step
+
+
+def test_a_round_moves_the_global_model_by_the_projection_per_tensor():
+    beta = 0.4
+    algo = FedGP(beta=beta)
+    fed = make_federation(algo, steps=2)
+    old = row(fed, 0).clone()
+    run_round(fed, algo, 0)
+    updates = rows(fed) - old  # every client started from the global model
+    n = fed.train_sizes()[:2]
+    shares = (n / n.sum()).tolist()
+    want = old.clone()
+    for entry in fed.cohorts[0].layout.entries:  # tensor by tensor
+        part = slice(entry.offset, entry.stop)
+        want[part] = fedgp_step(old[part], updates[:, part], TARGET, [0, 1], shares, beta)
+    got = torch.cat([algo.global_model["body"], algo.global_model["head"]])
+    torch.testing.assert_close(got, want, **TOL)
+    # Projecting whole groups at once is another rule, which this round tells apart.
+    span = fed.cohorts[0].span("body")
+    by_group = fedgp_step(old[span], updates[:, span], TARGET, [0, 1], shares, beta)
+    assert not torch.allclose(by_group, want[span], rtol=1e-6, atol=1e-9)
+    assert 0 <= algo.round_metrics(0)["positive_cosines"] <= 1
+
+
+def test_batchnorm_statistics_are_the_targets_and_a_round_without_the_target_changes_nothing():
+    algo = FedGP()
+    fed = make_federation(algo, steps=1, models=BatchNormNet().double())
+    run_round(fed, algo, 0)
+    cohort = fed.cohorts[0]
+    torch.testing.assert_close(algo.global_model["buffers"], cohort.buffers.row(cohort.row(TARGET)), rtol=0, atol=0)
+    before = {g: t.clone() for g, t in algo.global_model.items()}
+    sources_only = Uploads([0, 1], [Message({g: t + 1.0 for g, t in before.items()}, num_examples=5)] * 2)
+    algo.aggregate(1, sources_only)
+    for g, t in before.items():
+        assert torch.equal(algo.global_model[g], t)
+    assert algo.round_metrics(1)["positive_cosines"] is None
+
+
+def test_fedgp_trains_the_target_with_its_own_settings():
+    algo = FedGP(target_lr=0.03)
+    fed = make_federation(algo, steps=1)
+    start = row(fed, TARGET).clone()
+    want = sgd_steps(fed, TARGET, start, batches_of(fed, TARGET, 0), lr=0.03)
+    run_round(fed, algo, 0)
+    torch.testing.assert_close(row(fed, TARGET), want, **TOL)
 
 
 # ---------------------------------------------------------------- target-only
@@ -39,16 +115,17 @@ def test_target_only_sends_nothing_and_only_the_target_trains():
 
 
 def test_settings_and_roles_are_checked():
-    for cls, bad, key in ((TargetOnly, {"target_lr": 0.0}, "target_lr"),
+    for cls, bad, key in ((FedGP, {"beta": 1.5}, "beta"), (FedGP, {"projection": "code"}, "projection"),
+                          (TargetOnly, {"target_lr": 0.0}, "target_lr"),
                           (TargetOnly, {"target_batch_size": 0}, "target_batch_size")):
         with pytest.raises(ValueError, match=key):
             cls(**bad)
     from pfl_algorithms.config import RunConfig, check
-    for name in ("target-only",):
+    for name in ("fedgp", "target-only"):
         with pytest.raises(ValueError, match="needs clients with the roles source, target.*--scenario fda"):
             check(RunConfig(algorithm=name, scenario="dirichlet"))
     with pytest.raises(ValueError, match="exactly one target"):
-        make_federation(TargetOnly(), roles={"source": [0], "target": [1, 2]})
+        make_federation(FedGP(), roles={"source": [0], "target": [1, 2]})
 
 
 # ---------------------------------------------------------------- digits fda, end to end
@@ -64,7 +141,7 @@ def assert_finite(state, path="state"):
             assert_finite(value, f"{path}.{key}")
 
 
-@pytest.mark.parametrize("algorithm", ["target-only"])
+@pytest.mark.parametrize("algorithm", ["fedgp", "target-only"])
 def test_digits_fda_target_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--scenario", "fda", "--clients", "5", "--rounds", str(ROUNDS),
