@@ -1,6 +1,6 @@
-"""FedDAF's baselines: FedGP's per-tensor projection (positive cosines only, β), target-only's
-silence; then a few rounds of each on digits ``fda`` (the target's loss goes down, the state
-stays finite, kill -9 and --resume is bitwise)."""
+"""FedDAF's baselines: FedGP's per-tensor projection (positive cosines only, β), FedDWA's weights
+and guidance pass, target-only's silence; then a few rounds of each on digits ``fda`` (the
+target's loss goes down, the state stays finite, kill -9 and --resume is bitwise)."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
+from pfl_algorithms.algorithms.feddwa import FedDWA, dwa_weights, keep_trained
 from pfl_algorithms.algorithms.fedgp import FedGP, projection_coefficients
 from pfl_algorithms.algorithms.target_only import TargetOnly
 from pfl_algorithms.api import Message
+from pfl_algorithms.engine.local import client_batches
 from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.engine.uploads import Uploads
 from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
@@ -98,6 +100,73 @@ def test_fedgp_trains_the_target_with_its_own_settings():
     torch.testing.assert_close(row(fed, TARGET), want, **TOL)
 
 
+# ---------------------------------------------------------------- FedDWA
+
+
+def test_dwa_weights_by_hand():
+    models = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    guidance = torch.tensor([[0.5, 0.0], [1.0, 1.0], [0.0, 3.0]], dtype=torch.float64)
+    # squared distances: row 0 (0.25, 0.25, 4.25); row 1 (2, 1, 2); row 2 (9, 10, 1)
+    inverse = torch.tensor([[4.0, 4.0, 1 / 4.25], [0.5, 1.0, 0.5], [1 / 9, 0.1, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(dwa_weights(guidance, models, 3), inverse / inverse.sum(1, keepdim=True), **TOL)
+    top2 = torch.tensor([[0.5, 0.5, 0.0], [0.5 / 1.5, 1 / 1.5, 0.0], [1 / 9 / (1 + 1 / 9), 0.0, 1 / (1 + 1 / 9)]],
+                        dtype=torch.float64)
+    # row 1 ties at 0.5: topk keeps one of them; either way the row is the two largest, renormalized
+    got = dwa_weights(guidance, models, 2)
+    torch.testing.assert_close(got[[0, 2]], top2[[0, 2]], **TOL)
+    assert got[1, 1] == pytest.approx(2 / 3) and sorted(got[1].tolist()) == pytest.approx([0.0, 1 / 3, 2 / 3])
+    torch.testing.assert_close(got.sum(1), torch.ones(3, dtype=torch.float64), **TOL)
+    # a model equal to a guidance model takes that row's whole weight
+    guidance[1] = models[2]
+    assert dwa_weights(guidance, models, 3)[1].tolist() == [0.0, 0.0, 1.0]
+
+
+def test_a_feddwa_round_personalizes_by_the_guidance_pass():
+    algo = FedDWA(top_k=2)
+    fed = make_federation(algo, steps=1)
+    assert algo.target is None  # no roles: every client alike
+    assert algo.configure(0, torch.arange(3)) == {0: None, 1: None, 2: None}  # nothing personalized yet
+    start = row(fed, 0).clone()
+    trained, guidance = [], []
+    for k in range(3):  # the two phases draw their batches one after the other from the task's generator
+        generator = fed.generator("train", 0, k)
+        first = list(client_batches(fed.clients[k].train, fed.settings.schedule, generator))
+        second = list(client_batches(fed.clients[k].train, fed.settings.schedule, generator))
+        trained.append(sgd_steps(fed, k, start, first))
+        guidance.append(sgd_steps(fed, k, trained[-1], second))
+    seen = []
+    aggregate = algo.aggregate
+    algo.aggregate = lambda round_, uploads: (seen.append(uploads), aggregate(round_, uploads))
+    run_round(fed, algo, 0)
+    (uploads,) = seen
+    assert "buffers" not in uploads.messages[0].tensors  # only parameters travel
+    models, guides = torch.stack(trained), torch.stack(guidance)
+    for k in range(3):
+        torch.testing.assert_close(row(fed, k), models[k], **TOL)  # the client keeps w_i
+        message = uploads.messages[k]
+        torch.testing.assert_close(torch.cat([message.tensors["body"], message.tensors["head"]]), models[k], **TOL)
+        torch.testing.assert_close(torch.cat([message.extras["guidance"]["body"], message.extras["guidance"]["head"]]),
+                                   guides[k], **TOL)
+    sqdist = torch.cdist(guides, models).square()
+    weights = 1 / sqdist
+    weights = weights * (weights >= weights.topk(2, dim=1).values[:, -1:])
+    weights = weights / weights.sum(1, keepdim=True)
+    torch.testing.assert_close(algo.personal, weights @ models, rtol=1e-9, atol=1e-12)
+    sent = algo.configure(1, torch.tensor([2]))[2]
+    torch.testing.assert_close(torch.cat([sent.tensors["body"], sent.tensors["head"]]), algo.personal[2], **TOL)
+    assert algo.evaluation(2).download is not None
+
+
+def test_feddwa_in_fda_trains_the_target_with_its_settings_and_refuses_them_without_a_target():
+    algo = FedDWA(target_lr=0.02, target_batch_size=4)
+    make_federation(algo, roles={"source": [0, 1], "target": [2]})
+    local, look_ahead = algo.plan(2)
+    assert (local.lr, local.batch_size, look_ahead.lr, look_ahead.batch_size) == (0.02, 4, 0.02, 4)
+    assert look_ahead.begin is keep_trained and algo.plan(0)[0].lr is None
+    with pytest.raises(ValueError, match="target_lr, target_batch_size need a target client"):
+        make_federation(FedDWA(target_lr=0.02, target_batch_size=4))
+
+
 # ---------------------------------------------------------------- target-only
 
 
@@ -116,7 +185,7 @@ def test_target_only_sends_nothing_and_only_the_target_trains():
 
 def test_settings_and_roles_are_checked():
     for cls, bad, key in ((FedGP, {"beta": 1.5}, "beta"), (FedGP, {"projection": "code"}, "projection"),
-                          (TargetOnly, {"target_lr": 0.0}, "target_lr"),
+                          (FedDWA, {"top_k": 0}, "top_k"), (TargetOnly, {"target_lr": 0.0}, "target_lr"),
                           (TargetOnly, {"target_batch_size": 0}, "target_batch_size")):
         with pytest.raises(ValueError, match=key):
             cls(**bad)
@@ -124,6 +193,7 @@ def test_settings_and_roles_are_checked():
     for name in ("fedgp", "target-only"):
         with pytest.raises(ValueError, match="needs clients with the roles source, target.*--scenario fda"):
             check(RunConfig(algorithm=name, scenario="dirichlet"))
+    check(RunConfig(algorithm="feddwa", scenario="dirichlet"))
     with pytest.raises(ValueError, match="exactly one target"):
         make_federation(FedGP(), roles={"source": [0], "target": [1, 2]})
 
@@ -141,7 +211,7 @@ def assert_finite(state, path="state"):
             assert_finite(value, f"{path}.{key}")
 
 
-@pytest.mark.parametrize("algorithm", ["fedgp", "target-only"])
+@pytest.mark.parametrize("algorithm", ["fedgp", "feddwa", "target-only"])
 def test_digits_fda_target_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--scenario", "fda", "--clients", "5", "--rounds", str(ROUNDS),
