@@ -13,24 +13,32 @@ from .campaign import PlannedRun, slug
 from .papers import Paper
 
 
+METRIC_TEXT = {"final_mean_accuracy": "final-round mean personalized test accuracy over clients",
+               "target_best_accuracy": "the target client's best test accuracy over rounds"}
+
+
 def _mean_std(values: list[float]) -> Optional[tuple[float, float]]:
     if not values:
         return None
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def _history(run: PlannedRun) -> list[dict]:
-    """The evaluated rounds of a finished run: (round, accuracy %, Gb so far)."""
+def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]:
+    """The evaluated rounds of a finished run: (round, accuracy %, Gb so far); the accuracy is
+    the clients' mean, or the target client's for a paper that reports the target's."""
+    target = None
+    if metric.startswith("target_"):
+        target = str(json.loads((run.out / "summary.json").read_text())["target_client"])
     rows = []
     for line in (run.out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "eval" in record:
-            rows.append((record["round"] + 1, 100 * record["eval"]["mean_accuracy"],
-                         record["comm_gb"]["up"] + record["comm_gb"]["down"]))
+            accuracy = record["eval"]["mean_accuracy"] if target is None else record["eval"]["accuracy"][target]
+            rows.append((record["round"] + 1, 100 * accuracy, record["comm_gb"]["up"] + record["comm_gb"]["down"]))
     return rows
 
 
-def cell_results(runs: list[PlannedRun]) -> dict:
+def cell_results(runs: list[PlannedRun], metric: str = "final_mean_accuracy") -> dict:
     """{(method label, setting label): {"accuracy": (mean, std), "gb": (mean, std), "seeds": n}}
     from the finished runs' summaries (final-round mean personalized accuracy, in %; "gb":
     gigabytes sent up and down, the unit of the papers' cost columns)."""
@@ -38,8 +46,8 @@ def cell_results(runs: list[PlannedRun]) -> dict:
     for run in runs:
         summary = json.loads((run.out / "summary.json").read_text())
         cell = cells.setdefault((run.method.label, run.setting.label), {"accuracy": [], "gb": []})
-        if summary["final_mean_accuracy"] is not None:
-            cell["accuracy"].append(100 * summary["final_mean_accuracy"])
+        if summary.get(metric) is not None:
+            cell["accuracy"].append(100 * summary[metric])
         # The ledger counts gigabits; the papers' "Gb" are gigabytes (pfl_algorithms/costs.py).
         cell["gb"].append((summary["comm_gb"]["up"] + summary["comm_gb"]["down"]) / 8)
     return {key: {"accuracy": _mean_std(c["accuracy"]), "gb": _mean_std(c["gb"]), "seeds": len(c["gb"])}
@@ -90,7 +98,7 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path) 
     for setting in paper.settings[scale]:
         figures = {name: plt.subplots(figsize=(6, 4)) for name in ("accuracy_vs_round", "accuracy_vs_bits")}
         for method in paper.methods:
-            histories = [_history(r) for r in runs if r.method is method and r.setting is setting]
+            histories = [_history(r, paper.metric) for r in runs if r.method is method and r.setting is setting]
             length = min((len(h) for h in histories), default=0)
             if not length:
                 continue
@@ -102,7 +110,8 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path) 
             figures["accuracy_vs_bits"][1].plot(gigabits, accuracy, label=method.label)
         for name, (fig, ax) in figures.items():
             ax.set(xlabel="round" if name.endswith("round") else "communicated (Gb, up + down)",
-                   ylabel="mean personalized accuracy (%)", title=f"{setting.label}")
+                   ylabel=("target" if paper.metric.startswith("target_") else "mean personalized")
+                   + " accuracy (%)", title=f"{setting.label}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             path = folder / f"{slug(setting.label)}_{name}.png"
@@ -115,13 +124,13 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path) 
 
 def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], out: Path, command: str) -> Path:
     """Write ``out/report.md`` (and ``out/plots/``) from the finished runs; returns its path."""
-    cells = cell_results(runs)
+    cells = cell_results(runs, paper.metric)
     settings = paper.settings[scale]
     beside = scale == "paper" and bool(paper.paper_numbers)
     lines = [f"# {paper.title}", "",
              f"Reproduced with `{command}`: scale `{scale}`, {seeds} seed(s) per cell, {len(runs)} runs.",
-             f"The paper's {paper.table}. Accuracy: final-round mean personalized test accuracy over "
-             "clients (%), mean ± std over seeds." + (" In brackets: the paper's number, where its text "
+             f"The paper's {paper.table}. Accuracy: " + METRIC_TEXT.get(paper.metric, paper.metric)
+             + " (%), mean ± std over seeds." + (" In brackets: the paper's number, where its text "
                                                        "is legible." if beside else ""), ""]
     header = ["Method", *(s.label for s in settings)]
     rows = []

@@ -193,3 +193,34 @@ def test_pfedmb_tables_run_their_own_rows_with_fine_tuning(tmp_path):
     assert {(r.config.dataset, r.config.model, r.config.local_epochs, r.config.batch_size) for r in paper_runs} == {
         ("cifar10", "lenet5", 5, 64)}
 
+
+
+def test_feddaf_grid_k_sweep_and_the_targets_metric(tmp_path):
+    """Table 1's nine scarcity × noise columns run its six rows; the scarcity-0.05 columns also
+    run the k sweep (Table 3); the domain columns exist at paper scale only; cells report the
+    target's best accuracy, and the plots its accuracy per round."""
+    from pfl_algorithms.reproduce.report import _history, cell_results
+
+    paper = PAPERS["feddaf"]
+    assert paper.metric == "target_best_accuracy"
+    cpu = plan(paper, "cpu", 1, tmp_path)
+    labels = {r.setting.label for r in cpu}
+    assert len(labels) == 9 and all(r.config.scenario == "fda" for r in cpu)
+    k_runs = [r for r in cpu if r.method.label.startswith("FedDAF k=")]
+    assert {r.setting.label for r in k_runs} == {f"Scarcity 0.05, noise {n}" for n in (0.3, 0.6, 0.9)}
+    assert sorted({r.config.algorithm_settings["k"] for r in k_runs}) == [0.5, 1.0, 2.0, 3.0, 4.0, 10.0]
+    daf = next(r for r in cpu if r.method.label == "FedDAF" and r.setting.label == "Scarcity 0.5, noise 0.9")
+    assert daf.config.scenario_options["target_fraction"] == 0.5 and daf.config.scenario_options["noise"] == 0.9
+    assert daf.config.algorithm_settings == {"target_lr": 0.05, "target_batch_size": 16}
+    paper_labels = {r.setting.label for r in plan(paper, "paper", 1, tmp_path)}
+    assert {"PACS P", "VLCS S", "Office-Caltech-10 W"} <= paper_labels and len(paper_labels) == 9 + 12
+    run = daf
+    run.out.mkdir(parents=True)
+    (run.out / "summary.json").write_text(json.dumps({"target_client": 10, "target_best_accuracy": 0.5,
+                                                       "final_mean_accuracy": 0.9, "comm_gb": {"up": 8, "down": 8}}))
+    lines = [{"round": r, "comm_gb": {"up": r, "down": r}, "eval": {"mean_accuracy": 0.9, "accuracy": {"10": a}}}
+             for r, a in ((0, 0.25), (1, 0.5))]
+    (run.out / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    cells = cell_results([run], paper.metric)
+    assert cells[("FedDAF", "Scarcity 0.5, noise 0.9")]["accuracy"] == (50.0, 0.0)
+    assert [h[1] for h in _history(run, paper.metric)] == [25.0, 50.0]
