@@ -6,19 +6,20 @@ clients, the target included, start from the global model w and train locally (t
 with ``target_lr`` / ``target_batch_size`` / ``target_epochs`` where given, else the run's
 settings); each uploads its model.  The server turns the uploads into updates from the same
 starting point, g_T = w_T − w for the target and g_i = w_i − w for source i, and moves w by
-the target's update and its projections on the source updates that do not conflict with it
-(the paper's Figure 1 and its FedGP rule), per parameter tensor:
+the target's update and the source updates that do not conflict with it, per parameter
+tensor, by the rule of the README facts (issue 17 names it) and of the released code
+(jackyzyb/AutoFedGP, ``ServerFedGP.update_fedgp``), the default ``projection='cosine'``:
 
-    w ← w + (1 − β)·g_T + β·Σ_i p_i·Proj₊(g_T | g_i)
-    Proj₊(g_T | g_i) = max(⟨g_T, g_i⟩, 0) / ‖g_i‖² · g_i = [cos_i > 0]·cos_i·(‖g_T‖/‖g_i‖)·g_i
+    w ← w + (1 − β)·g_T + β·Σ_i p_i·[cos_i > 0]·cos_i·g_i
 
 with cos_i the cosine of g_T and g_i over that tensor (``pairwise_cosine``), β = 0.5 and p_i
-source i's share of the sources' training samples this round.  ``projection='cosine'``
-drops the norm ratio, [cos_i > 0]·cos_i·g_i, the form of the README facts line and of the
-released code (jackyzyb/AutoFedGP, ``ServerFedGP.update_fedgp``), which also multiplies each
-source term by the ratio of the target's to the source's local steps and learning rates; that
-factor is not offered (the server here does not know the sources' schedule).  Each tensor's
-new value is one ``weighted_average`` of the stacked updates.
+source i's share of the sources' training samples this round.  ``projection='paper'`` is the
+projection of the paper's Figure 1 written out, Proj₊(g_T | g_i) = max(⟨g_T, g_i⟩, 0)/‖g_i‖²·g_i
+= [cos_i > 0]·cos_i·(‖g_T‖/‖g_i‖)·g_i, which keeps the target's step size (with a scarce target,
+a small one).  The released code also multiplies each source term by the ratio of the
+target's to the source's local steps and learning rates; that factor is not offered (the
+server here does not know the sources' schedule).  Each tensor's new value is one
+``weighted_average`` of the stacked updates.
 
 Choices the paper leaves open, stated: the BatchNorm statistics of the new global model are
 the target's (the model serves the target's data; statistics are not gradients; the released
@@ -47,11 +48,11 @@ from .target_only import TargetTraining, target_phase, the_target
 @dataclass(frozen=True)
 class FedGPSettings(TargetTraining):
     beta: Fraction = 0.5  # β: the weight of the sources' projections against the target's own update
-    projection: Annotated[str, OneOf(("paper", "cosine"))] = "paper"  # Proj₊(g_T | g_i), or cos_i·g_i
+    projection: Annotated[str, OneOf(("cosine", "paper"))] = "cosine"  # cos_i·g_i (README facts), or Proj₊(g_T | g_i)
 
 
 def projection_coefficients(g_target: torch.Tensor, g_sources: torch.Tensor, shares: torch.Tensor, beta: float,
-                            projection: str = "paper") -> torch.Tensor:
+                            projection: str = "cosine") -> torch.Tensor:
     """[1 + M] weights c of the stacked updates [g_T; g_1 … g_M] of one tensor, so that the
     FedGP step is Σ_k c_k·row_k: c_0 = 1 − β, c_i = β·p_i·[cos_i > 0]·cos_i·(‖g_T‖/‖g_i‖)
     (``projection='paper'``) or β·p_i·[cos_i > 0]·cos_i (``'cosine'``).  A zero update has
@@ -73,7 +74,7 @@ class FedGP(FedAvg):
     """The target's update plus β-weighted projections of it on the agreeing source updates."""
 
     name = "fedgp"
-    description = "fda: the global step is (1-beta) g_T + beta sum_i p_i Proj+(g_T | g_i), per tensor"
+    description = "fda: the global step is (1-beta) g_T + beta sum_i p_i [cos_i>0] cos_i g_i, per tensor"
     Settings = FedGPSettings
     capabilities = Capabilities(roles=("source", "target"))
 

@@ -37,27 +37,32 @@ def test_projection_keeps_positive_cosines_only_and_weighs_by_beta():
     shares = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64)
     # Proj₊(g_T | g_1) = <g_T, g_1>/‖g_1‖² g_1 = 2/8 g_1; the others conflict (cos < 0), are zero,
     # or are orthogonal: no weight.
-    paper = projection_coefficients(g_target, g_sources, shares, 0.3)
+    paper = projection_coefficients(g_target, g_sources, shares, 0.3, "paper")
     torch.testing.assert_close(paper, torch.tensor([0.7, 0.3 * 0.4 * 0.25, 0.0, 0.0, 0.0], dtype=torch.float64), **TOL)
-    cosine = projection_coefficients(g_target, g_sources, shares, 0.3, "cosine")
+    cosine = projection_coefficients(g_target, g_sources, shares, 0.3)  # the default: the README facts' rule
     torch.testing.assert_close(cosine, torch.tensor([0.7, 0.3 * 0.4 / math.sqrt(2), 0.0, 0.0, 0.0],
                                                     dtype=torch.float64), **TOL)
     assert projection_coefficients(g_target, g_sources, shares, 0.0).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
-def fedgp_step(old, updates, target, sources, shares, beta):
-    """The FedGP step on one tensor, written out: old + (1 − β)g_T + β Σ p_i max(<g_T, g_i>, 0)/‖g_i‖² g_i."""
+def fedgp_step(old, updates, target, sources, shares, beta, projection="paper"):
+    """The FedGP step on one tensor, written out: old + (1 − β)g_T + β Σ p_i max(<g_T, g_i>, 0)/‖g_i‖² g_i
+    (``'paper'``), or with max(cos_i, 0)·g_i (``'cosine'``, the README facts' rule)."""
     g_t = updates[target]
     step = (1 - beta) * g_t
     for p, i in zip(shares, sources):
         g_i = updates[i]
-        step = step + beta * p * max(float(g_t @ g_i), 0.0) / float(g_i @ g_i) * g_i
+        if projection == "paper":
+            step = step + beta * p * max(float(g_t @ g_i), 0.0) / float(g_i @ g_i) * g_i
+        else:
+            step = step + beta * p * max(float(g_t @ g_i) / float(g_t.norm() * g_i.norm()), 0.0) * g_i
     return old + step
 
 
-def test_a_round_moves_the_global_model_by_the_projection_per_tensor():
+@pytest.mark.parametrize("projection", ["cosine", "paper"])
+def test_a_round_moves_the_global_model_by_the_projection_per_tensor(projection):
     beta = 0.4
-    algo = FedGP(beta=beta)
+    algo = FedGP(beta=beta, projection=projection)
     fed = make_federation(algo, steps=2)
     old = row(fed, 0).clone()
     run_round(fed, algo, 0)
@@ -67,12 +72,12 @@ def test_a_round_moves_the_global_model_by_the_projection_per_tensor():
     want = old.clone()
     for entry in fed.cohorts[0].layout.entries:  # tensor by tensor
         part = slice(entry.offset, entry.stop)
-        want[part] = fedgp_step(old[part], updates[:, part], TARGET, [0, 1], shares, beta)
+        want[part] = fedgp_step(old[part], updates[:, part], TARGET, [0, 1], shares, beta, projection)
     got = torch.cat([algo.global_model["body"], algo.global_model["head"]])
     torch.testing.assert_close(got, want, **TOL)
     # Projecting whole groups at once is another rule, which this round tells apart.
     span = fed.cohorts[0].span("body")
-    by_group = fedgp_step(old[span], updates[:, span], TARGET, [0, 1], shares, beta)
+    by_group = fedgp_step(old[span], updates[:, span], TARGET, [0, 1], shares, beta, projection)
     assert not torch.allclose(by_group, want[span], rtol=1e-6, atol=1e-9)
     assert 0 <= algo.round_metrics(0)["positive_cosines"] <= 1
 
