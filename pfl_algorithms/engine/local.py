@@ -70,7 +70,6 @@ class LocalResult:
     finite: bool
 
 
-@torch.no_grad()
 def conv_layout(batch: torch.Tensor) -> torch.Tensor:
     """A batch of images in the memory layout CPU convolutions run fastest on: channels-last
     (oneDNN's native layout; the values are the same).  One LeNet-5 step on 64 CIFAR-shaped
