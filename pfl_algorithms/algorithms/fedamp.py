@@ -103,7 +103,7 @@ class FedAMP(Algorithm):
     def aggregate(self, round_, uploads):
         if not uploads:
             return
-        self.models[uploads.clients] = torch.cat([uploads.stack(g) for g in self.groups], dim=1).to(self.models.dtype)
+        self.models[uploads.clients] = uploads.concat(self.groups).to(self.models.dtype)
         self.uploaded[uploads.clients] = True
 
     def state_dict(self) -> dict:

@@ -41,6 +41,7 @@ from pfl_kernels.ops import pairwise_cosine, weighted_average
 from ..api import (BUFFERS, Algorithm, Capabilities, Message, NonNegativeFloat, OneOf, Phase, PositiveFloat,
                    PositiveInt, StateSpec)
 from .fedprox import proximal_term
+from .target_only import target_phase, the_target
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,7 @@ class FedDAF(Algorithm):
         return {"fda": StateSpec(shape=(2,), dtype=torch.float64)}  # this round's (α, θ) on the target
 
     def setup(self, server) -> None:
-        targets = server.clients_with_role("target")
-        if len(targets) != 1:
-            raise ValueError(f"{self.name} needs exactly one target client, the scenario has {len(targets)}")
-        self.target = int(targets[0])
-        self.sources = server.clients_with_role("source")
+        self.target = the_target(server, self.name)
         initial = server.initial_model()
         self.groups = [g for g in initial if g != BUFFERS]
         self.global_model = initial
@@ -107,9 +104,8 @@ class FedDAF(Algorithm):
     def plan(self, client):
         if client != self.target:
             return (Phase(),)
-        s = self.settings
-        return (Phase(epochs=s.target_epochs, lr=s.target_lr, batch_size=s.target_batch_size, begin=self.adapt,
-                      grad_terms=(proximal_term(s.mu, self._source_parameters),)),)
+        return (target_phase(self.settings, begin=self.adapt,
+                             grad_terms=(proximal_term(self.settings.mu, self._source_parameters),)),)
 
     def _source_parameters(self, view) -> dict:
         return {g: t for g, t in view.download.extras["source"].items() if g != BUFFERS}
@@ -142,16 +138,16 @@ class FedDAF(Algorithm):
             return
         senders = uploads.clients.tolist()
         target_row = senders.index(self.target) if self.target in senders else None
+        flat = uploads.concat(self.groups)  # [M, P]: every sender's model
         target_model = None
         if target_row is not None:
             self.last = uploads.messages[target_row].extras["fda"].clone()
-            target_model = torch.cat([uploads.stack(g)[target_row] for g in self.groups])
+            target_model = flat[target_row]
         rows = [i for i, c in enumerate(senders) if c != self.target]
         if not rows:
             return
         index = torch.tensor(rows)
-        flat = torch.cat([uploads.stack(g)[index] for g in self.groups], dim=1)
-        weights = source_weights(flat, target_model, self.settings.source_weighting)
+        weights = source_weights(flat[index], target_model, self.settings.source_weighting)
         for name, value in self.global_model.items():
             stacked = uploads.stack(name)[index].to(value.dtype)
             self.global_model[name] = weighted_average(weights.to(value.dtype), stacked)[0]

@@ -113,7 +113,7 @@ class FedDWA(Algorithm):
     def aggregate(self, round_, uploads):
         if not uploads:
             return
-        models = torch.cat([uploads.stack(g) for g in self.groups], dim=1)
+        models = uploads.concat(self.groups)
         guidance = torch.cat([torch.stack([m[g] for m in uploads.extras("guidance")]) for g in self.groups], dim=1)
         weights = dwa_weights(guidance, models, self.settings.top_k)
         self.personal[uploads.clients] = weighted_average(weights.to(models.dtype), models).to(self.personal.dtype)

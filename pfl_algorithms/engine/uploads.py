@@ -49,6 +49,11 @@ class Uploads:
             raise KeyError(f"clients {missing} sent no {name!r}")
         return torch.stack([m.dense(name) for m in self.messages])
 
+    def concat(self, names: Sequence[str]) -> Tensor:
+        """[M, P]: each sender's tensors ``names``, flattened and side by side in that order (one
+        flat model per row: FedAMP's, FedDWA's and FedDAF's banks)."""
+        return torch.cat([self.stack(name).reshape(len(self.messages), -1) for name in names], dim=1)
+
     def extras(self, name: str) -> list:
         """Extra ``name`` of every sender, in order."""
         return [m.extras[name] for m in self.messages]

@@ -61,3 +61,14 @@ def test_what_cannot_be_counted_is_refused():
         payload_bits(object())
     with pytest.raises(ValueError, match="threshold"):
         Sparse(torch.zeros(2), threshold=-1.0)
+
+
+def test_uploads_concat_puts_each_senders_tensors_side_by_side():
+    from pfl_algorithms.engine.uploads import Uploads
+
+    a = Message({"body": torch.arange(4.0).reshape(2, 2), "head": torch.tensor([9.0])}, num_examples=3)
+    b = Message({"body": torch.arange(4.0, 8.0).reshape(2, 2), "head": torch.tensor([7.0])}, num_examples=5)
+    uploads = Uploads([2, 5], [a, b])
+    assert uploads.concat(["head", "body"]).tolist() == [[9.0, 0.0, 1.0, 2.0, 3.0], [7.0, 4.0, 5.0, 6.0, 7.0]]
+    with pytest.raises(KeyError, match="sent no 'tail'"):
+        uploads.concat(["tail"])
