@@ -36,6 +36,7 @@ from pfl_kernels.ops import weighted_average
 
 from ..api import (BUFFERS, Algorithm, Capabilities, Fraction, Message, NonNegativeFloat, OneOf, Phase, PositiveInt,
                    StateSpec)
+from .ifca import load_model
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,7 @@ def fomo_update(settings: FedFomoSettings):
         losses = []
         with torch.no_grad():
             for n in range(m):
-                for g in groups:
-                    view.group(g).copy_(models[g][n])
-                if BUFFERS in models:
-                    view.shared_buffers().copy_(models[BUFFERS][n])
+                load_model(view, models, n)
                 losses.append(view.evaluate("val")[1])
             differences = theirs - own
             order = 2 if settings.norm == "l2" else 1

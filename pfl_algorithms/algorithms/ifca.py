@@ -62,15 +62,16 @@ def choose_cluster(view) -> None:
     losses = []
     with torch.no_grad():
         for j in range(int(models[groups[0]].shape[0])):
-            load_cluster(view, models, j)
+            load_model(view, models, j)
             losses.append(view.evaluate("train")[1])
         best = lowest_loss(torch.tensor(losses, dtype=torch.float64))
-        load_cluster(view, models, best)
+        load_model(view, models, best)
     view.state("cluster").fill_(best)
 
 
-def load_cluster(view, models: dict, j: int) -> None:
-    """Write cluster model ``j`` (its groups and buffers) into the client's working model."""
+def load_model(view, models: dict, j: int) -> None:
+    """Write model ``j`` of a download's stacked ``models`` ({group or ``buffers``: [m, ...]})
+    into the client's working model: IFCA's cluster models, FedFomo's downloaded models."""
     for group, bank in models.items():
         target = view.shared_buffers() if group == BUFFERS else view.group(group)
         target.copy_(bank[j])
