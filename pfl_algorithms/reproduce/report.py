@@ -40,13 +40,14 @@ def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]
 
 def cell_results(runs: list[PlannedRun], metric: str = "final_mean_accuracy") -> dict:
     """{(method label, setting label): {"accuracy": (mean, std), "gb": (mean, std), "seeds": n}}
-    from the finished runs' summaries (final-round mean personalized accuracy, in %; "gb":
+    from the finished runs' summaries (their ``metric``, in %: the final-round mean personalized
+    accuracy, or the target's best; "gb":
     gigabytes sent up and down, the unit of the papers' cost columns)."""
     cells: dict = {}
     for run in runs:
         summary = json.loads((run.out / "summary.json").read_text())
         cell = cells.setdefault((run.method.label, run.setting.label), {"accuracy": [], "gb": []})
-        if summary.get(metric) is not None:
+        if summary[metric] is not None:
             cell["accuracy"].append(100 * summary[metric])
         # The ledger counts gigabits; the papers' "Gb" are gigabytes (pfl_algorithms/costs.py).
         cell["gb"].append((summary["comm_gb"]["up"] + summary["comm_gb"]["down"]) / 8)
