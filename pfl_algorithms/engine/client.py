@@ -115,6 +115,28 @@ class ClientView:
         self._inputs, self._labels, self._label_map = fed.inputs, fed.labels, data.label_map
         self.num_examples = int(data.train.numel())
 
+    def generator(self, round_: Optional[int] = None) -> torch.Generator:
+        """The algorithm's own random stream on this client, seeded by (run seed, round, client)
+        (``engine.seeds``): ``round_`` None for this round's, -1 for one stream for the whole run
+        (Fed-CMA's per-class batch, chosen once); a resumed run draws the same values."""
+        return self._fed.generator("client", self.round if round_ is None else round_, self.client)
+
+    def indices(self, split: str = "train") -> Tensor:
+        """The client's samples of ``split`` ('train', 'val', 'test'): [n] int64 indices to give
+        :meth:`examples`."""
+        return self._fed.clients[self.client].part(split)
+
+    def labels_of(self, indices: Tensor) -> Tensor:
+        """The labels of samples ``indices`` as the client's classifier sees them (its label map
+        applied)."""
+        labels = self._labels[indices]
+        return labels if self._label_map is None else self._label_map[labels]
+
+    def examples(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        """(inputs, labels) of samples ``indices`` as training batches have them (labels mapped,
+        images in the convolutions' fast layout; no augmentation)."""
+        return conv_layout(self._inputs[indices]), self.labels_of(indices)
+
     @property
     def groups(self) -> tuple[str, ...]:
         """The client's parameter groups, in layout order."""

@@ -94,6 +94,12 @@ class Server:
         """Each client's number of training samples, [K] float64."""
         return self._fed.train_sizes()
 
+    def class_counts(self) -> torch.Tensor:
+        """Each client's training samples per class, [K, C] float64, in the labels the clients'
+        classifiers see (after their label maps): what a server knows of its clients' label
+        distributions (Fed-CMA's p_i^k, FedGen's label weights)."""
+        return self._fed.class_counts()
+
     @property
     def input_shape(self) -> tuple[int, ...]:
         """The shape of one input example (e.g. (C, H, W))."""
@@ -212,6 +218,7 @@ class Federation:
                 self._cohort_of[k] = cohort
         self.shared_groups = tuple(dict.fromkeys(g for c in self.cohorts for g in c.groups.shared))
         self._check_shared_shapes()
+        self._class_counts: Optional[torch.Tensor] = None
         self.comm = CommLedger()
         self.executor = make_executor(settings.executor, workers=settings.workers, device=str(self.device))
         self.round = 0
@@ -240,6 +247,21 @@ class Federation:
     def train_sizes(self) -> torch.Tensor:
         """Each client's number of training samples, [K] float64."""
         return torch.tensor([c.train.numel() for c in self.clients], dtype=torch.float64)
+
+    def class_counts(self) -> torch.Tensor:
+        """Each client's training samples per class, [K, C] float64 (C: the classifiers' width;
+        labels after each client's label map, a sample mapped to -1 not counted)."""
+        if self._class_counts is None:
+            rows = []
+            for client in self.clients:
+                labels = self.labels[client.train]
+                if client.label_map is not None:
+                    labels = client.label_map[labels]
+                rows.append(labels[labels >= 0].cpu())
+            width = max([int(getattr(c.module, "num_classes", 0)) for c in self.cohorts]
+                        + [int(r.max()) + 1 for r in rows if r.numel()] + [1])
+            self._class_counts = torch.stack([torch.bincount(r, minlength=width).to(torch.float64) for r in rows])
+        return self._class_counts.clone()
 
     def generator(self, stream: str, round_: int, client: int = -1) -> torch.Generator:
         """The generator of one stream ('sample', 'train', 'finetune') of a round and client."""

@@ -22,7 +22,8 @@ _MASK64 = (1 << 64) - 1
 
 # The streams of a run: one per purpose, so that drawing more for one never shifts another.
 # "server": the algorithm's own draws on the server (``Server.generator``, SimFed's criteria input, FedFomo's picks).
-STREAMS = {"sample": 1, "train": 2, "eval": 3, "finetune": 4, "server": 5}
+# "client": the algorithm's own draws on a client (``ClientView.generator``, Fed-CMA's fixed per-class batch).
+STREAMS = {"sample": 1, "train": 2, "eval": 3, "finetune": 4, "server": 5, "client": 6}
 
 
 def splitmix64(x: int) -> int:
