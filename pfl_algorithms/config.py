@@ -241,6 +241,7 @@ def check(config: RunConfig) -> RunConfig:
         raise ValueError(f"clients_per_round={config.clients_per_round} but only clients={config.clients}")
     ALGORITHMS[config.algorithm].check_config(config)
     _check_scenario_values(config)
+    _check_architectures(config)
     _check_validation_split(config)
     _check_roles(config)
     if config.augment is not None:
@@ -283,6 +284,27 @@ def _check_validation_split(config: RunConfig) -> None:
     if check_split(split, "scenario.split")[1] <= 0:
         raise ValueError(f"scenario.split={tuple(split)} leaves no validation split, but {config.algorithm!r} "
                          "reads each client's validation split: give it a fraction > 0")
+
+
+def _check_architectures(config: RunConfig) -> None:
+    """A mixed federation (option ``architectures`` with two or more models) needs an algorithm
+    that shares only the classifier: refuse the others, naming the algorithm and the cohorts."""
+    architectures = config.scenario_options.get("architectures")
+    if architectures is None:
+        return
+    entries = [architectures] if isinstance(architectures, str) else list(architectures)
+    algorithm = ALGORITHMS[config.algorithm]
+    if len(set(entries)) < 2 or algorithm.capabilities.mixed_architectures:
+        return
+    cohorts = {}
+    for client in range(config.clients):  # client k gets entries[k % len(entries)] (data/scenarios.py)
+        cohorts.setdefault(entries[client % len(entries)], []).append(client)
+    named = "; ".join(f"{entry!r}: clients {', '.join(map(str, ids[:4]))}{', ...' if len(ids) > 4 else ''}"
+                      for entry, ids in cohorts.items())
+    allowed = sorted(n for n, cls in ALGORITHMS.items() if cls.capabilities.mixed_architectures)
+    raise ValueError(f"{config.algorithm!r} trains one architecture on every client (it shares more than the "
+                     f"classifier), but architectures gives {len(cohorts)} cohorts ({named}); use one architecture, "
+                     f"or an algorithm that shares only the classifier: {', '.join(allowed)}")
 
 
 def _check_scenario_values(config: RunConfig) -> None:

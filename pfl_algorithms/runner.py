@@ -46,10 +46,6 @@ def build(config: RunConfig):
     if architectures is not None:
         models = build_client_models(architectures, input_shape=dataset.input_shape,
                                      num_classes=partition.classes_seen, options=config.model_options)
-        if not algorithm.capabilities.mixed_architectures:
-            raise ValueError(f"scenario option architectures={list(config.scenario_options['architectures'])} "
-                             f"gives clients different models, but {config.algorithm!r} trains one architecture "
-                             "for all clients; per-client architectures need an algorithm that allows them")
     else:
         models = build_model(config.model, input_shape=dataset.input_shape, num_classes=partition.classes_seen,
                              **config.model_options)

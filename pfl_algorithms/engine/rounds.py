@@ -86,11 +86,11 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
     _prepare_kept_state(fed, tasks)
     for task in tasks:
         if task.download is not None:
-            fed.comm.record("down", task.client, task.download)
+            fed.comm.record("down", task.client, task.download, fed.cohort_of(task.client).name)
     results = fed.executor.run(tasks, lambda task: run_train_task(fed, algorithm, task))
     sent = [r for r in results if r.finite and r.upload is not None]
     for result in sent:
-        fed.comm.record("up", result.client, result.upload)
+        fed.comm.record("up", result.client, result.upload, fed.cohort_of(result.client).name)
     skipped = [r.client for r in results if not r.finite]
     algorithm.aggregate(round_, Uploads([r.client for r in sent], [r.upload for r in sent], skipped))
     fed.round = round_ + 1

@@ -2,6 +2,11 @@
 ``architectures`` entries and build one model per distinct entry, checking that they all end
 in the same embedding size (only the classifier and the class-mean embeddings are shared).
 
+Their embeddings are bounded to [0, 1] by default, as Fed-CMA's analysis assumes (its
+Assumption 2): every model with an ``embedding_activation`` option gets 'sigmoid' unless the
+entry or the run's model options say otherwise (``--set model.embedding_activation=relu``).
+The registry's models all have it except ``resnet9``, whose embedding is a max-pool of ReLUs.
+
 An entry is a registered model name, optionally with options in call syntax:
 ``"fedgen-cnn"``, ``"mlp(hidden=(128, 32))"``, ``"digits-cnn(embedding_dim=32)"``.
 """
@@ -40,12 +45,16 @@ def parse_architecture(entry: str) -> tuple[str, dict]:
     return name, options
 
 
+EMBEDDING_BOUND = "sigmoid"  # the embedding activation of a mixed federation's models by default
+
+
 def build_client_models(architectures: Sequence[str], *, input_shape: Sequence[int], num_classes: int,
                         options: Optional[dict] = None) -> dict[str, nn.Module]:
     """One freshly initialized model per distinct entry of ``architectures``.
 
     ``options`` (the run's model options) are passed to every architecture that accepts
-    them; an entry's own options override them.
+    them; an entry's own options override them; an ``embedding_activation`` neither gives is
+    :data:`EMBEDDING_BOUND` (module docstring).
 
     Raises:
         ValueError: an entry that does not parse or build, or models whose embedding sizes
@@ -55,7 +64,8 @@ def build_client_models(architectures: Sequence[str], *, input_shape: Sequence[i
     for entry in dict.fromkeys(architectures):
         name, own = parse_architecture(entry)
         accepted = MODELS[name].defaults
-        merged = {**{k: v for k, v in (options or {}).items() if k in accepted}, **own}
+        bound = {"embedding_activation": EMBEDDING_BOUND} if "embedding_activation" in accepted else {}
+        merged = {**bound, **{k: v for k, v in (options or {}).items() if k in accepted}, **own}
         models[entry] = build_model(name, input_shape=input_shape, num_classes=num_classes, **merged)
     sizes = {entry: int(model.embedding_dim) for entry, model in models.items()}
     if len(set(sizes.values())) > 1:

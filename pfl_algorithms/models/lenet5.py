@@ -2,7 +2,8 @@
 fc 120→84, fc 84→10, ReLU between (shared/papers/README.md).
 
 The input channels and the flatten size (400 at 32x32) follow ``input_shape``; the body ends
-after fc 84 + ReLU and the head is fc 84→classes.
+after fc 84 + ReLU and the head is fc 84→classes.  ``embedding_activation`` replaces that last
+ReLU ('sigmoid': Fed-CMA's bounded embedding; None: linear).
 """
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from typing import Sequence
 
 from torch import nn
 
-from .base import BodyHeadModel, check_num_classes, image_shape
+from .base import Activation, BodyHeadModel, check_num_classes, image_shape, make_activation
 
 
 class LeNet5(BodyHeadModel):
     """LeNet-5 with an 84-d embedding; needs inputs of at least 12x12."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, embedding_activation: Activation = "relu"):
         channels, height, width = image_shape("lenet5", input_shape, 12)
         # Each stage: valid 5x5 conv (-4), then 2x2 max pool (floor halving).
         flat_h = ((height - 4) // 2 - 4) // 2
@@ -26,6 +27,6 @@ class LeNet5(BodyHeadModel):
             nn.Conv2d(6, 16, 5), nn.ReLU(inplace=False), nn.MaxPool2d(2),
             nn.Flatten(),
             nn.Linear(16 * flat_h * flat_w, 120), nn.ReLU(inplace=False),
-            nn.Linear(120, 84), nn.ReLU(inplace=False),
+            nn.Linear(120, 84), make_activation(embedding_activation, what="embedding_activation"),
         )
         super().__init__(body, 84, check_num_classes(num_classes))

@@ -73,7 +73,6 @@ def test_the_run_trains_on_the_shifted_inputs(tmp_path):
     (["--scenario", "natural"], "needs a dataset with writers"),
     (["--scenario", "iid", "--set", "architectures=['digits-cnn','resnet10']"], "unknown model 'resnet10'"),
     (["--scenario", "iid", "--set", "architectures=['digits-cnn','mlp']"], "same embedding size"),
-    (["--scenario", "iid", "--set", "architectures=['digits-cnn','mlp(hidden=(64,))']"], "one architecture for all"),
     (["--dataset", "mnist", "--data-root", "/nonexistent-pfl-root"], "nonexistent-pfl-root"),
 ])
 def test_clear_errors(argv, message, capsys, tmp_path):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from pfl_algorithms.models import MODELS, body_parameter_names, build_model, head_parameter_names
+from pfl_algorithms.models import MODELS, body_parameter_names, build_client_models, build_model, head_parameter_names
 from pfl_kernels.nn import factorize, factorized_layers, multibranch, multibranch_layers
 
 EMBEDDING = {"resnet9": 256, "lenet5": 84, "fedgen-cnn": 32, "digits-cnn": 64, "mlp": 128}
@@ -131,3 +131,39 @@ def test_errors():
         build_model("mlp", input_shape=(2,), num_classes=0)
     with pytest.raises(TypeError, match="body"):
         head_parameter_names(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name, options", [("digits-cnn", {}), ("lenet5", {}), ("fedgen-cnn", {}),
+                                           ("mlp", {"hidden": (7, 5)})])
+def test_embedding_activation_bounds_the_embedding_and_defaults_keep_each_models_own(name, options):
+    torch.manual_seed(0)
+    shape = MODELS[name].example_input_shape
+    x = 4 * torch.randn(6, *shape)
+    default = build_model(name, input_shape=shape, num_classes=3, **options)
+    assert (default.embed(x) >= 0).all() and type(default.body[-1]).__name__ == "ReLU"  # each model's own
+    bounded = build_model(name, input_shape=shape, num_classes=3, embedding_activation="sigmoid", **options)
+    z = bounded.embed(x)
+    assert ((z > 0) & (z < 1)).all() and z.shape == (6, bounded.embedding_dim)
+    linear = build_model(name, input_shape=shape, num_classes=3, embedding_activation=None, **options)
+    assert (linear.embed(x) < 0).any()
+
+
+def test_mlp_embedding_activation_same_is_the_hidden_activation():
+    torch.manual_seed(0)
+    x = torch.randn(5, 2)
+    toy = build_model("mlp", input_shape=(2,), num_classes=4, hidden=(2, 2), activation=None)
+    assert [type(m).__name__ for m in toy.body] == ["Flatten", "Linear", "Identity", "Linear", "Identity"]
+    bounded = build_model("mlp", input_shape=(2,), num_classes=4, hidden=(2, 2), activation=None,
+                          embedding_activation="sigmoid")
+    assert [type(m).__name__ for m in bounded.body][-1] == "Sigmoid" and type(bounded.body[2]).__name__ == "Identity"
+    assert bounded(x).shape == (5, 4)
+
+
+def test_a_mixed_federation_bounds_embeddings_with_a_sigmoid_unless_told_otherwise():
+    entries = ["digits-cnn(embedding_dim=32)", "mlp(hidden=(64, 32))", "fedgen-cnn(embedding_activation='relu')"]
+    models = build_client_models(entries, input_shape=(1, 8, 8), num_classes=10)
+    last = lambda model: type(model.body[-1]).__name__
+    assert [last(models[e]) for e in entries] == ["Sigmoid", "Sigmoid", "ReLU"]  # the entry's own option wins
+    relu = build_client_models(entries[:2], input_shape=(1, 8, 8), num_classes=10,
+                               options={"embedding_activation": "relu"})
+    assert [last(m) for m in relu.values()] == ["ReLU", "ReLU"]  # the run's model option next
