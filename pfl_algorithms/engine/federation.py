@@ -94,6 +94,11 @@ class Server:
         """Each client's number of training samples, [K] float64."""
         return self._fed.train_sizes()
 
+    @property
+    def lr(self) -> float:
+        """The run's client learning rate η (Fed-CMA's server averages move by λ·η, its Eq. 7)."""
+        return float(self._fed.settings.optimizer_settings["lr"])
+
     def class_counts(self) -> torch.Tensor:
         """Each client's training samples per class, [K, C] float64, in the labels the clients'
         classifiers see (after their label maps): what a server knows of its clients' label
