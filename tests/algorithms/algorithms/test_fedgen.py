@@ -184,6 +184,12 @@ def test_the_client_regularizer_by_hand():
     # the gradient reaches the head (the teacher) and the logits (the latent KL), never G
     value.backward()
     assert head.weight.grad.abs().sum() > 0
+    # teacher_labels='own': ŷ only among the client's own training labels (here 2 alone)
+    own = GenerativeRegularizer(FedGenSettings(hidden_dim=5, noise_dim=3, teacher_labels="own"))
+    own.begin(SimpleNamespace(download=download, round=0, generator=lambda: torch.Generator().manual_seed(7),
+                              group=lambda name: torch.zeros(TINY_HEAD), indices=lambda split: torch.arange(3),
+                              labels_of=lambda indices: torch.tensor([2, 2, 2])))
+    assert own.labels.tolist() == [2] and own.alpha == 10.0
     # no generator downloaded (round 0): nothing added
     idle = GenerativeRegularizer(settings)
     idle.begin(SimpleNamespace(download=SimpleNamespace(extras={})))
