@@ -11,6 +11,7 @@ from .digits_cnn import DigitsCNN
 from .fedgen_cnn import FedGenCNN
 from .lenet5 import LeNet5
 from .mlp import MLP
+from .pfedhn_cnn import PFedHNCNN
 from .resnet9 import ResNet9
 
 
@@ -46,6 +47,8 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     _spec("lenet5", "pFedMB's LeNet-5 CNN (two 5x5 convs, fc 120 and 84; 84-d embedding)", LeNet5, (3, 32, 32)),
     _spec("fedgen-cnn", "FedGen's MNIST network used by Fed-CMA (two stride-2 convs with BN, 32-d embedding)",
           FedGenCNN, (1, 28, 28)),
+    _spec("pfedhn-cnn", "pFedHN's CIFAR target CNN (5x5 convs of 16 and 32 kernels, fc 120 and 84; 84-d embedding)",
+          PFedHNCNN, (3, 32, 32)),
     _spec("digits-cnn", "a small CNN for 8x8 digits (two 3x3 convs, maxpool, 64-d embedding)", DigitsCNN, (1, 8, 8)),
     _spec("mlp", "a multilayer perceptron over flattened inputs (option hidden, activation)", MLP, (2,)),
 )}

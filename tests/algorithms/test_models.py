@@ -6,7 +6,7 @@ from torch import nn
 from pfl_algorithms.models import MODELS, body_parameter_names, build_client_models, build_model, head_parameter_names
 from pfl_kernels.nn import factorize, factorized_layers, multibranch, multibranch_layers
 
-EMBEDDING = {"resnet9": 256, "lenet5": 84, "fedgen-cnn": 32, "digits-cnn": 64, "mlp": 128}
+EMBEDDING = {"resnet9": 256, "lenet5": 84, "fedgen-cnn": 32, "digits-cnn": 64, "mlp": 128, "pfedhn-cnn": 84}
 
 
 # ResNet-9 at 16x16 (its smallest comfortable size) keeps the conversion tests fast.
@@ -23,7 +23,7 @@ def _input(name, n=2, small=False):
 
 
 def test_registry_names():
-    assert set(MODELS) == {"resnet9", "lenet5", "fedgen-cnn", "digits-cnn", "mlp"}
+    assert set(MODELS) == {"resnet9", "lenet5", "fedgen-cnn", "digits-cnn", "mlp", "pfedhn-cnn"}
     assert all(spec.description and "\n" not in spec.description for spec in MODELS.values())
 
 
@@ -80,6 +80,25 @@ def test_fedgen_embedding_activation():
         _build("fedgen-cnn", embedding_activation="gelu")
 
 
+def test_pfedhn_cnn_is_the_codes_cnn_target():
+    """pFedHN's CNNTarget: the code's parameter shapes (conv 3→16 k5, conv 16→32 k5, fc 800→120,
+    120→84, 84→10), the flatten size following the input, and the embedding activation."""
+    model = _build("pfedhn-cnn")
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes == [(16, 3, 5, 5), (16,), (32, 16, 5, 5), (32,), (120, 800), (120,), (84, 120), (84,), (10, 84), (10,)]
+    assert sum(p.numel() for p in model.parameters()) == 1216 + 12832 + 96120 + 10164 + 850
+    assert not any(True for _ in model.buffers())  # nothing for a hypernetwork to miss
+    gray = build_model("pfedhn-cnn", input_shape=(1, 28, 28), num_classes=4, n_kernels=8)
+    assert gray.body[7].in_features == 16 * 4 * 4 and gray(torch.randn(2, 1, 28, 28)).shape == (2, 4)
+    x = _input("pfedhn-cnn", 8)
+    emb = _build("pfedhn-cnn", embedding_activation="sigmoid").embed(x)
+    assert emb.min() >= 0 and emb.max() <= 1
+    assert (_build("pfedhn-cnn").embed(x) >= 0).all()
+    assert (_build("pfedhn-cnn", embedding_activation=None).embed(x) < 0).any()
+    with pytest.raises(ValueError, match="at least 12x12"):
+        build_model("pfedhn-cnn", input_shape=(3, 8, 8), num_classes=10)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_factorize_converts_and_runs(name):
     model = _build(name, small=True).eval()
@@ -105,7 +124,7 @@ def test_multibranch_converts_and_runs(name):
     assert all(n.startswith("head.") for n in head_parameter_names(model)) and head_parameter_names(model)
 
 
-@pytest.mark.parametrize("name", ["lenet5", "digits-cnn", "mlp", "fedgen-cnn"])
+@pytest.mark.parametrize("name", ["lenet5", "digits-cnn", "mlp", "fedgen-cnn", "pfedhn-cnn"])
 def test_functional_call_and_vmap_over_stacked_parameters(name):
     model = _build(name).eval()
     x = _input(name, 4)

@@ -109,6 +109,38 @@ def test_pathological_cyclic_pairs_and_random_layout():
         make_partition("pathological", DATA, 4, seed=0, layout="shuffled")
 
 
+def test_pathological_pfedhn_layout_follows_the_codes_rule():
+    """pFedHN's split (gen_classes_per_node, gen_data_split): 10 clients x 2 of 10 classes, so
+    every class has 2 holders whose proportions come from U(0.4, 0.6), normalized; a client gets
+    floor(n_c·α) of class c.  The counts match the assignment drawn from the same seed, and the
+    scenario is deterministic and disjoint."""
+    from pfl_algorithms.data.label_skew import pfedhn_classes
+
+    part = make_partition("pathological", DATA, 10, seed=6, layout="pfedhn")
+    assert part == make_partition("pathological", DATA, 10, seed=6, layout="pfedhn")
+    assert part != make_partition("pathological", DATA, 10, seed=7, layout="pfedhn")
+    counts = part.label_counts(DATA, None)
+    classes, shares = pfedhn_classes(10, 10, 2, torch.Generator().manual_seed(6))
+    want = torch.zeros_like(counts)
+    for client, (held, alphas) in enumerate(zip(classes, shares)):
+        for c, alpha in zip(held, alphas):
+            want[client, c] += int(60 * alpha)  # 60 samples per class
+    assert torch.equal(counts, want)
+    holders = (counts > 0).sum(0)
+    assert (holders == 2).all()  # every class has k·K/C = 2 holders
+    everything = torch.cat([c.all_indices() for c in part.clients])
+    assert everything.unique().numel() == everything.numel()
+    # the proportions of a class's two holders sum to 1, so each lies in [0.4, 0.6]
+    for c in range(10):
+        alphas = [a for held, share in zip(classes, shares) for h, a in zip(held, share) if h == c]
+        assert len(alphas) == 2 and sum(alphas) == pytest.approx(1.0) and all(0.4 <= a <= 0.6 for a in alphas)
+    # one holder per class: it takes the whole class
+    whole = make_partition("pathological", DATA, 5, seed=0, classes_per_client=2, layout="pfedhn")
+    assert whole.label_counts(DATA, None).sum().item() == len(DATA)
+    with pytest.raises(ValueError, match="multiple of the 10 classes"):
+        make_partition("pathological", DATA, 4, seed=0, layout="pfedhn")  # 4 x 2 slots over 10 classes
+
+
 @pytest.mark.parametrize("name", ["permuted-iid", "permuted-dirichlet"])
 def test_label_maps_are_permutations(name):
     part = make_partition(name, DATA, 6, seed=5)
