@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Annotated, Mapping, Optional
 
 import torch
 from torch.nn import functional as F
 
-from ..api import BUFFERS, Algorithm, Message, NonNegativeFloat, NonNegativeInt, Phase, PositiveFloat, PositiveInt
+from ..api import (BUFFERS, Algorithm, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase, PositiveFloat,
+                   PositiveInt)
 from .fedper import FedPer
 
 EMBEDDINGS = "embeddings"
@@ -73,6 +74,10 @@ class PFedHNSettings:
     server_weight_decay: NonNegativeFloat = 1e-3
     server_clip: NonNegativeFloat = 50.0  # max norm of each step's gradient of (φ, v); 0: no clipping
     client_clip: NonNegativeFloat = 50.0  # max norm of each local step's gradient of the generated weights; 0: none
+    # How a round of M uploads steps the server (the same at M = 1, the code's loop): 'mean' takes
+    # one step on the mean of the M gradients of φ (each embedding v_i with its own gradient);
+    # 'sequential' one step per upload, every gradient taken at the φ that generated the round.
+    server_update: Annotated[str, OneOf(("mean", "sequential"))] = "mean"
 
 
 @dataclass(frozen=True)
@@ -195,9 +200,15 @@ class PFedHN(Algorithm):
         return view.message(self.groups)
 
     def aggregate(self, round_, uploads):
-        # Every gradient first, at the φ that generated the round's θ_i; then one step each.
+        # Every gradient first, at the φ that generated the round's θ_i; then one step each, or one
+        # step on their mean (an embedding row has only its client's gradient, kept whole).  With
+        # M > 1 the sequential steps all use gradients taken at the round's φ, which the code's
+        # one-client loop never does; at the demo's 20 clients per round they diverge.
         grads = [server_gradients(self.params, client, {g: m.dense(g) for g in self.groups})
                  for client, m in zip(uploads.clients.tolist(), uploads.messages)]
+        if grads and self.settings.server_update == "mean":
+            grads = [{name: (sum(g[name] for g in grads) if name == EMBEDDINGS
+                             else sum(g[name] for g in grads) / len(grads)) for name in grads[0]}]
         params = list(self.params.values())
         for step in grads:
             for name, p in self.params.items():

@@ -104,7 +104,8 @@ def test_server_step_is_the_codes_sgd_one_step_per_upload_with_gradients_at_the_
     (momentum 0.9, weight decay, the embedding lr) steps once per upload in client order;
     with clipping, each gradient is scaled by max_norm / (‖g‖ + 1e-6)."""
     for clip in (0.0, 0.5):
-        algo = PFedHN(hidden=5, n_hidden=1, server_lr=0.1, embed_lr=0.3, server_weight_decay=0.01, server_clip=clip)
+        algo = PFedHN(hidden=5, n_hidden=1, server_lr=0.1, embed_lr=0.3, server_weight_decay=0.01, server_clip=clip,
+                      server_update="sequential")
         make_federation(algo, clients=3)
         before = {n: p.detach().clone() for n, p in algo.params.items()}
         trained = {c: {g: t + 0.1 * (c + 1) * torch.linspace(-1, 1, t.numel(), dtype=D)
@@ -125,6 +126,22 @@ def test_server_step_is_the_codes_sgd_one_step_per_upload_with_gradients_at_the_
         state = algo.state_dict()
         torch.testing.assert_close(state["momentum"]["out.body.bias"], momentum["out.body.bias"], **TOL)
         assert all(p.grad is None for p in algo.params.values())
+
+
+def test_server_update_mean_takes_one_step_on_the_mean_gradient_each_embedding_its_own():
+    algo = PFedHN(hidden=5, n_hidden=1, server_lr=0.1, embed_lr=0.3, server_weight_decay=0.01, server_clip=0.0)
+    make_federation(algo, clients=3)
+    before = {n: p.detach().clone() for n, p in algo.params.items()}
+    trained = {c: {g: t + 0.1 * (c + 1) * torch.linspace(-1, 1, t.numel(), dtype=D)
+                   for g, t in algo.generated(c).tensors.items()} for c in (0, 2)}
+    algo.aggregate(0, Uploads([0, 2], [Message(trained[0]), Message(trained[2])]))
+    grads = [server_gradients(before, c, trained[c]) for c in (0, 2)]
+    for n, p in before.items():
+        g = grads[0][n] + grads[1][n]
+        g = (g if n == "embeddings" else g / 2) + 0.01 * p  # one step: momentum buffer = first gradient
+        torch.testing.assert_close(algo.params[n].detach(), p - (0.3 if n == "embeddings" else 0.1) * g, **TOL)
+    assert not torch.equal(algo.params["embeddings"][1], before["embeddings"][1] * 1)  # weight decay moves it
+    torch.testing.assert_close(algo.params["embeddings"][1], before["embeddings"][1] * (1 - 0.3 * 0.01), **TOL)
 
 
 def test_one_client_per_round_is_the_papers_loop():
