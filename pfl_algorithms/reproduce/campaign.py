@@ -69,8 +69,9 @@ def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[Planned
              f"settings, {seeds} seeds); every config checked"]
     for setting in settings:
         config = next(r.config for r in runs if r.setting is setting)
+        local = f"{config.local_steps} steps" if config.local_steps is not None else f"{config.local_epochs} epochs"
         lines.append(f"  {setting.label}: {config.dataset}/{config.scenario}, model {config.model}, "
-                     f"{config.clients} clients, {config.rounds} rounds × {config.local_epochs} epochs "
+                     f"{config.clients} clients, {config.rounds} rounds × {local} "
                      f"-> {out / slug(setting.label)}/"
                      + ("" if setting.methods is None else f" ({', '.join(setting.methods)})"))
     lines.append("  methods: " + ", ".join(f"{m.label} ({m.algorithm})" for m in paper.methods))
