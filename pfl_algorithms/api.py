@@ -28,7 +28,9 @@ server side
   ``state_dict``      server state for checkpoints
 client side (run by an executor, wherever the client is)
   ``plan(client)``    the phases of local training
-  ``upload(view)``    what the client sends back (None: nothing)
+  ``upload(view)``    what the client sends back (None: nothing); a :class:`ClassMeans` in its
+                      extras asks the engine for the client's class-mean embeddings, computed
+                      for all senders of a cohort at once (Fed-CMA)
 
 Model converters a ``prepare_model`` may apply: ``pfl_kernels.nn`` (``factorize``, ``multibranch``)
 and, from here, ``fedpara`` (FedPara's low-rank Hadamard layers, ``FEDPARA_LAYERS``).
@@ -46,7 +48,7 @@ import torch
 from .engine.client import ClientView, Evaluation
 from .engine.cohort import StateSpec
 from .engine.groups import BUFFERS, GroupRule
-from .engine.messages import Message, Sparse
+from .engine.messages import ClassMeans, Message, Sparse
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
 from .models.base import head_parameter_names
@@ -54,7 +56,7 @@ from .models.fedpara import FEDPARA_LAYERS, fedpara
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
                            check_options, field_hints)
 
-__all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClientView", "Evaluation", "Fraction",
+__all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClassMeans", "ClientView", "Evaluation", "Fraction",
            "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
            "PositiveFloat", "PositiveInt", "Range", "Sparse", "StateSpec", "Uploads", "algorithm_class", "fedpara",
            "head_parameter_names"]

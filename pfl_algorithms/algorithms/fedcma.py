@@ -10,7 +10,8 @@ with p_i = n_i / N its share of all samples, p_i^k = n_i^k / Σ_j n_j^k its shar
 and B_i^k a minibatch of b_i^k samples of class k chosen once, at the start, and used in every
 round.  The client keeps its own v_i (the penalty pulls it towards v̄; it is never replaced).
 After training it sends v_i and e_i^k = (1/b_i^k)·Σ_{x ∈ B_i^k} g_i(u_i, x) with the counts b_i^k
-(``pfl.class_means``).  No extractor weight leaves the client.
+(a ``ClassMeans`` request: the engine runs ``pfl.class_means`` for all senders of a cohort at
+once).  No extractor weight leaves the client.
 
 The server's global classifier v̄ and class means e^k follow the moving averages of Eq. 7,
 η the run's client learning rate:
@@ -39,9 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from pfl_kernels.ops import class_means
-
-from ..api import Algorithm, Capabilities, Message, Phase, PositiveFloat, PositiveInt
+from ..api import Algorithm, Capabilities, ClassMeans, Message, Phase, PositiveFloat, PositiveInt
 from .fedprox import proximal_term
 
 
@@ -176,9 +175,8 @@ class FedCMA(Algorithm):
     def upload(self, view):
         """v_i and the class means of the fixed batch with their counts b_i^k."""
         x, y = self._fixed_batch(view)
-        means, counts = class_means(view.embed(x), y, view.download.extras["p_k"].numel())
-        return Message({"head": view.group("head").clone()}, {"means": means, "counts": counts},
-                       view.num_examples)
+        means = ClassMeans(x, y, view.download.extras["p_k"].numel())  # (means, counts), computed per cohort
+        return Message({"head": view.group("head").clone()}, {"class_means": means}, view.num_examples)
 
     def aggregate(self, round_, uploads):
         if not uploads:
@@ -186,8 +184,9 @@ class FedCMA(Algorithm):
         senders = uploads.clients
         p = self.p[senders]
         v_avg = uploads.weighted_mean(["head"], p / p.sum())["head"]
-        means, held = class_mean_average(torch.stack(uploads.extras("means")),
-                                         torch.stack(uploads.extras("counts")), self.p_k[senders])
+        pairs = uploads.extras("class_means")
+        means, held = class_mean_average(torch.stack([m for m, _ in pairs]), torch.stack([c for _, c in pairs]),
+                                         self.p_k[senders])
         lr = self.server.lr
         if self.v_bar is None:
             self.v_bar = v_avg

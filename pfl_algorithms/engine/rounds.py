@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .client import EvalTask, Evaluation, TrainTask, phase_optimizer, run_eval_task, run_train_task
+from .cohort_stats import resolve_class_means
 from .federation import EngineSettings, Federation, Server
 from .messages import Message
 from .plan import Phase, state_names
@@ -88,6 +89,7 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
         if task.download is not None:
             fed.comm.record("down", task.client, task.download, fed.cohort_of(task.client).name)
     results = fed.executor.run(tasks, lambda task: run_train_task(fed, algorithm, task))
+    resolve_class_means(fed, results)  # the uploads' class-mean requests, per cohort at once
     sent = [r for r in results if r.finite and r.upload is not None]
     for result in sent:
         fed.comm.record("up", result.client, result.upload, fed.cohort_of(result.client).name)

@@ -77,7 +77,7 @@ def test_aggregate_follows_eq7_after_the_first_round_sets_v_bar_and_the_means():
     counts = [torch.tensor([2, 0, 1]), torch.tensor([1, 1, 0]), torch.tensor([0, 3, 0])]
 
     def uploads(senders):
-        return Uploads(senders, [Message({"head": heads[i]}, {"means": means[i], "counts": counts[i]}, 1)
+        return Uploads(senders, [Message({"head": heads[i]}, {"class_means": (means[i], counts[i])}, 1)
                                  for i in senders])
 
     algo.aggregate(0, uploads([0, 1, 2]))
