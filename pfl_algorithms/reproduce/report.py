@@ -134,8 +134,10 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
              + " (%), mean ± std over seeds." + (" In brackets: the paper's number, where its text "
                                                        "is legible." if beside else ""), ""]
     header = ["Method", *(s.label for s in settings)]
+    # The rows with a cell at this scale (Fed-CMA's pFedHN rows belong to a paper-scale table).
+    methods = [m for m in paper.methods if any(s.runs(m) for s in settings)]
     rows = []
-    for method in paper.methods:
+    for method in methods:
         row = [method.label]
         for setting in settings:
             if not setting.runs(method):
@@ -147,11 +149,11 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
                 text += f" ({_pm(theirs)})"
             row.append(text)
         rows.append(row)
-    partial = any(s.methods is not None for s in settings)
+    partial = any(not s.runs(m) for s in settings for m in methods)
     lines += ["## Accuracy (%)", "", *(["`·`: the column's table has no such row."] if partial else []),
               *_table(header, rows), ""]
     rows = []
-    for method in paper.methods:
+    for method in methods:
         row = [method.label]
         for setting in settings:
             if not setting.runs(method):
