@@ -67,6 +67,7 @@ class RunConfig:
     device: str = "cpu"
     executor: Annotated[str, OneOf(tuple(EXECUTORS))] = "threaded"  # where client tasks run
     workers: Optional[PositiveInt] = None  # tasks at once for the threaded executor (None: one per core)
+    chunk_clients: Optional[PositiveInt] = None  # clients per chunk of the batched executor (None: from free memory)
     data_root: Optional[str] = None  # None: $PFL_DATA_ROOT, else ./data
     augment: Optional[str] = None  # training-batch augmentation, e.g. "crop,flip" (see `pfl list`)
     samples_per_client: Optional[PositiveInt] = None
@@ -218,7 +219,7 @@ def config_from(values: dict) -> RunConfig:
 # and worker count gives bitwise the same run, see engine.executors); how often a checkpoint
 # is written (a resumed run is bitwise the same).  ``seed`` is left out too, since the seeds
 # are what an experiment is repeated over.
-NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "checkpoint_every")
+NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "chunk_clients", "checkpoint_every")
 
 
 def check(config: RunConfig) -> RunConfig:

@@ -54,7 +54,8 @@ def build(config: RunConfig):
                               schedule=schedule, optimizer=config.optimizer,
                               optimizer_settings=_optimizer_settings(config), eval_every=config.eval_every,
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=config.executor,
-                              workers=config.workers, finetune_epochs=config.finetune())
+                              workers=config.workers, finetune_epochs=config.finetune(),
+                              chunk_clients=config.chunk_clients)
     augment = None
     if config.augment is not None:
         from .data.augment import make_augmentation

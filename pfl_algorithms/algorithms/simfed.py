@@ -67,14 +67,18 @@ class SimFedSettings:
 
 
 def l1_term(lam: float):
-    """The gradient term of λ1 Σ ‖μ‖₁ over the model's factorized layers (each μ once)."""
+    """The gradient term of λ1 Σ ‖μ‖₁ over the model's factorized layers (each μ once, the
+    head's too): λ1·sign(μ) added to each μ's gradient."""
     def l1(view):
-        mus = list({id(layer.mu): layer.mu for layer in factorized_layers(view.module)
-                    if layer.mu is not None}.values())
+        names = {id(p): n for n, p in view.module.named_parameters()}
+        mus = dict.fromkeys(names[id(layer.mu)] for layer in factorized_layers(view.module) if layer.mu is not None)
         with torch.no_grad():
-            for mu in mus:
-                mu.grad.add_(mu.sign(), alpha=lam)
-            return lam * sum(mu.abs().sum() for mu in mus)
+            total = 0.0
+            for name in mus:
+                mu = view.parameter(name)
+                view.parameter_grad(name).add_(mu.sign(), alpha=lam)
+                total = total + mu.abs().sum()
+            return lam * total
 
     return l1
 

@@ -150,6 +150,18 @@ class ClientView:
         """The gradient of group ``name`` (a flat view; terms add to it in place)."""
         return self.grads[self._cohort.span(name)]
 
+    def parameter(self, name: str) -> Tensor:
+        """The client's parameter ``name`` (as in ``module.named_parameters()``), a view of its
+        flat parameters in the tensor's shape: hooks that work on named tensors read it here,
+        not from ``module``, so that they also run on the batched executor's stacked rows."""
+        entry = self._cohort.layout.by_name[name]
+        return self.params[entry.offset:entry.stop].view(entry.shape)
+
+    def parameter_grad(self, name: str) -> Tensor:
+        """The gradient of parameter ``name``, a view of the flat gradient (terms add to it)."""
+        entry = self._cohort.layout.by_name[name]
+        return self.grads[entry.offset:entry.stop].view(entry.shape)
+
     def received(self) -> list[str]:
         """The parameter groups the download carried."""
         return [] if self.download is None else [n for n in self.download.tensors if n != BUFFERS]

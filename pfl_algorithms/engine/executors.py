@@ -9,9 +9,12 @@ Every task runs with one intra-op thread, on every executor: a client's numbers 
 depend on the executor or on how many tasks run beside it (the two executors agree bit for
 bit; small models also use cores better one client per core than one op per core).
 
-A batched executor (many clients in one vmapped forward/backward) and distributed ones
-(Flower, torch.distributed) implement the same :class:`Executor` interface; a task is a
-pure description (client, round, download, plan), so it can be shipped or stacked.
+* ``batched``: the training tasks of a cohort in chunks, each chunk in one vmapped
+  forward/backward (``engine.batched``); what cannot be batched runs threaded.
+
+An executor that trains clients its own way has ``run_train(fed, algorithm, tasks, run_one)``;
+the others run each training task through ``run``.  A task is a pure description (client,
+round, download, plan), so it can be shipped or stacked.
 """
 from __future__ import annotations
 
@@ -101,14 +104,21 @@ class ThreadedExecutor(Executor):
             self._pool = None
 
 
-EXECUTORS = {"sequential": SequentialExecutor, "threaded": ThreadedExecutor}
+EXECUTORS = ("sequential", "threaded", "batched")
 
 
-def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cpu") -> Executor:
-    """The executor ``name`` ('sequential' or 'threaded'); on a GPU, threads would only queue
-    kernels on one device, so ``threaded`` runs one task at a time there."""
+def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cpu",
+                  chunk: Optional[int] = None) -> Executor:
+    """The executor ``name`` ('sequential', 'threaded' or 'batched', whose chunks hold ``chunk``
+    clients, None: as many as free memory holds); on a GPU, threads would only queue kernels on
+    one device, so ``threaded`` (and batched's fallback) runs one task at a time there."""
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {sorted(EXECUTORS)}, got {name!r}")
+    workers = 1 if torch.device(device).type != "cpu" else workers
     if name == "threaded":
-        return ThreadedExecutor(1 if torch.device(device).type != "cpu" else workers)
+        return ThreadedExecutor(workers)
+    if name == "batched":
+        from .batched import BatchedExecutor
+
+        return BatchedExecutor(workers, chunk=chunk)
     return SequentialExecutor()

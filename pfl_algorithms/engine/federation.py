@@ -38,6 +38,7 @@ class EngineSettings:
     default, or 'sequential'); ``workers``: tasks at once for 'threaded' (None: one per core).
     ``finetune_epochs``: before evaluation, each client fine-tunes a scratch copy of its
     evaluation model for that many epochs (``rounds.finetune_phase``; 0: none).
+    ``chunk_clients``: clients per chunk of the ``batched`` executor (None: from free memory).
     """
 
     rounds: int = 10
@@ -52,6 +53,7 @@ class EngineSettings:
     executor: str = "threaded"
     workers: Optional[int] = None
     finetune_epochs: int = 0
+    chunk_clients: Optional[int] = None
 
     def __post_init__(self):
         if self.rounds < 0:
@@ -225,7 +227,8 @@ class Federation:
         self._check_shared_shapes()
         self._class_counts: Optional[torch.Tensor] = None
         self.comm = CommLedger()
-        self.executor = make_executor(settings.executor, workers=settings.workers, device=str(self.device))
+        self.executor = make_executor(settings.executor, workers=settings.workers, device=str(self.device),
+                                      chunk=settings.chunk_clients)
         self.round = 0
 
     def _check_shared_shapes(self) -> None:

@@ -2,7 +2,8 @@
 
 The update rules are torch.optim's (SGD with momentum, dampening, weight decay and Nesterov;
 Adam with bias correction, optionally AdamW's decoupled decay), written over one flat vector:
-a step is a few fused tensor ops whatever the number of tensors in the model, and the state
+a step is a few fused tensor ops whatever the number of tensors in the model (or of clients:
+the batched executor steps stacked rows [C, P] sharing a step count in one call), and the state
 (momentum, moments, step count) of every client is a row of a bank, so it survives between
 rounds without a per-client ``torch.optim`` object.  ``ranges`` restrict a step to parameter
 groups (a phase that trains only the head, only α, ...); the rest is left untouched.
@@ -19,12 +20,13 @@ Ranges = Optional[Sequence[tuple[int, int]]]
 
 
 def _pieces(ranges: Ranges, *tensors: torch.Tensor):
-    """The tensors restricted to each range (or whole, when ranges is None)."""
+    """The tensors restricted to each range of their last dimension (or whole, when ranges is
+    None): flat vectors [P], or the stacked rows [C, P] of the batched executor."""
     if ranges is None:
         yield tensors
         return
     for start, stop in ranges:
-        yield tuple(t[start:stop] for t in tensors)
+        yield tuple(t[..., start:stop] for t in tensors)
 
 
 @dataclass(frozen=True)

@@ -19,3 +19,26 @@ def assert_same(a, b, path="state"):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b or (a != a and b != b), path
+
+
+def assert_close_state(a, b, *, rtol: float, atol: float, path="state"):
+    """``a`` and ``b`` equal up to ``rtol``/``atol``: floating tensors and numbers by
+    ``torch.testing.assert_close`` (NaN equals NaN), everything else exactly, item by item."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{path}: {m}")
+        else:
+            assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for key in a:
+            assert_close_state(a[key], b[key], rtol=rtol, atol=atol, path=f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close_state(x, y, rtol=rtol, atol=atol, path=f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert (a != a and b != b) or abs(a - b) <= atol + rtol * abs(b), f"{path}: {a} != {b}"
+    else:
+        assert a == b, path

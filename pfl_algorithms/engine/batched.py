@@ -1,0 +1,316 @@
+"""The batched executor: a chunk of clients of one cohort trains in one vmapped
+forward/backward.
+
+For each step, the chunk's parameter rows are stacked into one [C, P] tensor; the cohort's
+template module runs on them through ``torch.func.functional_call`` under ``vmap`` (its
+convolutions become grouped convolutions, its linears batched matmuls, the factorized and
+multi-branch layers one op launch over the client dimension), with every client's BatchNorm
+statistics its own.  Ordinary autograd on the stacked rows then gives each client's gradient
+(``torch.func.grad`` cannot differentiate ops whose autograd comes from ``register_autograd``,
+pytorch/pytorch#168393; a vmapped forward followed by ``backward`` can).  The optimizer steps
+the whole [C, P] slice in one call when the clients share their step count, row by row
+otherwise.
+
+Each client sees exactly the batches it would alone, drawn from its own generator in the same
+order (augmentation included); at each step the clients whose batches have the same size run
+together, so a short last batch or a client with fewer steps is simply not in that step's
+group: no padding enters a loss or a BatchNorm statistic.  A client whose state turns
+non-finite sends nothing and keeps its previous rows, as on the other executors.
+
+What runs batched: phases whose hooks only read and write the client's flat vectors
+(``grad_terms``, ``after_step``), which get a :class:`ClientView` per client whose
+parameters and gradients are its rows of the stacked tensors.  A task whose algorithm is not
+``batchable``, or whose plan has loss terms, a custom gradient or a ``begin`` hook, runs on the
+threaded executor instead, with a one-line notice.  Evaluation tasks run there too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from torch.func import functional_call, vmap
+from torch.nn import functional as F
+
+from .client import ClientView, TrainResult, apply_download, phase_optimizer, phase_schedule
+from .executors import Executor, ThreadedExecutor
+from .local import LocalResult, client_batches, conv_layout
+from .plan import Phase, state_names
+
+
+def unbatchable_reason(algorithm, plan) -> Optional[str]:
+    """Why a task of ``algorithm`` with ``plan`` cannot run batched (None: it can)."""
+    if not algorithm.capabilities.batchable:
+        return f"{algorithm.name or type(algorithm).__name__} declares itself not batchable"
+    for phase in plan:
+        for hook, what in ((phase.loss_terms, "loss terms"), (phase.gradient, "a custom gradient"),
+                           (phase.begin, "a begin hook")):
+            if hook:
+                return f"{algorithm.name or type(algorithm).__name__}'s local plan has {what}"
+    return None
+
+
+def _signature(phase: Phase) -> tuple:
+    """What must agree between the clients of a chunk for one phase (their own hooks may differ)."""
+    return (phase.groups, phase.epochs, phase.steps, phase.batch_size, phase.optimizer, phase.lr, phase.lr_scale,
+            tuple(sorted(phase.optimizer_settings.items())), phase.state, phase.batches_per_step,
+            bool(phase.grad_terms), phase.after_step is not None)
+
+
+def chunk_size(fed, cohort, override: Optional[int]) -> int:
+    """Clients per chunk: ``override``, else what the device's free memory holds, by a deliberately
+    rough per-client estimate (its rows, gradients, two optimizer vectors and a copy each: 8 × P
+    values; activations: 64 values per input value of a batch), at most the cohort's size."""
+    if override is not None:
+        return override
+    device = fed.device
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            free = 4 << 30
+    value_bytes = cohort.layout.dtype.itemsize if hasattr(cohort.layout.dtype, "itemsize") else 4
+    batch = fed.settings.schedule.batch_size * max(1, fed.inputs[0].numel())
+    per_client = (8 * cohort.layout.numel + 64 * batch) * value_bytes
+    return max(1, min(len(cohort.clients), int(0.5 * free // max(per_client, 1))))
+
+
+class BatchedExecutor(Executor):
+    """Chunks of clients of one cohort in one vmapped forward/backward (module docstring)."""
+
+    name = "batched"
+
+    def __init__(self, workers: Optional[int] = None, chunk: Optional[int] = None):
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be None or an integer >= 1, got {chunk!r}")
+        self.chunk = chunk
+        self.fallback = ThreadedExecutor(workers)
+        self._noticed: set[str] = set()
+
+    def run(self, tasks, run_one):
+        """Tasks that are not batched training (evaluation, unbatchable plans): threaded."""
+        return self.fallback.run(tasks, run_one)
+
+    def close(self) -> None:
+        self.fallback.close()
+
+    def run_train(self, fed, algorithm, tasks, run_one) -> list:
+        """The round's training tasks: batched where they can be, the others through ``run_one``
+        on the threaded executor; results in task order."""
+        results: dict[int, TrainResult] = {}
+        others = []
+        groups: dict[tuple, list] = {}
+        for position, task in enumerate(tasks):
+            reason = unbatchable_reason(algorithm, task.plan)
+            if reason is not None:
+                if reason not in self._noticed:
+                    self._noticed.add(reason)
+                    print(f"pfl: executor batched: {reason}; its clients run on the threaded executor",
+                          file=sys.stderr, flush=True)
+                others.append((position, task))
+                continue
+            cohort = fed.cohort_of(task.client)
+            key = (cohort.name, tuple(_signature(p) for p in task.plan))
+            groups.setdefault(key, []).append((position, task))
+        for (cohort_name, _), members in groups.items():
+            cohort = fed.cohort_of(members[0][1].client)
+            size = chunk_size(fed, cohort, self.chunk)
+            for start in range(0, len(members), size):
+                part = members[start:start + size]
+                for (position, _), result in zip(part, train_chunk(fed, algorithm, cohort, [t for _, t in part])):
+                    results[position] = result
+        if others:
+            for (position, _), result in zip(others, self.fallback.run([t for _, t in others], run_one)):
+                results[position] = result
+        return [results[i] for i in range(len(tasks))]
+
+
+def _row_view(fed, cohort, task, extra, params, grads, buffers) -> ClientView:
+    """A ClientView of ``task``'s client whose flat vectors are its rows of the stacked tensors."""
+    view = ClientView(fed, cohort, task.client, task.round, task.download, extra)
+    view.params, view.grads, view.buffers = params, grads, buffers
+    return view
+
+
+def train_chunk(fed, algorithm, cohort, tasks) -> list[TrainResult]:
+    """Train ``tasks`` (clients of ``cohort`` with plans of the same shape) together; their
+    rows change only where they stay finite, and each upload is asked of a normal ClientView."""
+    rows = [cohort.row(t.client) for t in tasks]
+    count = len(tasks)
+    params = cohort.params.data[rows].clone()
+    buffers = cohort.buffers.data[rows].clone()
+    int_buffers = cohort.int_buffers.data[rows].clone()
+    grads = torch.zeros_like(params)
+    for i, task in enumerate(tasks):
+        apply_download(cohort, SimpleNamespace(params=params[i], buffers=buffers[i]), task.download, task.client)
+    extras = [{name: bank.row(r).clone() for name, bank in cohort.extra.items()} for r in rows]
+    views = [_row_view(fed, cohort, t, extras[i], params[i], grads[i], buffers[i]) for i, t in enumerate(tasks)]
+    generators = [fed.generator("train", t.round, t.client) for t in tasks]
+    keep = fed.settings.optimizer_state == "keep"
+    loss_sum = torch.zeros(count, dtype=torch.float64, device=params.device)
+    samples, steps_taken = [0] * count, [0] * count
+    states: dict[str, dict] = {}
+    plan = tasks[0].plan
+    for index, (phase, state_name) in enumerate(zip(plan, state_names(plan))):
+        optimizer = phase_optimizer(phase, fed.settings)
+        if state_name not in states:
+            if keep:
+                banks = cohort.optimizer_state[state_name]
+                states[state_name] = {v: bank.data[rows].clone() for v, bank in banks.items()}
+                states[state_name]["steps"] = cohort.optimizer_steps[state_name][rows].clone()
+            else:
+                states[state_name] = {v: torch.zeros_like(params) for v in optimizer.state_names()}
+                states[state_name]["steps"] = torch.zeros(count, dtype=torch.int64)
+        _run_phase(fed, cohort, tasks, index, optimizer, states[state_name], views, params, grads, buffers,
+                   int_buffers, generators, loss_sum, samples, steps_taken)
+    results = []
+    work = cohort.work
+    for i, task in enumerate(tasks):
+        finite = bool(torch.isfinite(params[i]).all()) and (samples[i] == 0 or bool(torch.isfinite(loss_sum[i])))
+        local = LocalResult(loss=float(loss_sum[i] / samples[i]) if samples[i] else float("nan"), samples=samples[i],
+                            steps=steps_taken[i], finite=finite)
+        if not finite:
+            results.append(TrainResult(task.client, local))
+            continue
+        row = rows[i]
+        work.load(params[i], buffers[i], int_buffers[i])
+        view = ClientView(fed, cohort, task.client, task.round, task.download, extras[i])
+        upload = algorithm.upload(view)
+        work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
+        for name, value in extras[i].items():
+            cohort.extra[name].row(row).copy_(value)
+        if keep:
+            for name, state in states.items():
+                for vector, bank in cohort.optimizer_state[name].items():
+                    bank.row(row).copy_(state[vector][i])
+                cohort.optimizer_steps[name][row] = state["steps"][i]
+        results.append(TrainResult(task.client, local, upload))
+    return results
+
+
+def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, generators,
+               loss_sum, samples, steps_taken) -> None:
+    """One phase for the whole chunk: step by step, the clients with a batch of the same size together."""
+    phase = tasks[0].plan[index]
+    trained = cohort.groups.order if phase.groups is None else phase.groups
+    unknown = [g for g in trained if g not in cohort.groups.members]
+    if unknown:
+        raise ValueError(f"a phase trains {unknown}, which are no parameter groups of architecture {cohort.name!r} "
+                         f"(groups: {', '.join(cohort.groups.order)})")
+    names = [n for g in trained for n in cohort.groups.members[g]]
+    ranges = None if phase.groups is None else cohort.layout.ranges(names)
+    frozen = [] if ranges is None else _complement(ranges, params.shape[1])
+    schedule = phase_schedule(phase, fed.settings.schedule)
+    iterators = [iter(client_batches(fed.clients[t.client].train, schedule, generators[i]))
+                 for i, t in enumerate(tasks)]
+    for view in views:
+        view.step = 0
+    active = list(range(len(tasks)))
+    module = cohort.work.module
+    module.train()
+    while active:
+        batches, finished = {}, []
+        for i in active:
+            index_batch = next(iterators[i], None)
+            if index_batch is None:
+                finished.append(i)
+                continue
+            data = fed.clients[tasks[i].client]
+            x, y = fed.inputs[index_batch], fed.labels[index_batch]
+            if data.label_map is not None:
+                y = data.label_map[y]
+            if fed.augment is not None:
+                x = fed.augment(x, generators[i])
+            batches[i] = (x, y)
+        active = [i for i in active if i not in finished]
+        by_size: dict[int, list[int]] = {}
+        for i in active:
+            by_size.setdefault(int(batches[i][1].numel()), []).append(i)
+        for members in by_size.values():
+            _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers,
+                  members, batches, ranges, frozen, loss_sum, samples, steps_taken)
+
+
+def _complement(ranges, total: int) -> list[tuple[int, int]]:
+    """The ranges of [0, total) outside ``ranges`` (the groups a phase does not train)."""
+    out, position = [], 0
+    for start, stop in sorted(ranges):
+        if start > position:
+            out.append((position, start))
+        position = max(position, stop)
+    if position < total:
+        out.append((position, total))
+    return out
+
+
+def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, members,
+          batches, ranges, frozen, loss_sum, samples, steps_taken) -> None:
+    """One optimizer step of the clients ``members`` (their batches have one size)."""
+    idx = torch.tensor(members, device=params.device)
+    whole = members == list(range(len(tasks)))
+    stacked = (params if whole else params[idx]).detach().clone().requires_grad_(True)
+    chunk_buffers = buffers if whole else buffers[idx]
+    chunk_int_buffers = int_buffers if whole else int_buffers[idx]
+    x = conv_layout_stack([batches[i][0] for i in members])
+    y = torch.stack([batches[i][1] for i in members])
+    layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
+
+    def forward(p, buffer_parts, inputs):
+        return functional_call(module, {**layout.views(p), **buffer_parts}, (inputs,))
+
+    # The buffers go in as contiguous tensors [G, ...] of their own, copied back after:
+    # BatchNorm's in-place updates of its running statistics under vmap reach such a tensor, but
+    # not a strided view of the stacked rows (nor a view taken inside the vmapped function).
+    buffer_views = {**buffer_layout.views(chunk_buffers), **int_layout.views(chunk_int_buffers)}
+    parts = {name: view.clone() for name, view in buffer_views.items()}
+    logits = vmap(forward)(stacked, parts, x)
+    with torch.no_grad():
+        for name, view in buffer_views.items():
+            view.copy_(parts[name])
+    per_client = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(len(members), -1).mean(1)
+    per_client.sum().backward()
+    with torch.no_grad():
+        if not whole:  # BatchNorm statistics moved in the gathered copies
+            buffers[idx] = chunk_buffers
+            int_buffers[idx] = chunk_int_buffers
+        for start, stop in frozen:  # what the phase does not train gets no gradient, as alone
+            stacked.grad[:, start:stop] = 0
+        if whole:
+            grads.copy_(stacked.grad)
+        else:
+            grads[idx] = stacked.grad
+        extra = torch.zeros(len(members), dtype=torch.float64)
+        for k, i in enumerate(members):
+            phase = tasks[i].plan[index]
+            for term in phase.grad_terms:
+                value = term(views[i])
+                if value is not None:
+                    extra[k] += float(value)
+        steps = state["steps"]
+        if whole and bool((steps == steps[0]).all()):
+            shared = {name: value for name, value in state.items() if name != "steps"}
+            shared["steps"] = steps[0].clone()
+            optimizer.step(params, grads, shared, ranges=ranges)
+            steps += 1
+        else:
+            for i in members:
+                row_state = {name: value[i] for name, value in state.items()}
+                optimizer.step(params[i], grads[i], row_state, ranges=ranges)
+        for k, i in enumerate(members):
+            phase = tasks[i].plan[index]
+            if phase.after_step is not None:
+                phase.after_step(views[i])
+            n = int(batches[i][1].numel())
+            loss_sum[i] += (per_client[k].detach().double() + extra[k]) * n
+            samples[i] += n
+            steps_taken[i] += 1
+            views[i].step += 1
+
+
+def conv_layout_stack(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The clients' batches stacked [C, B, ...] (each in the layout training uses alone)."""
+    return torch.stack([conv_layout(x) for x in inputs])

@@ -1,0 +1,95 @@
+"""The batched executor gives every algorithm the per-client results of the sequential one, up
+to float reassociation: float64 here (rtol 1e-9, atol 1e-10 after two rounds), with unequal
+client sizes (short last batches), kept optimizer state, BatchNorm, factorized and
+multi-branch models (the algorithms that convert the model), a mixed-architecture federation,
+and a client whose update turns non-finite."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
+from pfl_algorithms.engine.batched import BatchedExecutor, unbatchable_reason
+from pfl_algorithms.engine.rounds import run_round
+
+from ..algorithms.federation_cases import BatchNormNet, make_federation
+from ..state_checks import assert_close_state
+
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def run(name, executor, *, chunk=None, models=None, architectures=None, clients=3, sizes=(30, 41, 50),
+        optimizer="sgd", optimizer_settings=None, poison=None):
+    algo = make_algorithm(name)
+    fed = make_federation(algo, rounds=2, epochs=2, executor=executor, clients=clients, sizes=sizes,
+                          optimizer=optimizer, optimizer_settings=optimizer_settings or {"lr": 0.1, "momentum": 0.9},
+                          optimizer_state="keep", models=models, architectures=architectures)
+    if chunk is not None:
+        fed.executor.chunk = chunk
+    if poison is not None:  # one client's training inputs become infinite: its update is dropped
+        fed.inputs[fed.clients[poison].train] = float("inf")
+    records = [run_round(fed, algo, r).as_dict() for r in range(2)]
+    for r in records:
+        r.pop("wall_s")
+    return records, fed.state_dict(), algo.state_dict()
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_algorithm_batched_equals_sequential(name):
+    sequential = run(name, "sequential")
+    for chunk in (None, 2):  # one chunk, and chunks streamed 2 clients at a time
+        assert_close_state(run(name, "batched", chunk=chunk), sequential, **TOL)
+
+
+def test_adam_with_kept_state_and_batchnorm():
+    torch.manual_seed(0)
+    for name in ("fedavg", "local"):
+        models = BatchNormNet().double()
+        a = run(name, "sequential", models=models, optimizer="adam", optimizer_settings={"lr": 0.01})
+        torch.manual_seed(0)
+        b = run(name, "batched", models=BatchNormNet().double(), optimizer="adam", optimizer_settings={"lr": 0.01})
+        assert_close_state(b, a, **TOL)
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("name", ["fedavg-classifier", "local"])
+def test_a_mixed_architecture_federation_batches_within_each_cohort(name):
+    def models():
+        torch.manual_seed(0)
+        return {"bn": BatchNormNet().double(), "deep": Deep().double()}
+
+    kwargs = dict(clients=5, sizes=(30, 40, 50, 36, 44), architectures=["bn", "deep", "bn", "deep", "deep"])
+    assert_close_state(run(name, "batched", models=models(), **kwargs), run(name, "sequential", models=models(),
+                                                                              **kwargs), **TOL)
+
+
+def test_a_non_finite_client_drops_only_its_own_update():
+    batched, sequential = run("fedavg", "batched", poison=1), run("fedavg", "sequential", poison=1)
+    assert [r["skipped_non_finite"] for r in batched[0]] == [[1], [1]]
+    assert_close_state(batched, sequential, **TOL)
+
+
+def test_unbatchable_plans_fall_back_to_threaded_with_one_notice(capsys):
+    algo = make_algorithm("fedgen")
+    assert "not batchable" in unbatchable_reason(algo, algo.plan(0))
+    assert unbatchable_reason(make_algorithm("fedprox"), make_algorithm("fedprox").plan(0)) is None
+    run("pfedme", "batched")
+    err = capsys.readouterr().err
+    assert err.count("pfl: executor batched: pfedme declares itself not batchable; its clients run on the "
+                     "threaded executor") == 1
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_chunk_is_checked():
+    with pytest.raises(ValueError, match="chunk must be None or an integer >= 1"):
+        BatchedExecutor(chunk=0)
