@@ -61,8 +61,9 @@ FLAGS = {
     "seed": (int, "seed of the partition, the initialization and every draw"),
     "device": (str, "cpu or cuda[:N]"),
     "eval_every": (int, "evaluate every N rounds (and after the last)"),
-    "executor": (str, "where client tasks run: threaded or sequential (bitwise the same results), or batched "
-                      "(a cohort's clients in one vmapped forward/backward; the same up to float reassociation)"),
+    "executor": (str, "where client tasks run: threaded or sequential (bitwise the same results), batched "
+                      "(a cohort's clients in one vmapped forward/backward; the same up to float reassociation), "
+                      "or auto (batched on CUDA; on a CPU by model size); the choice goes to executor.json"),
     "workers": (int, "tasks at once for the threaded executor, each on one thread (results do not depend on it)"),
     "chunk_clients": (int, "clients per chunk of the batched executor"),
     "checkpoint_every": (int, "write checkpoint.pt every N rounds (and after the last)"),
@@ -74,7 +75,7 @@ FLAGS = {
 }
 # What a default of None means, for the help of the flags whose RunConfig default is None.
 _NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "samples_per_client": "all of a client's share",
-               "workers": "one per CPU core", "chunk_clients": "as many as free memory holds", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
+               "executor": "threaded on a CPU, batched on CUDA", "workers": "one per CPU core", "chunk_clients": "as many as free memory holds", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
                "keep_head_local": "true in the permuted and multi-domain scenarios, else false",
                "finetune_epochs": "the algorithm's: 0, fedavg-ft 1"}
 _METAVARS = {int: "N", float: "X", str: "NAME", _flag_bool: "true|false", "data_root": "DIR", "augment": "SPEC",

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Optional, Union
 
 from .algorithms import ALGORITHMS
 from .data import DATASETS, SCENARIOS
-from .engine.executors import EXECUTORS
+from .engine.executors import CHOICES as EXECUTOR_CHOICES
 from .engine.optim import OPTIMIZERS
 from .models import MODELS
 from .option_types import (NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range, check_options,
@@ -65,7 +65,8 @@ class RunConfig:
     checkpoint_every: PositiveInt = 1
     seed: NonNegativeInt = 0
     device: str = "cpu"
-    executor: Annotated[str, OneOf(tuple(EXECUTORS))] = "threaded"  # where client tasks run
+    # Where client tasks run; None: threaded on a CPU, batched on CUDA (``engine.executors``).
+    executor: Optional[Annotated[str, OneOf(EXECUTOR_CHOICES)]] = None
     workers: Optional[PositiveInt] = None  # tasks at once for the threaded executor (None: one per core)
     chunk_clients: Optional[PositiveInt] = None  # clients per chunk of the batched executor (None: from free memory)
     data_root: Optional[str] = None  # None: $PFL_DATA_ROOT, else ./data

@@ -14,6 +14,7 @@ import torch
 from .algorithms import make_algorithm
 from .config import RunConfig, check
 from .data.run_data import load_run_data
+from .engine.executors import choose_executor
 from .engine.federation import EngineSettings, Federation
 from .engine.rounds import federation_for, run_round
 from .engine.local import LocalSchedule
@@ -50,10 +51,13 @@ def build(config: RunConfig):
         models = build_model(config.model, input_shape=dataset.input_shape, num_classes=partition.classes_seen,
                              **config.model_options)
     schedule = LocalSchedule(batch_size=config.batch_size, epochs=config.local_epochs, steps=config.local_steps)
+    parameters = max(sum(p.numel() for p in m.parameters())
+                     for m in (models.values() if isinstance(models, dict) else [models]))
+    executor, why = choose_executor(config.executor, device=config.device, parameters=parameters)
     settings = EngineSettings(rounds=config.rounds, sample=config.sample, clients_per_round=config.clients_per_round,
                               schedule=schedule, optimizer=config.optimizer,
                               optimizer_settings=_optimizer_settings(config), eval_every=config.eval_every,
-                              seed=config.seed, optimizer_state=config.optimizer_state, executor=config.executor,
+                              seed=config.seed, optimizer_state=config.optimizer_state, executor=executor,
                               workers=config.workers, finetune_epochs=config.finetune(),
                               chunk_clients=config.chunk_clients)
     augment = None
@@ -64,6 +68,7 @@ def build(config: RunConfig):
     fed = federation_for(algorithm, models, dataset.inputs, dataset.labels, partition.clients, settings,
                          keep_head_local=config.head_local(), architectures=architectures, device=config.device,
                          augment=augment, roles=partition.roles)
+    fed.executor_choice = {"asked": config.executor, "executor": executor, "why": why}
     return fed, algorithm, partition
 
 
@@ -123,6 +128,7 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, overwrite: bool =
             print(f"pfl: {out} has no checkpoint (the run stopped before its first one): restarting it from round 0",
                   file=sys.stderr, flush=True)
         fed, algorithm, partition = build(config)
+        atomic_write_json(rundir.executor, fed.executor_choice)
         history: list[dict] = []
         if state is not None:
             try:

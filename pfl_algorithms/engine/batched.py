@@ -203,7 +203,7 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
                          f"(groups: {', '.join(cohort.groups.order)})")
     names = [n for g in trained for n in cohort.groups.members[g]]
     ranges = None if phase.groups is None else cohort.layout.ranges(names)
-    frozen = [] if ranges is None else _complement(ranges, params.shape[1])
+    trained = None if phase.groups is None else set(names)
     schedule = phase_schedule(phase, fed.settings.schedule)
     iterators = [iter(client_batches(fed.clients[t.client].train, schedule, generators[i]))
                  for i, t in enumerate(tasks)]
@@ -232,42 +232,34 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             by_size.setdefault(int(batches[i][1].numel()), []).append(i)
         for members in by_size.values():
             _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers,
-                  members, batches, ranges, frozen, loss_sum, samples, steps_taken)
-
-
-def _complement(ranges, total: int) -> list[tuple[int, int]]:
-    """The ranges of [0, total) outside ``ranges`` (the groups a phase does not train)."""
-    out, position = [], 0
-    for start, stop in sorted(ranges):
-        if start > position:
-            out.append((position, start))
-        position = max(position, stop)
-    if position < total:
-        out.append((position, total))
-    return out
+                  members, batches, ranges, trained, loss_sum, samples, steps_taken)
 
 
 def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, members,
-          batches, ranges, frozen, loss_sum, samples, steps_taken) -> None:
+          batches, ranges, trained, loss_sum, samples, steps_taken) -> None:
     """One optimizer step of the clients ``members`` (their batches have one size)."""
     idx = torch.tensor(members, device=params.device)
     whole = members == list(range(len(tasks)))
-    stacked = (params if whole else params[idx]).detach().clone().requires_grad_(True)
+    layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
+    # One leaf per parameter tensor, [G, *shape]: slicing one stacked [G, P] leaf instead would
+    # make every slice's backward write a whole [G, P] gradient (quadratic in the tensor count).
+    # Only the tensors the phase trains get a gradient, as alone.
+    leaves = {name: (view.detach() if whole else view).requires_grad_(trained is None or name in trained)
+              for name, view in layout.views(params if whole else params[idx]).items()}
     chunk_buffers = buffers if whole else buffers[idx]
     chunk_int_buffers = int_buffers if whole else int_buffers[idx]
     x = conv_layout_stack([batches[i][0] for i in members])
     y = torch.stack([batches[i][1] for i in members])
-    layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
 
-    def forward(p, buffer_parts, inputs):
-        return functional_call(module, {**layout.views(p), **buffer_parts}, (inputs,))
+    def forward(param_parts, buffer_parts, inputs):
+        return functional_call(module, {**param_parts, **buffer_parts}, (inputs,))
 
     # The buffers go in as contiguous tensors [G, ...] of their own, copied back after:
     # BatchNorm's in-place updates of its running statistics under vmap reach such a tensor, but
     # not a strided view of the stacked rows (nor a view taken inside the vmapped function).
     buffer_views = {**buffer_layout.views(chunk_buffers), **int_layout.views(chunk_int_buffers)}
     parts = {name: view.clone() for name, view in buffer_views.items()}
-    logits = vmap(forward)(stacked, parts, x)
+    logits = vmap(forward)(leaves, parts, x)
     with torch.no_grad():
         for name, view in buffer_views.items():
             view.copy_(parts[name])
@@ -277,12 +269,16 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
         if not whole:  # BatchNorm statistics moved in the gathered copies
             buffers[idx] = chunk_buffers
             int_buffers[idx] = chunk_int_buffers
-        for start, stop in frozen:  # what the phase does not train gets no gradient, as alone
-            stacked.grad[:, start:stop] = 0
-        if whole:
-            grads.copy_(stacked.grad)
-        else:
-            grads[idx] = stacked.grad
+        target = grads if whole else torch.zeros((len(members), grads.shape[1]), dtype=grads.dtype,
+                                                 device=grads.device)
+        for name, view in layout.views(target).items():
+            grad = leaves[name].grad
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+        if not whole:
+            grads[idx] = target
         extra = torch.zeros(len(members), dtype=torch.float64)
         for k, i in enumerate(members):
             phase = tasks[i].plan[index]

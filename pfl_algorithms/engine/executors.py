@@ -105,6 +105,35 @@ class ThreadedExecutor(Executor):
 
 
 EXECUTORS = ("sequential", "threaded", "batched")
+CHOICES = (*EXECUTORS, "auto")  # what a run may ask for: 'auto' is resolved by ``choose_executor``
+
+# ``auto`` on a CPU runs ``batched`` for models of at most this many parameters per client and
+# ``threaded`` above.  Measured on 2 cores (benchmarks/bench_executor.py, results in
+# benchmarks/results/executor_cpu.json): 20 clients of the MLP (9.6k parameters, batch 16)
+# train 2.1x faster batched, the digits CNN (38k) 1.08x; an MLP of 203k 0.8x and LeNet-5 (62k,
+# whose vmapped convolutions become grouped convolutions, slow to differentiate on a CPU) 0.2x.
+AUTO_CPU_MAX_PARAMETERS = 40_000
+
+
+def choose_executor(name: Optional[str], *, device: str, parameters: int) -> tuple[str, str]:
+    """(executor, why) for a run asking for ``name`` (None: the default) on ``device`` with
+    models of at most ``parameters`` parameters per client: None is ``batched`` on CUDA and
+    ``threaded`` elsewhere; ``auto`` is ``batched`` on CUDA and, on a CPU, whichever the
+    benchmark measured faster for that model size (:data:`AUTO_CPU_MAX_PARAMETERS`)."""
+    cuda = torch.device(device).type == "cuda"
+    if name is None:
+        return ("batched", "the default on CUDA") if cuda else ("threaded", "the default on a CPU")
+    if name not in CHOICES:
+        raise ValueError(f"executor must be one of {sorted(CHOICES)}, got {name!r}")
+    if name != "auto":
+        return name, "asked for"
+    if cuda:
+        return "batched", "auto on CUDA: clients in chunks, one vmapped forward/backward each"
+    if parameters <= AUTO_CPU_MAX_PARAMETERS:
+        return "batched", (f"auto on a CPU: {parameters} parameters per client <= {AUTO_CPU_MAX_PARAMETERS}, "
+                           "where batched trained faster than threaded in the CPU benchmark")
+    return "threaded", (f"auto on a CPU: {parameters} parameters per client > {AUTO_CPU_MAX_PARAMETERS}, "
+                        "where threaded trained faster than batched in the CPU benchmark")
 
 
 def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cpu",

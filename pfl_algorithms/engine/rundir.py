@@ -4,6 +4,7 @@
     run.lock         locked (flock) while a run writes here, so a second one is refused
     config.json      the resolved configuration
     partition.json   the scenario's manifest (which indices and label map each client got)
+    executor.json    the executor this run (or its latest resume) used, and why (``--executor auto``)
     metrics.jsonl    one JSON line per round
     summary.json     final and best mean accuracy, communication in Gb, wall time
     checkpoint.pt    banks, optimizer state and server state after the last checkpointed round,
@@ -60,6 +61,7 @@ class RunDirectory:
         self.partition = self.root / "partition.json"
         self.metrics = self.root / "metrics.jsonl"
         self.summary = self.root / "summary.json"
+        self.executor = self.root / "executor.json"
         self.checkpoint = self.root / "checkpoint.pt"
         self.plots = self.root / "plots"
 
