@@ -267,6 +267,19 @@ SUITES = {
                 "plain script: benchmarks/fedavg_command.py.\n" + _TIMES_LEGEND),
         wait_policy=None,
     ),
+    "executor": Suite(
+        name="executor",
+        cases={"executor_round": Case("executor round", speedup=True, target=None)},
+        ops=("factorized_weight",),
+        reference_note="NOTE: the factorized ops ran the plain-PyTorch reference on CPU.",
+        legend=("ours: --executor batched (20 clients in one vmapped forward/backward per step); baseline: "
+                "--executor threaded (one client per core, one intra-op thread each). One FedAvg round of local "
+                "training, no evaluation, SGD lr 0.01, 20 clients.\nratio: threaded / batched time (speed-up of "
+                "batched; below 1 threaded is faster). No target: --executor auto picks batched on a CPU only for "
+                "models of at most engine.executors.AUTO_CPU_MAX_PARAMETERS parameters, from these numbers.\n"
+                + _TIMES_LEGEND),
+        wait_policy=None,
+    ),
     "factorized_fl_round": Suite(
         name="factorized_fl_round",
         cases={"factorized_fl_round": Case("factorized-fl beta round", speedup=True, target=2.0)},

@@ -66,6 +66,7 @@ FLAGS = {
                       "or auto (batched on CUDA; on a CPU by model size); the choice goes to executor.json"),
     "workers": (int, "tasks at once for the threaded executor, each on one thread (results do not depend on it)"),
     "chunk_clients": (int, "clients per chunk of the batched executor"),
+    "autocast": (str, "bf16: the training forward under bfloat16 autocast (convolutions and matmuls)"),
     "checkpoint_every": (int, "write checkpoint.pt every N rounds (and after the last)"),
     "data_root": (str, "where dataset files are read"),
     "augment": (str, "training-batch augmentation, e.g. crop,flip (`pfl list`)"),
@@ -75,7 +76,7 @@ FLAGS = {
 }
 # What a default of None means, for the help of the flags whose RunConfig default is None.
 _NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "samples_per_client": "all of a client's share",
-               "executor": "threaded on a CPU, batched on CUDA", "workers": "one per CPU core", "chunk_clients": "as many as free memory holds", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
+               "executor": "threaded on a CPU, batched on CUDA", "workers": "one per CPU core", "chunk_clients": "as many as free memory holds", "autocast": "none: float32", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
                "keep_head_local": "true in the permuted and multi-domain scenarios, else false",
                "finetune_epochs": "the algorithm's: 0, fedavg-ft 1"}
 _METAVARS = {int: "N", float: "X", str: "NAME", _flag_bool: "true|false", "data_root": "DIR", "augment": "SPEC",

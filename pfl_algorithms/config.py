@@ -69,6 +69,7 @@ class RunConfig:
     executor: Optional[Annotated[str, OneOf(EXECUTOR_CHOICES)]] = None
     workers: Optional[PositiveInt] = None  # tasks at once for the threaded executor (None: one per core)
     chunk_clients: Optional[PositiveInt] = None  # clients per chunk of the batched executor (None: from free memory)
+    autocast: Optional[Annotated[str, OneOf(("bf16",))]] = None  # bf16: the training forward under bfloat16 autocast
     data_root: Optional[str] = None  # None: $PFL_DATA_ROOT, else ./data
     augment: Optional[str] = None  # training-batch augmentation, e.g. "crop,flip" (see `pfl list`)
     samples_per_client: Optional[PositiveInt] = None

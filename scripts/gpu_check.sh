@@ -37,7 +37,7 @@ fi
 
 run_benchmarks() {  # extra flags for every script
   local status=0 script
-  for script in gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_branch_aggregate; do
+  for script in gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_branch_aggregate gpu_executor; do
     echo "== $script $*"
     "$PY" "benchmarks/$script.py" "$@" || status=1
   done

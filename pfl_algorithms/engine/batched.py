@@ -34,7 +34,8 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import ClientView, TrainResult, apply_download, phase_optimizer, phase_schedule
+from .client import (ClientView, TrainResult, apply_download, autocast, phase_optimizer, phase_parameters,
+                     phase_schedule)
 from .executors import Executor, ThreadedExecutor
 from .local import LocalResult, client_batches, conv_layout
 from .plan import Phase, state_names
@@ -196,14 +197,8 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
                loss_sum, samples, steps_taken) -> None:
     """One phase for the whole chunk: step by step, the clients with a batch of the same size together."""
     phase = tasks[0].plan[index]
-    trained = cohort.groups.order if phase.groups is None else phase.groups
-    unknown = [g for g in trained if g not in cohort.groups.members]
-    if unknown:
-        raise ValueError(f"a phase trains {unknown}, which are no parameter groups of architecture {cohort.name!r} "
-                         f"(groups: {', '.join(cohort.groups.order)})")
-    names = [n for g in trained for n in cohort.groups.members[g]]
-    ranges = None if phase.groups is None else cohort.layout.ranges(names)
-    trained = None if phase.groups is None else set(names)
+    names, ranges = phase_parameters(cohort, phase, tasks[0].client)
+    trained = None if ranges is None else set(names)
     schedule = phase_schedule(phase, fed.settings.schedule)
     iterators = [iter(client_batches(fed.clients[t.client].train, schedule, generators[i]))
                  for i, t in enumerate(tasks)]
@@ -232,11 +227,11 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             by_size.setdefault(int(batches[i][1].numel()), []).append(i)
         for members in by_size.values():
             _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers,
-                  members, batches, ranges, trained, loss_sum, samples, steps_taken)
+                  members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast)
 
 
 def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, members,
-          batches, ranges, trained, loss_sum, samples, steps_taken) -> None:
+          batches, ranges, trained, loss_sum, samples, steps_taken, fed_autocast=None) -> None:
     """One optimizer step of the clients ``members`` (their batches have one size)."""
     idx = torch.tensor(members, device=params.device)
     whole = members == list(range(len(tasks)))
@@ -259,7 +254,10 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
     # not a strided view of the stacked rows (nor a view taken inside the vmapped function).
     buffer_views = {**buffer_layout.views(chunk_buffers), **int_layout.views(chunk_int_buffers)}
     parts = {name: view.clone() for name, view in buffer_views.items()}
-    logits = vmap(forward)(leaves, parts, x)
+    with autocast(fed_autocast, x.device):
+        logits = vmap(forward)(leaves, parts, x)
+    if fed_autocast:
+        logits = logits.float()  # the loss in float32, as torch.autocast leaves it
     with torch.no_grad():
         for name, view in buffer_views.items():
             view.copy_(parts[name])

@@ -292,6 +292,12 @@ def apply_download(cohort, work, message: Optional[Message], client: int) -> Non
         target.copy_(value)
 
 
+def autocast(mode, device: torch.device):
+    """``torch.autocast`` for the forward of a training step: mode 'bf16' (bfloat16 matmuls and
+    convolutions, the rest and the loss in float32), None: off."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16")
+
+
 def phase_optimizer(phase: Phase, settings):
     """The phase's optimizer: the run's, with the phase's lr and settings where it gives them."""
     name = phase.optimizer or settings.optimizer
@@ -322,16 +328,22 @@ class _Totals:
     steps: int = 0
 
 
-def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augment, totals: _Totals) -> None:
-    cohort, work, module = view._cohort, view._work, view.module
-    optimizer = phase_optimizer(phase, fed.settings)
+def phase_parameters(cohort, phase: Phase, client: int) -> tuple[list[str], Optional[list]]:
+    """(names, ranges) of the parameters ``phase`` trains in ``cohort``'s layout (ranges None:
+    every parameter); ValueError naming ``client`` for a group its architecture lacks."""
     trained = cohort.groups.order if phase.groups is None else phase.groups
     unknown = [g for g in trained if g not in cohort.groups.members]
     if unknown:
-        raise ValueError(f"a phase trains {unknown}, which are no parameter groups of client {view.client}'s "
-                         f"architecture (groups: {', '.join(cohort.groups.order)})")
+        raise ValueError(f"a phase trains {unknown}, which are no parameter groups of client {client}'s "
+                         f"architecture {cohort.name!r} (groups: {', '.join(cohort.groups.order)})")
     names = [n for g in trained for n in cohort.groups.members[g]]
-    ranges = None if phase.groups is None else cohort.layout.ranges(names)
+    return names, None if phase.groups is None else cohort.layout.ranges(names)
+
+
+def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augment, totals: _Totals) -> None:
+    cohort, work, module = view._cohort, view._work, view.module
+    optimizer = phase_optimizer(phase, fed.settings)
+    names, ranges = phase_parameters(cohort, phase, view.client)
     frozen = [p for n, p in module.named_parameters() if n not in set(names) and p.requires_grad]
     for p in frozen:  # no gradient is computed for what the phase does not train
         p.requires_grad_(False)
@@ -354,8 +366,9 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
                 continue
             if phase.gradient is None:
                 work.zero_grad()
-                logits, embeddings = forward(module, x)
-                loss = F.cross_entropy(logits, y)
+                with autocast(fed.settings.autocast, x.device):
+                    logits, embeddings = forward(module, x)
+                loss = F.cross_entropy(logits.float() if fed.settings.autocast else logits, y)
                 if phase.loss_terms:
                     batch = Batch(x, y, logits, embeddings, module)
                     for term in phase.loss_terms:

@@ -108,10 +108,11 @@ EXECUTORS = ("sequential", "threaded", "batched")
 CHOICES = (*EXECUTORS, "auto")  # what a run may ask for: 'auto' is resolved by ``choose_executor``
 
 # ``auto`` on a CPU runs ``batched`` for models of at most this many parameters per client and
-# ``threaded`` above.  Measured on 2 cores (benchmarks/bench_executor.py, results in
-# benchmarks/results/executor_cpu.json): 20 clients of the MLP (9.6k parameters, batch 16)
-# train 2.1x faster batched, the digits CNN (38k) 1.08x; an MLP of 203k 0.8x and LeNet-5 (62k,
-# whose vmapped convolutions become grouped convolutions, slow to differentiate on a CPU) 0.2x.
+# ``threaded`` above.  Measured on 2 cores (``bash scripts/bench.sh --full --suite executor``,
+# benchmarks/results/executor_cpu.json; one FedAvg round of 20 clients): batched trains the MLP
+# (9.6k parameters, batch 16) 3.7x and the digits CNN (38k, batch 16) 2.0x faster than threaded,
+# LeNet-5 (62k, batch 64; its vmapped convolutions become grouped convolutions, slow to
+# differentiate on a CPU) and its factorized form 0.4x.
 AUTO_CPU_MAX_PARAMETERS = 40_000
 
 

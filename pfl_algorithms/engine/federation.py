@@ -39,6 +39,7 @@ class EngineSettings:
     ``finetune_epochs``: before evaluation, each client fine-tunes a scratch copy of its
     evaluation model for that many epochs (``rounds.finetune_phase``; 0: none).
     ``chunk_clients``: clients per chunk of the ``batched`` executor (None: from free memory).
+    ``autocast``: 'bf16' runs the training forward under bfloat16 autocast (None: float32).
     """
 
     rounds: int = 10
@@ -54,6 +55,7 @@ class EngineSettings:
     workers: Optional[int] = None
     finetune_epochs: int = 0
     chunk_clients: Optional[int] = None
+    autocast: Optional[str] = None
 
     def __post_init__(self):
         if self.rounds < 0:
@@ -67,6 +69,8 @@ class EngineSettings:
         count = self.clients_per_round
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ValueError(f"clients_per_round must be None or an integer >= 1, got {count!r}")
+        if self.autocast not in (None, "bf16"):
+            raise ValueError(f"autocast must be None or 'bf16', got {self.autocast!r}")
         epochs = self.finetune_epochs
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"finetune_epochs must be an integer >= 0, got {epochs!r}")

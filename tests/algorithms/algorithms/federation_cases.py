@@ -32,6 +32,19 @@ class BatchNormNet(nn.Module):
         return self.head(self.body(x))
 
 
+class DeepBatchNormNet(nn.Module):
+    """Another architecture with the same 6-d embedding: body Linear(4, 8) + BatchNorm1d(8) + Tanh
+    + Linear(8, 6) + ReLU; head Linear(6, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def blobs(n=120, features=4, classes=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, classes, (n,), generator=g)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
 from pfl_algorithms.engine.batched import BatchedExecutor, unbatchable_reason
 from pfl_algorithms.engine.rounds import run_round
 
-from ..algorithms.federation_cases import BatchNormNet, make_federation
+from ..algorithms.federation_cases import BatchNormNet, DeepBatchNormNet, make_federation
 from ..state_checks import assert_close_state
 
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -52,21 +51,11 @@ def test_adam_with_kept_state_and_batchnorm():
         assert_close_state(b, a, **TOL)
 
 
-class Deep(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
 @pytest.mark.parametrize("name", ["fedavg-classifier", "local"])
 def test_a_mixed_architecture_federation_batches_within_each_cohort(name):
     def models():
         torch.manual_seed(0)
-        return {"bn": BatchNormNet().double(), "deep": Deep().double()}
+        return {"bn": BatchNormNet().double(), "deep": DeepBatchNormNet().double()}
 
     kwargs = dict(clients=5, sizes=(30, 40, 50, 36, 44), architectures=["bn", "deep", "bn", "deep", "deep"])
     assert_close_state(run(name, "batched", models=models(), **kwargs), run(name, "sequential", models=models(),

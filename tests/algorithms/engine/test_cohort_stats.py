@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from pfl_algorithms.api import Algorithm, ClassMeans, Message
 from pfl_algorithms.engine.rounds import run_round
 from pfl_kernels.ops import class_means
 
-from ..algorithms.federation_cases import BatchNormNet, TinyNet, make_federation
-
-
-class Deep(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU())
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        return self.head(self.body(x))
+from ..algorithms.federation_cases import BatchNormNet, DeepBatchNormNet, TinyNet, make_federation
 
 
 class Asking(Algorithm):
@@ -48,7 +37,7 @@ class Asking(Algorithm):
 def test_requests_are_answered_per_cohort_as_each_client_alone_would():
     torch.manual_seed(0)
     algo = Asking()
-    models = {"bn": BatchNormNet().double(), "deep": Deep().double(), "tiny": TinyNet().double()}
+    models = {"bn": BatchNormNet().double(), "deep": DeepBatchNormNet().double(), "tiny": TinyNet().double()}
     fed = make_federation(algo, clients=5, sizes=(30, 40, 50, 36, 44), models=models,
                           architectures=["bn", "deep", "bn", "tiny", "deep"], epochs=2)
     for round_ in range(2):

@@ -52,3 +52,18 @@ def test_a_threaded_round_leaves_the_callers_thread_count_alone():
         assert (torch.get_num_threads(), seen) == (2, [2])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_choose_executor_default_auto_and_asked():
+    from pfl_algorithms.engine.executors import AUTO_CPU_MAX_PARAMETERS, choose_executor
+
+    assert choose_executor(None, device="cpu", parameters=10) == ("threaded", "the default on a CPU")
+    assert choose_executor(None, device="cuda", parameters=10)[0] == "batched"
+    assert choose_executor("sequential", device="cuda", parameters=10) == ("sequential", "asked for")
+    assert choose_executor("auto", device="cuda:1", parameters=10 ** 9)[0] == "batched"
+    small = choose_executor("auto", device="cpu", parameters=AUTO_CPU_MAX_PARAMETERS)
+    large = choose_executor("auto", device="cpu", parameters=AUTO_CPU_MAX_PARAMETERS + 1)
+    assert small[0] == "batched" and large[0] == "threaded"
+    assert str(AUTO_CPU_MAX_PARAMETERS + 1) in large[1] and "benchmark" in large[1]
+    with pytest.raises(ValueError, match="executor must be one of"):
+        choose_executor("ray", device="cpu", parameters=1)

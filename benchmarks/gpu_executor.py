@@ -1,0 +1,187 @@
+"""GPU benchmark of the batched executor against the sequential one, in one run.
+
+    python benchmarks/gpu_executor.py [--dry-run] [--json PATH]
+
+Jobs (random CIFAR-shaped data from a fixed seed, FedAvg rounds of local training without
+evaluation unless said, SGD lr 0.01, both executors from the same initial state):
+
+1. ``lenet5``: 20 clients x 500 samples, LeNet-5, batch 64, 1 epoch a round.  Target: batched
+   >= 10x sequential.  Also batched under bfloat16 autocast (``--autocast bf16``), and the
+   effect of bf16 on accuracy: the train-set accuracy after a few rounds, float32 against bf16.
+2. ``resnet9-factorized``: 20 clients x 512 samples, ResNet-9 with every layer factorized,
+   batch 128.  Target: batched >= 3x sequential.
+3. ``factorized-fl-table1``: one Factorized-FL CIFAR-10 setting of its Table 1 end to end
+   (``pfl run factorized-fl-beta``: 20 clients, 50 rounds, 5 local epochs, ResNet-9, the released
+   code's optimizer, 3000 CIFAR-shaped synthetic samples per client, evaluation every round),
+   on the batched executor.  Target: <= 5 minutes.
+
+Rows go to ``benchmarks/results/executor_gpu_<device>.json``.  ``--dry-run`` runs every job on
+the CPU at tiny sizes (3 clients, 1 round, small batches; its timings mean nothing) and writes
+to a temporary folder: ``tests/algorithms/engine/test_gpu_executor_script.py`` runs it in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._gpu_common import DRY_RUN_RESULTS, RESULTS, sanitize  # noqa: E402
+from pfl_algorithms.algorithms.fedavg import FedAvg  # noqa: E402
+from pfl_algorithms.data.partition import ClientSplit  # noqa: E402
+from pfl_algorithms.engine.federation import EngineSettings  # noqa: E402
+from pfl_algorithms.engine.local import LocalSchedule, evaluate  # noqa: E402
+from pfl_algorithms.engine.rounds import federation_for, run_round  # noqa: E402
+from pfl_algorithms.models import build_model  # noqa: E402
+from pfl_kernels.nn import factorize  # noqa: E402
+
+FULL = {"clients": 20, "lenet_samples": 500, "resnet_samples": 512, "rounds": 3, "accuracy_rounds": 5,
+        "table1": dict(clients=20, rounds=50, local_epochs=5, samples_per_client=3000)}
+DRY = {"clients": 3, "lenet_samples": 40, "resnet_samples": 16, "rounds": 1, "accuracy_rounds": 1,
+       "table1": dict(clients=3, rounds=1, local_epochs=1, samples_per_client=16)}
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def federation(model_name: str, *, factorized: bool, clients: int, samples: int, batch: int, executor: str,
+               device: str, autocast: Optional[str] = None):
+    """A FedAvg federation of random CIFAR-shaped shards on ``device``, the same for every executor."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randn(clients * samples, 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (clients * samples,), generator=gen)
+    torch.manual_seed(0)
+    model = build_model(model_name, input_shape=(3, 32, 32), num_classes=10)
+    if factorized:
+        model = factorize(model)
+    empty = torch.empty(0, dtype=torch.int64)
+    splits = [ClientSplit(train=torch.arange(k * samples, (k + 1) * samples), val=empty, test=empty)
+              for k in range(clients)]
+    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer_settings={"lr": 0.01, "momentum": 0.9},
+                              schedule=LocalSchedule(batch_size=batch, epochs=1), executor=executor,
+                              autocast=autocast)
+    algorithm = FedAvg()
+    return federation_for(algorithm, model, inputs, labels, splits, settings, device=device), algorithm
+
+
+def time_rounds(fed, algorithm, rounds: int, device: str) -> float:
+    """Median seconds of ``rounds`` rounds after one warm-up round."""
+    run_round(fed, algorithm, 0)
+    times = []
+    for round_ in range(1, rounds + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        run_round(fed, algorithm, round_)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def train_accuracy(fed) -> float:
+    """Mean over clients of the accuracy of each client's model on its training shard."""
+    accuracies = []
+    cohort = fed.cohorts[0]
+    for client in range(fed.num_clients):
+        row = cohort.row(client)
+        cohort.work.load(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
+        accuracies.append(evaluate(cohort.work.module, fed.inputs, fed.labels, fed.clients[client].train)[0])
+    return sum(accuracies) / len(accuracies)
+
+
+def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
+              device: str, *, bf16: bool) -> list[dict]:
+    rows, seconds = [], {}
+    variants = [("sequential", None), ("batched", None)] + ([("batched", "bf16")] if bf16 else [])
+    for executor, autocast in variants:
+        fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"], samples=samples,
+                                    batch=batch, executor=executor, device=device, autocast=autocast)
+        key = executor + ("+bf16" if autocast else "")
+        seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device)
+        fed.close()
+        rows.append({"job": name, "executor": key, "round_s": seconds[key],
+                     "samples_per_s": sizes["clients"] * samples / seconds[key]})
+    for row in rows:
+        row["speedup_vs_sequential"] = seconds["sequential"] / row["round_s"]
+        row["target"] = target if row["executor"] == "batched" else None
+        row["met"] = None if row["target"] is None else row["speedup_vs_sequential"] >= target
+    return rows
+
+
+def accuracy_effect(sizes: dict, device: str) -> dict:
+    """LeNet-5's mean train accuracy after a few batched rounds, float32 against bf16 autocast."""
+    result = {}
+    for autocast in (None, "bf16"):
+        fed, algorithm = federation("lenet5", factorized=False, clients=sizes["clients"],
+                                    samples=sizes["lenet_samples"], batch=64, executor="batched", device=device,
+                                    autocast=autocast)
+        for round_ in range(sizes["accuracy_rounds"]):
+            run_round(fed, algorithm, round_)
+        result["bf16" if autocast else "float32"] = train_accuracy(fed)
+        fed.close()
+    return result
+
+
+def table1_job(sizes: dict, device: str, out: Path) -> dict:
+    """The Factorized-FL Table 1 setting end to end through ``pfl run``'s runner."""
+    from pfl_algorithms.config import RunConfig
+    from pfl_algorithms.runner import run
+
+    table = sizes["table1"]
+    config = RunConfig(algorithm="factorized-fl-beta", dataset="synthetic-cifar", scenario="iid", model="resnet9",
+                       batch_size=256, lr=1e-3, momentum=0.9, weight_decay=1e-6, executor="batched", device=device,
+                       **table)
+    start = time.perf_counter()
+    summary = run(config, out / "factorized-fl-table1", overwrite=True, progress=False)
+    seconds = time.perf_counter() - start
+    return {"job": "factorized-fl-table1", "executor": "batched", "wall_s": seconds, "target_s": 300.0,
+            "met": seconds <= 300.0, "rounds": summary["rounds"], "final_mean_accuracy": summary["final_mean_accuracy"]}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (CI)")
+    parser.add_argument("--quick", action="store_true", help="one timed round per variant (the full grid else)")
+    parser.add_argument("--json", type=Path, default=None, help="where the rows go")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_executor: no CUDA device; run with --dry-run to check the script on a CPU", file=sys.stderr)
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    sizes = DRY if args.dry_run else (dict(FULL, rounds=1) if args.quick else FULL)
+    name = "dry run (CPU)" if args.dry_run else torch.cuda.get_device_name()
+    rows = speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True)
+    rows += speed_job("resnet9-factorized", "resnet9", True, sizes["resnet_samples"], 128 if not args.dry_run else 8,
+                      3.0, sizes, device, bf16=False)
+    accuracy = accuracy_effect(sizes, device)
+    with tempfile.TemporaryDirectory() as scratch:
+        table1 = table1_job(sizes, device, Path(scratch))
+    for row in rows:
+        print(f"{row['job']:<20} {row['executor']:<14} {row['round_s'] * 1e3:9.1f} ms/round "
+              f"{row['samples_per_s']:10.0f} samples/s  x{row['speedup_vs_sequential']:.2f}"
+              + (f"  target >= {row['target']:g}: {'met' if row['met'] else 'NOT met'}" if row["target"] else ""))
+    print(f"bf16 autocast, LeNet-5 train accuracy after {sizes['accuracy_rounds']} rounds: "
+          f"float32 {accuracy['float32']:.4f}, bf16 {accuracy['bf16']:.4f}")
+    print(f"factorized-fl-table1 end to end: {table1['wall_s']:.1f} s (target <= 300 s: "
+          f"{'met' if table1['met'] else 'NOT met'})")
+    path = args.json or (DRY_RUN_RESULTS if args.dry_run else RESULTS) / f"executor_gpu_{sanitize(name)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"suite": "executor_gpu", "machine": {
+        "device": name, "torch": torch.__version__, "platform": platform.platform(), "dry_run": args.dry_run},
+        "rows": rows, "bf16_accuracy": accuracy, "table1": table1}, indent=2))
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
