@@ -34,11 +34,12 @@ def run(name, executor, *, chunk=None, models=None, architectures=None, clients=
     return records, fed.state_dict(), algo.state_dict()
 
 
+@pytest.mark.parametrize("sizes", [(30, 41, 50), (40, 40, 40)], ids=["unequal", "equal"])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
-def test_every_algorithm_batched_equals_sequential(name):
-    sequential = run(name, "sequential")
+def test_every_algorithm_batched_equals_sequential(name, sizes):
+    sequential = run(name, "sequential", sizes=sizes)
     for chunk in (None, 2):  # one chunk, and chunks streamed 2 clients at a time
-        assert_close_state(run(name, "batched", chunk=chunk), sequential, **TOL)
+        assert_close_state(run(name, "batched", chunk=chunk, sizes=sizes), sequential, **TOL)
 
 
 def test_adam_with_kept_state_and_batchnorm():
