@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -63,7 +64,9 @@ FLAGS = {
     "eval_every": (int, "evaluate every N rounds (and after the last)"),
     "executor": (str, "where client tasks run: threaded or sequential (bitwise the same results), batched "
                       "(a cohort's clients in one vmapped forward/backward; the same up to float reassociation), "
-                      "or auto (batched on CUDA; on a CPU by model size); the choice goes to executor.json"),
+                      "auto (batched on CUDA; on a CPU by model size), or distributed (under torchrun: clients sharded "
+                      "over the processes, client c on rank c %% N; bitwise sequential's results); the choice goes to "
+                      "executor.json"),
     "workers": (int, "tasks at once for the threaded executor, each on one thread (results do not depend on it)"),
     "chunk_clients": (int, "clients per chunk of the batched executor"),
     "autocast": (str, "bf16: the training forward under bfloat16 autocast (convolutions and matmuls)"),
@@ -202,6 +205,8 @@ def _cmd_run(args) -> int:
     config = config_from_args(args)
     out = Path(args.out) if args.out else Path("runs") / default_run_name(config)
     summary = run(config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
+    if config.executor == "distributed" and os.environ.get("RANK", "0") != "0":
+        return 0  # a torchrun job's other ranks ran silently; rank 0 reports
     acc = summary["final_mean_accuracy"]
     print(f"{config.algorithm}: final mean accuracy {'-' if acc is None else f'{100 * acc:.2f}%'}, "
           f"communication {summary['comm_gb']['up'] + summary['comm_gb']['down']:.4f} Gb; run directory {out}")

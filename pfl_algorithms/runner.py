@@ -14,6 +14,7 @@ import torch
 from .algorithms import make_algorithm
 from .config import RunConfig, check
 from .data.run_data import load_run_data
+from .engine.distributed import broadcast_from_leader, process_group, world
 from .engine.executors import choose_executor
 from .engine.federation import EngineSettings, Federation
 from .engine.rounds import federation_for, run_round
@@ -109,47 +110,93 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, overwrite: bool =
     checkpoint restarts from round 0, said on stderr.  ``overwrite``: replace the run in
     ``out`` (never a directory that is not a run).  ``stop_after``: stop after that many
     rounds of this call (tests use it to simulate a kill).
+
+    With ``executor='distributed'`` under torchrun, every rank calls this: rank 0 alone
+    touches ``out`` (it checks the directory, reads the checkpoint and sends its config and
+    state to the others) and prints; the other ranks run the same rounds silently and return
+    the summary of the rounds they ran (``engine.distributed``).
     """
     if resume and overwrite:
         raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    with process_group(config.executor, config.device):
+        if world()[0] != 0:
+            return _follow(stop_after=stop_after)
+        return _lead(config, out, resume=resume, overwrite=overwrite, progress=progress, stop_after=stop_after,
+                     on_round=on_round)
+
+
+def _lead(config: RunConfig, out: Path, *, resume, overwrite, progress, stop_after, on_round) -> dict:
+    """:func:`run` on rank 0 (the only process of a run on any other executor)."""
     rundir = RunDirectory(out)
-    with rundir.claimed():
-        identity = rundir.identity()
-        if resume and identity is None:
-            raise ValueError(f"--resume: {out} holds no run to resume")
-        if not resume and identity is not None and not overwrite:
-            raise ValueError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace it, "
-                             f"or choose another --out")
-        state = None
-        if resume and rundir.checkpoint.exists():
-            state = rundir.load_checkpoint()
-            _check_resumable(rundir, state, identity["run_id"], config)
-        elif resume:
-            print(f"pfl: {out} has no checkpoint (the run stopped before its first one): restarting it from round 0",
-                  file=sys.stderr, flush=True)
-        fed, algorithm, partition = build(config)
-        atomic_write_json(rundir.executor, fed.executor_choice)
-        history: list[dict] = []
-        if state is not None:
+    started = False  # whether the other ranks (if any) got the start message
+    try:
+        with rundir.claimed():
+            identity = rundir.identity()
+            if resume and identity is None:
+                raise ValueError(f"--resume: {out} holds no run to resume")
+            if not resume and identity is not None and not overwrite:
+                raise ValueError(f"{out} already holds a run; pass --resume to continue it, --overwrite to replace "
+                                 f"it, or choose another --out")
+            state = None
+            if resume and rundir.checkpoint.exists():
+                state = rundir.load_checkpoint()
+                _check_resumable(rundir, state, identity["run_id"], config)
+            elif resume:
+                print(f"pfl: {out} has no checkpoint (the run stopped before its first one): restarting it from "
+                      f"round 0", file=sys.stderr, flush=True)
+            # The other ranks build from rank 0's config and load its checkpoint: they never read --out.
+            broadcast_from_leader({"config": config, "state": state})
+            started = True
+            fed, algorithm, partition = build(config)
+            if config.executor == "distributed":
+                fed.executor_choice["world_size"] = world()[1]
+            atomic_write_json(rundir.executor, fed.executor_choice)
+            history: list[dict] = []
+            if state is not None:
+                _load_state(rundir, fed, algorithm, state)
+                run_id = identity["run_id"]
+                history = rundir.resume_metrics(fed.round)
+            else:
+                if resume:
+                    rundir.resume_metrics(0)  # a restart sets the lines of the stopped attempt aside
+                run_id = rundir.begin()
+                atomic_write_json(rundir.config, config.as_dict())
+                partition.save(rundir.partition)
             try:
-                fed.load_state_dict(state["federation"])
-                algorithm.load_state_dict(state["algorithm"])
-            except (KeyError, TypeError, AttributeError, RuntimeError, ValueError) as error:
-                raise ValueError(f"--resume: {rundir.checkpoint} does not fit this run's model and algorithm "
-                                 f"({type(error).__name__}: {error})") from None
-            run_id = identity["run_id"]
-            history = rundir.resume_metrics(fed.round)
-        else:
-            if resume:
-                rundir.resume_metrics(0)  # a restart sets the lines of the stopped attempt aside
-            run_id = rundir.begin()
-            atomic_write_json(rundir.config, config.as_dict())
-            partition.save(rundir.partition)
-        try:
-            return _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, progress=progress,
-                               stop_after=stop_after, on_round=on_round)
-        finally:
-            fed.close()  # the executor's worker threads
+                return _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, progress=progress,
+                                   stop_after=stop_after, on_round=on_round)
+            finally:
+                fed.close()  # the executor's worker threads
+    except Exception as error:
+        if not started:  # the other ranks wait for the start: tell them why it will not come
+            broadcast_from_leader({"error": str(error)})
+        raise
+
+
+def _follow(*, stop_after) -> dict:
+    """:func:`run` on a rank other than 0: rank 0's config and checkpoint, the same rounds, silently."""
+    start = broadcast_from_leader()
+    if "error" in start:
+        raise ValueError(f"rank 0 could not start the run: {start['error']}")
+    config, state = start["config"], start["state"]
+    fed, algorithm, partition = build(config)
+    if state is not None:
+        _load_state(None, fed, algorithm, state)
+    try:
+        return _run_rounds(config, None, None, fed, algorithm, partition, [], progress=False, stop_after=stop_after,
+                           on_round=None)
+    finally:
+        fed.close()
+
+
+def _load_state(rundir: Optional[RunDirectory], fed: Federation, algorithm, state: dict) -> None:
+    try:
+        fed.load_state_dict(state["federation"])
+        algorithm.load_state_dict(state["algorithm"])
+    except (KeyError, TypeError, AttributeError, RuntimeError, ValueError) as error:
+        where = rundir.checkpoint if rundir is not None else "the checkpoint"
+        raise ValueError(f"--resume: {where} does not fit this run's model and algorithm "
+                         f"({type(error).__name__}: {error})") from None
 
 
 def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
@@ -170,7 +217,8 @@ def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
 
 
 def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, progress, stop_after, on_round):
-    """The rounds from ``fed.round`` on (metrics, checkpoints, progress), then the summary."""
+    """The rounds from ``fed.round`` on (metrics, checkpoints, progress), then the summary.
+    ``rundir`` None: a distributed run's rank other than 0, which writes and prints nothing."""
     first = fed.round
     bar = Progress(config.rounds, config.algorithm) if progress else None
     wall_start = time.perf_counter()
@@ -178,15 +226,20 @@ def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, p
         if stop_after is not None and round_ - first >= stop_after:
             break
         record = run_round(fed, algorithm, round_).as_dict()
+        record["comm_gb"] = fed.comm.gigabits()
+        history.append(record)
+        checkpoint = (round_ + 1) % config.checkpoint_every == 0 or round_ + 1 == config.rounds
+        if checkpoint:
+            fed.executor.sync_state(fed)  # a collective on a distributed run: every rank, before rank 0 saves
+        if rundir is None:
+            continue
         for client in record["skipped_non_finite"]:
             print(f"{config.algorithm}: round {round_}: client {client}'s update holds NaN or Inf; it is not "
                   f"aggregated and the client keeps its previous state", file=sys.stderr)
-        record["comm_gb"] = fed.comm.gigabits()
         rundir.append_metrics(record)
-        history.append(record)
         if on_round is not None:
             on_round(record)
-        if (round_ + 1) % config.checkpoint_every == 0 or round_ + 1 == config.rounds:
+        if checkpoint:
             # Plain values only (see engine/checkpoint.py); the run id and config let a
             # resume refuse another run's checkpoint or a config.json edited since.
             rundir.save_checkpoint({"run_id": run_id, "config": json_value(config.as_dict()),
@@ -196,7 +249,7 @@ def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, p
     if bar is not None:
         bar.close()
     summary = summarize(config, history, fed, time.perf_counter() - wall_start, partition.info)
-    if fed.round == config.rounds:
+    if fed.round == config.rounds and rundir is not None:
         from .plots import write_plots
 
         summary["plots"] = write_plots(rundir, history)

@@ -11,6 +11,9 @@ bit; small models also use cores better one client per core than one op per core
 
 * ``batched``: the training tasks of a cohort in chunks, each chunk in one vmapped
   forward/backward (``engine.batched``); what cannot be batched runs threaded.
+* ``distributed``: a round's clients sharded over the processes of a torch.distributed job
+  (``torchrun``), client c on rank c % N, the results gathered on every rank
+  (``engine.distributed``).
 
 An executor that trains clients its own way has ``run_train(fed, algorithm, tasks, run_one)``;
 the others run each training task through ``run``.  A task is a pure description (client,
@@ -59,6 +62,10 @@ class Executor(ABC):
     def close(self) -> None:
         """Release workers (the executor may be used again afterwards)."""
 
+    def sync_state(self, fed) -> None:
+        """Make this process's banks hold every client's current state before a checkpoint is
+        written (a no-op where one process holds them all; see ``engine.distributed``)."""
+
 
 class SequentialExecutor(Executor):
     """Every task on the calling thread, in order."""
@@ -104,7 +111,7 @@ class ThreadedExecutor(Executor):
             self._pool = None
 
 
-EXECUTORS = ("sequential", "threaded", "batched")
+EXECUTORS = ("sequential", "threaded", "batched", "distributed")
 CHOICES = (*EXECUTORS, "auto")  # what a run may ask for: 'auto' is resolved by ``choose_executor``
 
 # ``auto`` on a CPU runs ``batched`` for models of at most this many parameters per client and
@@ -139,8 +146,9 @@ def choose_executor(name: Optional[str], *, device: str, parameters: int) -> tup
 
 def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cpu",
                   chunk: Optional[int] = None) -> Executor:
-    """The executor ``name`` ('sequential', 'threaded' or 'batched', whose chunks hold ``chunk``
-    clients, None: as many as free memory holds); on a GPU, threads would only queue kernels on
+    """The executor ``name`` ('sequential', 'threaded', 'batched', whose chunks hold ``chunk``
+    clients, None: as many as free memory holds, or 'distributed', ``workers`` tasks at once per
+    rank, None: 1); on a GPU, threads would only queue kernels on
     one device, so ``threaded`` (and batched's fallback) runs one task at a time there."""
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {sorted(EXECUTORS)}, got {name!r}")
@@ -151,4 +159,8 @@ def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cp
         from .batched import BatchedExecutor
 
         return BatchedExecutor(workers, chunk=chunk)
+    if name == "distributed":
+        from .distributed import DistributedExecutor
+
+        return DistributedExecutor(workers, device=device)
     return SequentialExecutor()

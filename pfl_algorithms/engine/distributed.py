@@ -1,0 +1,213 @@
+"""The ``distributed`` executor: a round's clients sharded over the processes of a
+torch.distributed job (``torchrun --nproc-per-node N -m pfl_algorithms run ... --executor
+distributed``; gloo on a CPU, NCCL on CUDA).
+
+Every rank builds the same federation (the data, the partition and the initial banks are
+deterministic) and runs the algorithm's server side replicated: ``configure`` and ``aggregate``
+run on every rank over the same gathered uploads, so aggregation is computed where the
+algorithm's server runs, on every rank identically, and every rank gets the same server state.
+Only the uploads, the evaluation metrics and (for a checkpoint) the owners' bank rows travel.
+
+Ownership is fixed: client ``c`` belongs to rank ``c % N``.  A rank trains and evaluates only
+its own clients' tasks of a round, so its bank rows of those clients are authoritative and the
+other rows are stale on it (a client's rows change only when it trains, and it trains only on
+its owner).  Before a checkpoint, :meth:`DistributedExecutor.sync_state` brings every client's
+rows from its owner to every rank; a checkpoint therefore holds the whole federation and a
+resumed run may use another N.
+
+Each task runs as on the threaded executor (one intra-op thread, ``workers`` at once per rank,
+default 1: the ranks are the parallelism), and the server sees the uploads in task order, so a
+distributed run gives bitwise the metrics and checkpoint of a sequential one on a CPU.
+
+Run without a process group (plain ``python -m pfl_algorithms run --executor distributed``,
+no torchrun environment), the executor is a world of one process and runs every task itself.
+"""
+from __future__ import annotations
+
+import io
+import os
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+from .cohort_stats import resolve_class_means
+from .executors import Executor, ThreadedExecutor
+
+# torchrun's environment; a process group is joined when WORLD_SIZE is set.
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) without a process group."""
+    dist = _dist()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def launched_world_size() -> int:
+    """The world size torchrun gave this process (``WORLD_SIZE``; 1 when not launched by it)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        size = int(value)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={value!r} in the environment is not an integer") from None
+    if size < 1:
+        raise ValueError(f"WORLD_SIZE={size} in the environment must be >= 1")
+    return size
+
+
+@contextmanager
+def process_group(executor: Optional[str], device: str):
+    """For the body of a run: join the job torchrun started when the run's ``executor`` is
+    'distributed' and the environment names one (gloo on a CPU, NCCL on CUDA, each rank on the
+    GPU ``LOCAL_RANK``), and leave it after.  Without that environment: no group, a world of one.
+
+    Raises:
+        ValueError: torchrun's environment is incomplete, torch has no distributed support, or
+            several processes were launched for a run whose executor is not 'distributed' (each
+            would run the whole federation into the same run directory).
+    """
+    size = launched_world_size()
+    if executor != "distributed":
+        if size > 1:
+            raise ValueError(f"launched with {size} processes (WORLD_SIZE={size}) but the executor is "
+                             f"{executor or 'the default'}: pass --executor distributed, or run one process")
+        yield
+        return
+    dist = _dist()
+    if "WORLD_SIZE" not in os.environ or (dist.is_available() and dist.is_initialized()):
+        yield  # one process (world 1), or a group the caller made
+        return
+    missing = [name for name in _ENV if name not in os.environ]
+    if missing:
+        raise ValueError(f"--executor distributed: WORLD_SIZE is set but {', '.join(missing)} is not; launch with "
+                         f"torchrun --nproc-per-node N -m pfl_algorithms run ...")
+    if not dist.is_available():
+        raise ValueError("--executor distributed: this torch build has no torch.distributed")
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif not dist.is_gloo_available():
+        raise ValueError("--executor distributed on a CPU needs the gloo backend, which this torch build lacks")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def broadcast_from_leader(value=None):
+    """Rank 0's ``value`` on every rank (``value`` itself in a world of one)."""
+    rank, size = world()
+    if size == 1:
+        return value
+    box = [value if rank == 0 else None]
+    _dist().broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather(value, device) -> list:
+    """Every rank's ``value``, in rank order, with its tensors on ``device``.
+
+    Sent as ``torch.save`` bytes and read back with ``map_location``: a CUDA tensor pickled
+    plainly would come back on the sender's GPU.  ``weights_only=False`` reads the task results'
+    dataclasses; the bytes come from this job's own processes only."""
+    rank, size = world()
+    if size == 1:
+        return [value]
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    payloads = [None] * size
+    _dist().all_gather_object(payloads, buffer.getvalue())
+    return [torch.load(io.BytesIO(p), map_location=device, weights_only=False) for p in payloads]
+
+
+class DistributedExecutor(Executor):
+    """A round's tasks sharded over the ranks by client (``client % N``), gathered in task order
+    (module docstring); ``workers`` tasks at once within a rank (None: 1)."""
+
+    name = "distributed"
+
+    def __init__(self, workers: Optional[int] = None, device="cpu"):
+        self.local = ThreadedExecutor(workers or 1)
+        self.device = torch.device(device)
+
+    @staticmethod
+    def owner(client: int, size: int) -> int:
+        """The rank that owns ``client`` in a world of ``size``."""
+        return client % size
+
+    def _sharded(self, tasks, run_own):
+        rank, size = world()
+        mine = [i for i, task in enumerate(tasks) if self.owner(task.client, size) == rank]
+        results = run_own([tasks[i] for i in mine])
+        placed: list = [None] * len(tasks)
+        # Every rank computes the same ownership, so rank r's k-th result is task positions(r)[k].
+        for r, part in enumerate(all_gather(results, self.device)):
+            positions = [i for i, task in enumerate(tasks) if self.owner(task.client, size) == r]
+            for i, result in zip(positions, part, strict=True):
+                placed[i] = result
+        return placed
+
+    def run(self, tasks, run_one):
+        """Each rank runs its own clients' tasks (evaluation); every rank gets all results."""
+        return self._sharded(tasks, lambda own: self.local.run(own, run_one))
+
+    def run_train(self, fed, algorithm, tasks, run_one) -> list:
+        """The round's training tasks: each rank trains its own clients and answers their
+        class-mean requests from their rows (authoritative only there), then every rank gets
+        every TrainResult, in task order."""
+        def train_own(own):
+            results = self.local.run(own, run_one)
+            resolve_class_means(fed, results)
+            return results
+
+        return self._sharded(tasks, train_own)
+
+    def sync_state(self, fed) -> None:
+        """Copy every client's rows (parameters, buffers, integer buffers, extra state, kept
+        optimizer state and step counts) from its owner into every rank's banks: a collective,
+        called by every rank before a checkpoint."""
+        rank, size = world()
+        if size == 1:
+            return
+        mine = {}
+        for cohort in fed.cohorts:
+            rows = torch.tensor([row for row, client in enumerate(cohort.clients) if self.owner(client, size) == rank],
+                                dtype=torch.int64)
+            on = rows.to(cohort.params.data.device)
+            mine[cohort.name] = {
+                "rows": rows, "params": cohort.params.data[on], "buffers": cohort.buffers.data[on],
+                "int_buffers": cohort.int_buffers.data[on],
+                "extra": {n: b.data[on] for n, b in cohort.extra.items()},
+                "optimizer_state": {s: {n: b.data[on] for n, b in banks.items()}
+                                    for s, banks in cohort.optimizer_state.items()},
+                "optimizer_steps": {s: steps[rows] for s, steps in cohort.optimizer_steps.items()}}
+        for r, part in enumerate(all_gather(mine, self.device)):
+            if r == rank:
+                continue
+            for cohort in fed.cohorts:
+                sent = part[cohort.name]
+                on = sent["rows"].to(cohort.params.data.device)
+                for bank, values in ((cohort.params, sent["params"]), (cohort.buffers, sent["buffers"]),
+                                     (cohort.int_buffers, sent["int_buffers"])):
+                    bank.data[on] = values
+                for name, values in sent["extra"].items():
+                    cohort.extra[name].data[on] = values
+                for state, vectors in sent["optimizer_state"].items():
+                    cohort.ensure_optimizer_state(state, list(vectors))
+                    for vector, values in vectors.items():
+                        cohort.optimizer_state[state][vector].data[on] = values
+                for state, steps in sent["optimizer_steps"].items():
+                    cohort.optimizer_steps[state][sent["rows"].cpu()] = steps.cpu()
+
+    def close(self) -> None:
+        self.local.close()

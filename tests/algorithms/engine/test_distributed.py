@@ -1,0 +1,197 @@
+"""``--executor distributed`` under torchrun (gloo on a CPU, 2 processes) gives bitwise the
+metrics and final checkpoint of a sequential run: each client's training is the same
+computation on one intra-op thread, and the replicated server sees the uploads in the same
+order.  A checkpoint written by 2 processes resumes on 1."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch.distributed as dist
+
+from pfl_algorithms.config import RunConfig
+from pfl_algorithms.engine.checkpoint import read_checkpoint
+from pfl_algorithms.engine.executors import CHOICES, choose_executor
+from pfl_algorithms.runner import run
+from tests.algorithms.state_checks import assert_same
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                reason="torch.distributed with the gloo backend is not available in this torch build")
+
+TIMEOUT = 300
+ARGS = ["--dataset", "digits", "--clients", "5", "--rounds", "3", "--quiet"]
+CASES = {
+    "fedavg": ["fedavg"],
+    "factorized-fl-beta": ["factorized-fl-beta"],
+    "pfedme": ["pfedme", "--set", "inner_steps=2"],  # extra client state: the personal models
+    "fedrep-keep": ["fedrep", "--set", "optimizer_state=keep", "--set", "head_epochs=1"],  # kept optimizer state
+}
+
+
+def pfl(*args) -> list[str]:
+    return [sys.executable, "-m", "pfl_algorithms", "run", *args]
+
+
+def torchrun(nproc: int, *command) -> list[str]:
+    """``torchrun`` on one node with ``nproc`` processes, its rendezvous on a free port (c10d
+    with port 0: a fixed --master-port collides when test runs overlap)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", *command]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def env() -> dict:
+    # The repository on the path: torchrun runs a script from its own folder.
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+def start(command, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), **kwargs)
+
+
+def finish(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+def metric_lines(out) -> list[dict]:
+    lines = []
+    for line in (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []:
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            break  # the line a kill cut
+        lines[-1].pop("wall_s")
+    return lines
+
+
+def assert_same_run(a, b) -> None:
+    """Bitwise the same metrics lines (wall time aside) and final checkpoint."""
+    assert metric_lines(a) == metric_lines(b)
+    x, y = read_checkpoint(a / "checkpoint.pt"), read_checkpoint(b / "checkpoint.pt")
+    assert_same(x["federation"], y["federation"])
+    assert_same(x["algorithm"], y["algorithm"])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_processes_equal_sequential_bitwise(tmp_path, case):
+    args = [*CASES[case], *ARGS]
+    sequential, distributed = tmp_path / "sequential", tmp_path / "distributed"
+    # Side by side: the numbers do not depend on it (one intra-op thread per task).
+    reference = start(pfl(*args, "--executor", "sequential", "--out", str(sequential)))
+    job = start(torchrun(2, "-m", "pfl_algorithms", "run", *args, "--executor", "distributed",
+                         "--out", str(distributed)))
+    printed = finish(job)
+    finish(reference)
+    assert printed.count("final mean accuracy") == 1  # rank 0 alone reports
+    assert_same_run(distributed, sequential)
+    assert json.loads((distributed / "executor.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in distributed.iterdir()) == sorted(p.name for p in sequential.iterdir())
+
+
+STOP_AFTER_2 = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from pfl_algorithms.cli import _parser, config_from_args
+    from pfl_algorithms.runner import run
+    args = _parser().parse_args(["run", *sys.argv[2:]])
+    run(config_from_args(args), Path(sys.argv[1]), progress=False, stop_after=2)
+""")
+
+
+def test_a_two_process_checkpoint_resumes_on_one(tmp_path):
+    # fedrep with kept optimizer state: the checkpoint must hold rank 1's clients' rows and
+    # optimizer state, which only rank 1 computed.  The resume is a plain ``pfl run --resume``
+    # of the saved config (executor 'distributed'): without torchrun, a world of one process.
+    args = [*CASES["fedrep-keep"], "--dataset", "digits", "--clients", "5", "--rounds", "4", "--quiet",
+            "--set", "checkpoint_every=1"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    script = tmp_path / "stop_after_2.py"
+    script.write_text(STOP_AFTER_2)
+    reference = start(pfl(*args, "--executor", "sequential", "--out", str(whole)))
+    finish(start(torchrun(2, str(script), str(stopped), *args, "--executor", "distributed")))
+    assert [line["round"] for line in metric_lines(stopped)] == [0, 1]
+    assert read_checkpoint(stopped / "checkpoint.pt")["federation"]["round"] == 2
+    finish(start(pfl(args[0], "--out", str(stopped), "--resume", "--quiet")))
+    finish(reference)
+    assert_same_run(stopped, whole)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from the parent ids in /proc/<pid>/stat."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+    found, pending = [], [pid]
+    while pending:
+        above = pending.pop()
+        children = [child for child, parent in parents.items() if parent == above]
+        found += children
+        pending += children
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="finding torchrun's workers needs /proc")
+def test_a_killed_torchrun_job_resumes(tmp_path):
+    args = ["fedavg", "--dataset", "digits", "--clients", "5", "--rounds", "8", "--quiet", "--set", "checkpoint_every=1"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    reference = start(pfl(*args, "--executor", "sequential", "--out", str(whole)))
+    job = start(torchrun(2, "-m", "pfl_algorithms", "run", *args, "--executor", "distributed", "--out", str(killed)))
+    deadline = time.monotonic() + TIMEOUT
+    while len(metric_lines(killed)) < 2 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # torchrun starts its workers in sessions of their own: kill -9 each process of the job.
+    for pid in [job.pid, *descendants(job.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.communicate()
+    assert len(metric_lines(killed)) < 8  # it really was killed mid-run
+    finish(start(torchrun(2, "-m", "pfl_algorithms", "run", "fedavg", "--out", str(killed), "--resume", "--quiet")))
+    finish(reference)
+    assert_same_run(killed, whole)
+
+
+def test_distributed_is_a_choice_passed_through():
+    assert "distributed" in CHOICES
+    assert choose_executor("distributed", device="cpu", parameters=10) == ("distributed", "asked for")
+
+
+def test_several_processes_need_the_distributed_executor(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = RunConfig(algorithm="fedavg", dataset="digits", clients=2, rounds=1, executor="threaded")
+    with pytest.raises(ValueError, match="launched with 2 processes .* pass --executor distributed"):
+        run(config, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_incomplete_torchrun_environment_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    config = RunConfig(algorithm="fedavg", dataset="digits", clients=2, rounds=1, executor="distributed")
+    with pytest.raises(ValueError, match="WORLD_SIZE is set but RANK, MASTER_ADDR, MASTER_PORT is not"):
+        run(config, tmp_path / "out", progress=False)
+
+
+def test_every_algorithm_on_two_processes_equals_sequential():
+    # Catches client-side code that would keep state outside the banks (it would stay on the
+    # owner's rank) and server code that would read a client's rows (stale off its owner).
+    script = os.path.join(os.path.dirname(__file__), "distributed_every_algorithm.py")
+    printed = finish(start(torchrun(2, script)))
+    assert json.loads(printed.strip().splitlines()[-1]) == {}
