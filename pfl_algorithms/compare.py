@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .algorithms import ALGORITHMS
-from .config import NOT_IN_IDENTITY, RunConfig
+from .config import NOT_IN_IDENTITY, RunConfig, with_defaults
 from .data import DATASETS, SCENARIOS
 from .models import MODELS
 
@@ -100,7 +100,7 @@ def experiment(config: dict) -> dict:
     with the option tables completed by their declared defaults (an option left at its
     default and one set to the same value are the same experiment) and ``keep_head_local``
     resolved, as JSON values."""
-    identity = {k: v for k, v in config.items() if k not in NOT_IN_IDENTITY}
+    identity = {k: v for k, v in with_defaults(config).items() if k not in NOT_IN_IDENTITY}
     for table, prefix in _TABLE_PREFIX.items():
         identity[table] = {**_option_defaults(prefix, config.get(prefix)), **dict(identity.get(table) or {})}
     identity["keep_head_local"] = RunConfig(scenario=config.get("scenario"),

@@ -224,6 +224,13 @@ def config_from(values: dict) -> RunConfig:
 NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "chunk_clients", "checkpoint_every")
 
 
+def with_defaults(saved: dict) -> dict:
+    """A saved config (``config.json``, a checkpoint's) with the fields it lacks at their
+    defaults, as JSON values: a field added to RunConfig since the run was made (``autocast``,
+    ``chunk_clients``) behaved then as its default does now."""
+    return {**json.loads(json.dumps(dataclasses.asdict(RunConfig()))), **saved}
+
+
 def check(config: RunConfig) -> RunConfig:
     """Validate every field and option against its declared type and range (the message
     names the key), the names against their registries, and conflicting settings; values are

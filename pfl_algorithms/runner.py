@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from .algorithms import make_algorithm
-from .config import RunConfig, check
+from .config import NOT_IN_IDENTITY, RunConfig, check, with_defaults
 from .data.run_data import load_run_data
 from .engine.distributed import broadcast_from_leader, process_group, world
 from .engine.executors import choose_executor
@@ -203,11 +203,14 @@ def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
     """Make sure ``out`` holds ``config``'s finished run: keep a finished run made with the same
     settings (True), resume a stopped one (from round 0 if it has no checkpoint), or start it
     (False).  A finished run with other settings is refused: a campaign (``pfl demo``, ``pfl
-    reproduce``) never mixes settings into one directory."""
+    reproduce``) never mixes settings into one directory; where and how it ran
+    (``NOT_IN_IDENTITY``: the executor, workers, ...) are not settings of the experiment, and a
+    field the saved config lacks (added since) counts at its default."""
     previous = RunDirectory(out)
     if previous.is_run() and previous.summary.exists():
-        differences = setting_differences(json_value(config.as_dict()), json.loads(previous.config.read_text()),
-                                          ("now", "then"))
+        now, then = json_value(config.as_dict()), with_defaults(json.loads(previous.config.read_text()))
+        differences = setting_differences(*({k: v for k, v in c.items() if k not in NOT_IN_IDENTITY or k == "seed"}
+                                            for c in (now, then)), ("now", "then"))
         if differences:
             raise ValueError(f"{out} holds a finished run with other settings: {', '.join(differences)}; "
                              f"choose another --out")
@@ -289,12 +292,13 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
         saved = json.loads(rundir.config.read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"--resume: cannot read {rundir.config} ({error})") from None
-    edited = setting_differences(saved, state["config"], ("config.json", "checkpoint"))
+    saved, in_checkpoint = with_defaults(saved), with_defaults(state["config"])
+    edited = setting_differences(saved, in_checkpoint, ("config.json", "checkpoint"))
     if edited:
         raise ValueError(f"--resume: {rundir.config} differs from the settings saved in {rundir.checkpoint} in "
                          f"{', '.join(edited)}; it was changed after the run started: restore it, or start over "
                          f"with --overwrite")
-    changed = setting_differences(json_value(config.as_dict()), state["config"], ("given", "saved"))
+    changed = setting_differences(json_value(config.as_dict()), in_checkpoint, ("given", "saved"))
     if changed:
         raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
                          f"the same settings (or none: the saved config is used)")

@@ -250,3 +250,25 @@ def test_resume_of_nothing_is_an_error(tmp_path, capsys):
     assert main(["run", "fedavg", *TINY, "--out", str(tmp_path / "none"), "--resume"]) == 2
     one_line_error(capsys, "holds no run to resume")
     assert not (tmp_path / "none").exists()
+
+
+def test_the_demo_keeps_a_run_made_before_fields_were_added_and_on_another_executor(tmp_path, capsys):
+    """A finished run whose config.json predates ``autocast``/``chunk_clients`` (absent: they
+    count at their defaults) and names another executor (not a setting of the experiment) is
+    kept; a real difference is still refused."""
+    out = tmp_path / "demo"
+    demo = ["demo", "--algorithms", "local", "--out", str(out), "--quiet", "--rounds", "1"]
+    assert main(demo) == 0
+    path = out / "local-seed0" / "config.json"
+    saved = json.loads(path.read_text())
+    for field in ("autocast", "chunk_clients"):
+        saved.pop(field)
+    saved["executor"] = "sequential"
+    path.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(demo) == 0
+    assert "finished earlier, kept" in capsys.readouterr().out
+    saved["lr"] = 0.5
+    path.write_text(json.dumps(saved))
+    assert main(demo) == 2
+    one_line_error(capsys, "other settings", "lr (now 0.05, then 0.5)")
