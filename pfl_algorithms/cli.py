@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -109,6 +110,24 @@ def _algorithm_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _add_run_settings(parser, names: dict) -> None:
+    """The algorithm and the RunConfig flags of ``pfl run`` (shared by ``pfl flower``)."""
+    from .algorithms import ALGORITHMS
+
+    parser.add_argument("algorithm", help=f"one of: {', '.join(ALGORITHMS)}")
+    parser.add_argument("--config", metavar="FILE",
+                     help="a TOML file (or a run's config.json) with RunConfig fields (default: none)")
+    for flag, (kind, text) in FLAGS.items():
+        if flag in names:
+            text = f"{text}: {', '.join(names[flag])}"
+        parser.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None,
+                         metavar=_METAVARS.get(flag, _METAVARS.get(kind, "VALUE")),
+                         help=f"{text} (default: {_default_text(flag)})")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="any setting of the algorithm, scenario, dataset or model, e.g. mu=0.01 or "
+                             "scenario.alpha=0.3; repeatable (default: none)")
+
+
 def _parser() -> argparse.ArgumentParser:
     from .algorithms import ALGORITHMS
     from .data import DATASETS, SCENARIOS
@@ -118,31 +137,27 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     algorithms = "\n".join(f"  {name:<10}  {cls.description}" for name, cls in ALGORITHMS.items())
+    names = {"scenario": SCENARIOS, "dataset": DATASETS, "model": MODELS}
     run = sub.add_parser("run", help="run one algorithm", formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Run one algorithm; settings come from the defaults, then --config, then "
                                      "the flags, then --set.",
                          epilog=f"algorithms:\n{algorithms}\n\n`pfl list` names the scenarios, datasets, models "
                                 "and augmentations; --set reaches their options.")
-    run.add_argument("algorithm", help=f"one of: {', '.join(ALGORITHMS)}")
-    run.add_argument("--config", metavar="FILE",
-                     help="a TOML file (or a run's config.json) with RunConfig fields (default: none)")
-    names = {"scenario": SCENARIOS, "dataset": DATASETS, "model": MODELS}
-    for flag, (kind, text) in FLAGS.items():
-        if flag in names:
-            text = f"{text}: {', '.join(names[flag])}"
-        run.add_argument("--" + flag.replace("_", "-"), dest=flag, type=kind, default=None,
-                         metavar=_METAVARS.get(flag, _METAVARS.get(kind, "VALUE")),
-                         help=f"{text} (default: {_default_text(flag)})")
+    _add_run_settings(run, names)
     run.add_argument("--out", metavar="DIR",
                      help="the run directory (default: runs/<algorithm>-<scenario>-<dataset>-seed<S>)")
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --out from its checkpoint (default: off)")
     run.add_argument("--overwrite", action="store_true",
                      help="replace the run in --out, never a directory that is not a pfl run (default: off)")
-    run.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                     help="any setting of the algorithm, scenario, dataset or model, e.g. mu=0.01 or "
-                          "scenario.alpha=0.3; repeatable (default: none)")
     run.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
+
+    flower = sub.add_parser("flower", help="write a Flower run config for one algorithm (flwr run .)",
+                            description="Write the Flower app's run config (the RunConfig of the same flags as "
+                                        "`pfl run`) and its federation config, and print how to launch it.")
+    _add_run_settings(flower, names)
+    flower.add_argument("--out", metavar="DIR", help="where the files go, and the run directory the ServerApp "
+                                                     "writes (default: runs/flower-<run name>)")
 
     sub.add_parser("list", help="list algorithms, scenarios, datasets and models")
 
@@ -189,6 +204,29 @@ def config_from_args(args) -> RunConfig:
             setattr(config, flag, value)
     apply_sets(config, args.sets)
     return check(config)
+
+
+def _cmd_flower(args) -> int:
+    """``pfl flower``: write ``run_config.toml`` (pfl-config, pfl-out) and ``federation.toml``
+    (one SuperNode per client) into --out, then print the ``flwr run`` command."""
+    from .flower import require_flwr
+    from .runner import default_run_name
+
+    require_flwr()
+    config = config_from_args(args)
+    out = (Path(args.out) if args.out else Path("runs") / f"flower-{default_run_name(config)}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # A JSON string is a valid TOML basic string: the RunConfig's JSON, quoted once more.
+    text = json.dumps(config.as_dict(), sort_keys=True)
+    (out / "run_config.toml").write_text(f"pfl-config = {json.dumps(text)}\npfl-out = {json.dumps(str(out))}\n")
+    (out / "federation.toml").write_text("# for pyproject.toml (or flwr run's --federation-config)\n"
+                                         "[tool.flwr.federations.local-simulation]\n"
+                                         f"options.num-supernodes = {config.clients}\n")
+    print(f"wrote {out / 'run_config.toml'} and {out / 'federation.toml'}; launch from the project root:\n"
+          f"  flwr run . local-simulation --run-config {out / 'run_config.toml'} "
+          f"--federation-config 'options.num-supernodes={config.clients}'\n"
+          f"(metrics.jsonl and summary.json go to {out})")
+    return 0
 
 
 def _cmd_run(args) -> int:
@@ -310,7 +348,7 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            commands = {"run": _cmd_run, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo,
+            commands = {"run": _cmd_run, "flower": _cmd_flower, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo,
                         "reproduce": _cmd_reproduce}
             return commands[args.command](args)
         except (ValueError, FileNotFoundError, ImportError) as exc:

@@ -50,3 +50,11 @@ if [ "$want" != "$have" ] || ! "$PY" -c "import pfl_kernels" 2>/dev/null; then
   "$PY" -c "import pfl_kernels._C" || { echo "setup: the C++ extension did not build (see above)"; exit 1; }
   echo "$want" > "$stamp"
 fi
+
+# The Flower extra (pfl_algorithms.flower) when asked: PFL_WITH_FLOWER=1 (scripts/test.sh sets
+# it, so CI runs the Flower tests).  The constraint keeps pip from touching torch.
+if [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" -c "import flwr, ray" 2>/dev/null; then
+  flower=$(sed -n 's/^flower = \["\(.*\)"\]$/\1/p' pyproject.toml)
+  echo "setup: installing the flower extra ($flower)"
+  pip_install -c <("$PY" -c "import torch; print('torch==' + torch.__version__)") "$flower"
+fi

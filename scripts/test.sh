@@ -3,7 +3,7 @@
 # the tests, the Triton kernels in the interpreter, and a smoke run of the benchmarks.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+PFL_WITH_FLOWER=1 bash scripts/setup.sh  # the Flower extra too: CI runs its tests
 PY=${PFL_VENV:-.venv}/bin/python
 # Test files run in parallel (pytest-xdist), one worker per core up to 4 (each file whole on
 # one worker, so a file's fixtures are built once); PFL_TEST_WORKERS=0 runs in this process.

@@ -1,0 +1,23 @@
+"""Every registered algorithm as a Flower app (``flwr[simulation]``, the ``flower`` extra).
+
+* :mod:`.records`  pfl Messages <-> Flower records (one ArrayRecord per parameter group or
+  extra tensor, Sparse payloads as indices + values, counts in a MetricRecord, the layout in a
+  ConfigRecord); the bits of a decoded message are the bits of the message that was encoded.
+* :mod:`.strategy` ``PflStrategy``: a Flower ``Strategy`` that drives an algorithm's server side.
+* :mod:`.client`   the ClientApp: a node runs its own client's training and evaluation tasks.
+* :mod:`.app`      ``server_app`` / ``client_app``, named in ``pyproject.toml``'s
+  ``[tool.flwr.app.components]`` so that ``flwr run .`` runs the configured algorithm.
+* :mod:`.loopback` a Grid whose nodes are ClientApp calls in this process (tests, debugging).
+
+Nothing here is imported by the rest of the package: flwr stays optional.
+"""
+from __future__ import annotations
+
+
+def require_flwr() -> None:
+    """Raise ImportError (one line, naming the extra) when flwr is not installed."""
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        raise ImportError("Flower is not installed: pip install -e '.[flower]' (the 'flower' extra, "
+                          "flwr[simulation]==1.22.0)") from None
