@@ -10,7 +10,7 @@ written, and round 0 is bitwise the sequential run's.
 Cost (2 cores): every message starts a fresh ``flwr-clientapp`` process (torch, flwr and the
 digits federation built again, the client's rows from its node's Context), a SuperNode polls
 every 3 s, and the killed node's two messages (round 1's training, the final evaluation) each
-wait the round timeout, ``TIMEOUT_S``; about a minute in all.
+wait the round timeout, ``TIMEOUT_S``; about 90 s in all.
 """
 from __future__ import annotations
 
