@@ -225,6 +225,10 @@ def _cmd_flower(args) -> int:
     print(f"wrote {out / 'run_config.toml'} and {out / 'federation.toml'}; launch from the project root:\n"
           f"  flwr run . local-simulation --run-config {out / 'run_config.toml'} "
           f"--federation-config 'options.num-supernodes={config.clients}'\n"
+          f"or, on a SuperLink with {config.clients} SuperNodes (node-config partition-id=0..{config.clients - 1}; "
+          f"README: Flower deployment):\n"
+          f"  flwr run APP local-deployment --run-config {out / 'run_config.toml'} "
+          f"--federation-config 'address=\"HOST:CONTROL_PORT\"'\n"
           f"(metrics.jsonl and summary.json go to {out})")
     return 0
 
