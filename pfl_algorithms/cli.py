@@ -207,18 +207,24 @@ def config_from_args(args) -> RunConfig:
 
 
 def _cmd_flower(args) -> int:
-    """``pfl flower``: write ``run_config.toml`` (pfl-config, pfl-out) and ``federation.toml``
-    (one SuperNode per client) into --out, then print the ``flwr run`` command."""
+    """``pfl flower``: write ``run_config.toml`` (pfl-config, pfl-out = <out>/run) and
+    ``federation.toml`` (one SuperNode per client) into --out (new, empty, or one it wrote
+    before), then print the ``flwr run`` commands."""
     from .flower import require_flwr
     from .runner import default_run_name
 
     require_flwr()
     config = config_from_args(args)
     out = (Path(args.out) if args.out else Path("runs") / f"flower-{default_run_name(config)}").resolve()
+    mine = {"run_config.toml", "federation.toml", "run"}
+    if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir()) - mine):
+        raise ValueError(f"--out {out} is not empty and not an app folder of `pfl flower`; choose a new or empty --out")
     out.mkdir(parents=True, exist_ok=True)
-    # A JSON string is a valid TOML basic string: the RunConfig's JSON, quoted once more.
+    # A JSON string is a valid TOML basic string: the RunConfig's JSON, quoted once more.  The run
+    # itself goes to <out>/run, a run directory of its own (refused if it already holds a run).
     text = json.dumps(config.as_dict(), sort_keys=True)
-    (out / "run_config.toml").write_text(f"pfl-config = {json.dumps(text)}\npfl-out = {json.dumps(str(out))}\n")
+    (out / "run_config.toml").write_text(f"pfl-config = {json.dumps(text)}\n"
+                                         f"pfl-out = {json.dumps(str(out / 'run'))}\n")
     (out / "federation.toml").write_text("# for pyproject.toml (or flwr run's --federation-config)\n"
                                          "[tool.flwr.federations.local-simulation]\n"
                                          f"options.num-supernodes = {config.clients}\n")
@@ -229,7 +235,7 @@ def _cmd_flower(args) -> int:
           f"README: Flower deployment):\n"
           f"  flwr run APP local-deployment --run-config {out / 'run_config.toml'} "
           f"--federation-config 'address=\"HOST:CONTROL_PORT\"'\n"
-          f"(metrics.jsonl and summary.json go to {out})")
+          f"(metrics.jsonl and summary.json go to {out / 'run'})")
     return 0
 
 

@@ -13,6 +13,8 @@ What runs comes from the run config (``[tool.flwr.app.config]``, overridden by `
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -38,25 +40,30 @@ def run_server(config: RunConfig, grid: Grid, *, timeout: float = 3600.0, out: O
     from ..engine.rundir import RunDirectory
     from ..runner import build, summarize
 
-    fed, algorithm, partition = build(replace(config, executor="sequential", workers=None))
-    rundir = None
-    if out is not None:
-        rundir = RunDirectory(out)
-        rundir.root.mkdir(parents=True, exist_ok=True)
-        rundir.begin()
-        atomic_write_json(rundir.config, config.as_dict())
-
-    def each_round(line: dict) -> None:
+    with contextlib.ExitStack() as stack:
+        rundir = None
+        if out is not None:
+            # As `pfl run`: checked before anything loads and locked for the whole run; a directory
+            # that is not ours, or that already holds a run, is refused (Flower has no --overwrite).
+            rundir = stack.enter_context(RunDirectory(out).claimed())
+            if rundir.identity() is not None:
+                raise ValueError(f"pfl-out {out} already holds a run; give `pfl flower` another --out, or remove it")
+        fed, algorithm, partition = build(replace(config, executor="sequential", workers=None))
         if rundir is not None:
-            rundir.append_metrics(line)
-        if on_round is not None:
-            on_round(line)
+            rundir.begin()
+            atomic_write_json(rundir.config, config.as_dict())
 
-    strategy = PflStrategy(fed, algorithm, on_round=each_round)
-    strategy.start(grid, ArrayRecord(), num_rounds=config.rounds, timeout=timeout)
-    if rundir is not None:
-        atomic_write_json(rundir.summary, summarize(config, strategy.history, fed, 0.0, partition.info))
-    return strategy
+        def each_round(line: dict) -> None:
+            if rundir is not None:
+                rundir.append_metrics(line)
+            if on_round is not None:
+                on_round(line)
+
+        strategy = PflStrategy(fed, algorithm, on_round=each_round)
+        strategy.start(grid, ArrayRecord(), num_rounds=config.rounds, timeout=timeout)
+        if rundir is not None:
+            atomic_write_json(rundir.summary, summarize(config, strategy.history, fed, 0.0, partition.info))
+        return strategy
 
 
 def make_server_app(config: Optional[RunConfig] = None, *, timeout: Optional[float] = None,

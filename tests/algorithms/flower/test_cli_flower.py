@@ -16,7 +16,7 @@ def test_pfl_flower_writes_the_run_config_and_federation_config(tmp_path, capsys
     run_config = tomllib.loads((tmp_path / "run_config.toml").read_text())
     config = config_from_key(run_config["pfl-config"])
     assert (config.algorithm, config.clients, config.rounds, config.samples_per_client) == ("fedrep", 6, 3, 40)
-    assert run_config["pfl-out"] == str(tmp_path.resolve())
+    assert run_config["pfl-out"] == str(tmp_path.resolve() / "run")
     federation = tomllib.loads((tmp_path / "federation.toml").read_text())
     assert federation["tool"]["flwr"]["federations"]["local-simulation"]["options"]["num-supernodes"] == 6
     assert "flwr run . local-simulation --run-config" in capsys.readouterr().out
@@ -26,3 +26,37 @@ def test_pfl_flower_refuses_bad_settings_in_one_line(tmp_path, capsys):
     assert main(["flower", "fedavg", "--clients", "0", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert json.loads(json.dumps(sorted(p.name for p in tmp_path.iterdir()))) == []
+
+
+def test_pfl_flower_never_writes_into_a_users_folder(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["flower", "fedavg", "--clients", "3", "--out", str(tmp_path)]) == 2
+    assert "is not empty and not an app folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    app = tmp_path / "app"
+    for _ in range(2):  # its own folder again: the configs are rewritten
+        assert main(["flower", "fedavg", "--clients", "3", "--out", str(app)]) == 0
+    assert sorted(p.name for p in app.iterdir()) == ["federation.toml", "run_config.toml"]
+
+
+def test_the_server_app_refuses_a_folder_that_is_not_ours_or_already_holds_a_run(tmp_path):
+    from pfl_algorithms.flower.app import run_server
+    from pfl_algorithms.flower.loopback import LoopbackGrid
+    from pfl_algorithms.flower.app import make_client_app
+
+    from .common import small_config
+
+    config = small_config("fedavg", rounds=1, clients=2)
+    grid = lambda: LoopbackGrid(make_client_app(config), config.clients)  # noqa: E731
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "metrics.jsonl").write_text("keep me\n")
+    with pytest.raises(ValueError, match="is not a pfl run"):
+        run_server(config, grid(), out=theirs)
+    assert (theirs / "metrics.jsonl").read_text() == "keep me\n"
+    out = tmp_path / "run"
+    run_server(config, grid(), out=out)
+    first = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_server(config, grid(), out=out)
+    assert (out / "metrics.jsonl").read_text() == first and (out / "summary.json").exists()
