@@ -34,10 +34,10 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import (ClientView, TrainResult, apply_download, autocast, phase_optimizer, phase_parameters,
-                     phase_schedule)
+from .client import (ClientView, TrainResult, apply_download, autocast, finish_train_task, initial_optimizer_state,
+                     local_result, phase_optimizer, phase_parameters, phase_schedule)
 from .executors import Executor, ThreadedExecutor
-from .local import LocalResult, client_batches, conv_layout
+from .local import client_batches, conv_layout
 from .plan import Phase, state_names
 
 
@@ -74,7 +74,7 @@ def chunk_size(fed, cohort, override: Optional[int]) -> int:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
             free = 4 << 30
-    value_bytes = cohort.layout.dtype.itemsize if hasattr(cohort.layout.dtype, "itemsize") else 4
+    value_bytes = cohort.layout.dtype.itemsize
     batch = fed.settings.schedule.batch_size * max(1, fed.inputs[0].numel())
     per_client = (8 * cohort.layout.numel + 64 * batch) * value_bytes
     return max(1, min(len(cohort.clients), int(0.5 * free // max(per_client, 1))))
@@ -117,7 +117,7 @@ class BatchedExecutor(Executor):
             cohort = fed.cohort_of(task.client)
             key = (cohort.name, tuple(_signature(p) for p in task.plan))
             groups.setdefault(key, []).append((position, task))
-        for (cohort_name, _), members in groups.items():
+        for members in groups.values():
             cohort = fed.cohort_of(members[0][1].client)
             size = chunk_size(fed, cohort, self.chunk)
             for start in range(0, len(members), size):
@@ -159,37 +159,18 @@ def train_chunk(fed, algorithm, cohort, tasks) -> list[TrainResult]:
     for index, (phase, state_name) in enumerate(zip(plan, state_names(plan))):
         optimizer = phase_optimizer(phase, fed.settings)
         if state_name not in states:
-            if keep:
-                banks = cohort.optimizer_state[state_name]
-                states[state_name] = {v: bank.data[rows].clone() for v, bank in banks.items()}
-                states[state_name]["steps"] = cohort.optimizer_steps[state_name][rows].clone()
-            else:
-                states[state_name] = {v: torch.zeros_like(params) for v in optimizer.state_names()}
-                states[state_name]["steps"] = torch.zeros(count, dtype=torch.int64)
+            states[state_name] = initial_optimizer_state(fed, cohort, phase, state_name, rows, keep=keep)
         _run_phase(fed, cohort, tasks, index, optimizer, states[state_name], views, params, grads, buffers,
                    int_buffers, generators, loss_sum, samples, steps_taken)
     results = []
-    work = cohort.work
     for i, task in enumerate(tasks):
-        finite = bool(torch.isfinite(params[i]).all()) and (samples[i] == 0 or bool(torch.isfinite(loss_sum[i])))
-        local = LocalResult(loss=float(loss_sum[i] / samples[i]) if samples[i] else float("nan"), samples=samples[i],
-                            steps=steps_taken[i], finite=finite)
-        if not finite:
-            results.append(TrainResult(task.client, local))
-            continue
-        row = rows[i]
-        work.load(params[i], buffers[i], int_buffers[i])
+        # Each client ends as on the other executors: its new rows in the working model, the
+        # upload asked of a normal ClientView, then stored (``finish_train_task``).
+        cohort.work.load(params[i], buffers[i], int_buffers[i])
         view = ClientView(fed, cohort, task.client, task.round, task.download, extras[i])
-        upload = algorithm.upload(view)
-        work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
-        for name, value in extras[i].items():
-            cohort.extra[name].row(row).copy_(value)
-        if keep:
-            for name, state in states.items():
-                for vector, bank in cohort.optimizer_state[name].items():
-                    bank.row(row).copy_(state[vector][i])
-                cohort.optimizer_steps[name][row] = state["steps"][i]
-        results.append(TrainResult(task.client, local, upload))
+        local = local_result(loss_sum[i], samples[i], steps_taken[i], params[i])
+        own_states = {name: {vector: value[i] for vector, value in state.items()} for name, state in states.items()}
+        results.append(finish_train_task(fed, algorithm, view, local, own_states))
     return results
 
 

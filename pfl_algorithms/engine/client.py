@@ -395,10 +395,26 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
             p.requires_grad_(True)
 
 
-def _fresh_state(fed, cohort, phase: Phase) -> dict:
-    state = {n: torch.zeros_like(cohort.work.params) for n in phase_optimizer(phase, fed.settings).state_names()}
-    state["steps"] = torch.zeros((), dtype=torch.int64)
+def initial_optimizer_state(fed, cohort, phase: Phase, name: str, rows, *, keep: bool) -> dict:
+    """The optimizer state phase ``phase`` (state ``name``) starts from, for bank rows ``rows``
+    (an int: one client, vectors [P] and a step count []; a list: stacked, [C, P] and [C]): the
+    kept state's rows when ``keep``, else zeros and step count 0."""
+    if keep:
+        state = {v: bank.data[rows].clone() for v, bank in cohort.optimizer_state[name].items()}
+        state["steps"] = cohort.optimizer_steps[name][rows].clone()
+        return state
+    template = cohort.params.data[rows]
+    state = {v: torch.zeros_like(template) for v in phase_optimizer(phase, fed.settings).state_names()}
+    state["steps"] = torch.zeros(template.shape[:-1], dtype=torch.int64)
     return state
+
+
+def local_result(loss_total: Tensor, samples: int, steps: int, params: Tensor) -> LocalResult:
+    """A task's :class:`LocalResult` from its summed loss (loss × samples per step), samples,
+    steps and final parameters: finite when the parameters and the loss are."""
+    mean = float(loss_total / samples) if samples else float("nan")
+    finite = bool(torch.isfinite(params).all()) and (samples == 0 or bool(torch.isfinite(loss_total)))
+    return LocalResult(loss=mean, samples=samples, steps=steps, finite=finite)
 
 
 def run_plan(fed, view: ClientView, plan: Sequence[Phase], generator, *, keep_state: bool,
@@ -411,15 +427,9 @@ def run_plan(fed, view: ClientView, plan: Sequence[Phase], generator, *, keep_st
     totals = _Totals(torch.zeros((), dtype=torch.float64, device=view.params.device))
     for phase, name in zip(plan, state_names(plan)):
         if name not in states:
-            if keep_state:
-                states[name] = {v: bank.row(row).clone() for v, bank in cohort.optimizer_state[name].items()}
-                states[name]["steps"] = cohort.optimizer_steps[name][row].clone()
-            else:
-                states[name] = _fresh_state(fed, cohort, phase)
+            states[name] = initial_optimizer_state(fed, cohort, phase, name, row, keep=keep_state)
         _run_phase(fed, view, phase, states[name], generator, augment, totals)
-    mean = float(totals.loss / totals.samples) if totals.samples else float("nan")
-    finite = bool(torch.isfinite(view.params).all()) and (totals.samples == 0 or bool(torch.isfinite(totals.loss)))
-    return LocalResult(loss=mean, samples=totals.samples, steps=totals.steps, finite=finite), states
+    return local_result(totals.loss, totals.samples, totals.steps, view.params), states
 
 
 def run_train_task(fed, algorithm, task: TrainTask) -> TrainResult:
@@ -434,18 +444,26 @@ def run_train_task(fed, algorithm, task: TrainTask) -> TrainResult:
     keep = fed.settings.optimizer_state == "keep"
     result, states = run_plan(fed, view, task.plan, fed.generator("train", task.round, task.client),
                               keep_state=keep, augment=fed.augment)
+    return finish_train_task(fed, algorithm, view, result, states)
+
+
+def finish_train_task(fed, algorithm, view: ClientView, result: LocalResult, states: dict) -> TrainResult:
+    """The end of a training task whose working model holds the client's new state (``view``):
+    nothing when it is not finite; else the algorithm's upload, then the rows stored (parameters,
+    buffers, extra state and, when kept, the optimizer ``states``: name -> vectors and steps)."""
     if not result.finite:
-        return TrainResult(task.client, result)
+        return TrainResult(view.client, result)
+    cohort, row = view._cohort, view._cohort.row(view.client)
     upload = algorithm.upload(view)
-    work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
-    for name, value in extra.items():
+    view._work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
+    for name, value in view._extra.items():
         cohort.extra[name].row(row).copy_(value)
-    if keep:
+    if fed.settings.optimizer_state == "keep":
         for name, state in states.items():
             for vector, bank in cohort.optimizer_state[name].items():
                 bank.row(row).copy_(state[vector])
             cohort.optimizer_steps[name][row] = state["steps"]
-    return TrainResult(task.client, result, upload)
+    return TrainResult(view.client, result, upload)
 
 
 def run_eval_task(fed, task: EvalTask) -> EvalResult:
