@@ -35,9 +35,9 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .client import (ClientView, TrainResult, apply_download, autocast, finish_train_task, initial_optimizer_state,
-                     local_result, phase_optimizer, phase_parameters, phase_schedule)
+                     local_result, phase_optimizer, phase_parameters, phase_schedule, training_batch)
 from .executors import Executor, ThreadedExecutor
-from .local import client_batches, conv_layout
+from .local import client_batches
 from .plan import Phase, state_names
 
 
@@ -195,13 +195,7 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             if index_batch is None:
                 finished.append(i)
                 continue
-            data = fed.clients[tasks[i].client]
-            x, y = fed.inputs[index_batch], fed.labels[index_batch]
-            if data.label_map is not None:
-                y = data.label_map[y]
-            if fed.augment is not None:
-                x = fed.augment(x, generators[i])
-            batches[i] = (x, y)
+            batches[i] = training_batch(fed, fed.clients[tasks[i].client], index_batch, generators[i], fed.augment)
         active = [i for i in active if i not in finished]
         by_size: dict[int, list[int]] = {}
         for i in active:
@@ -224,7 +218,7 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
               for name, view in layout.views(params if whole else params[idx]).items()}
     chunk_buffers = buffers if whole else buffers[idx]
     chunk_int_buffers = int_buffers if whole else int_buffers[idx]
-    x = conv_layout_stack([batches[i][0] for i in members])
+    x = torch.stack([batches[i][0] for i in members])
     y = torch.stack([batches[i][1] for i in members])
 
     def forward(param_parts, buffer_parts, inputs):
@@ -285,7 +279,3 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
             steps_taken[i] += 1
             views[i].step += 1
 
-
-def conv_layout_stack(inputs: list[torch.Tensor]) -> torch.Tensor:
-    """The clients' batches stacked [C, B, ...] (each in the layout training uses alone)."""
-    return torch.stack([conv_layout(x) for x in inputs])

@@ -135,7 +135,7 @@ class ClientView:
     def examples(self, indices: Tensor) -> tuple[Tensor, Tensor]:
         """(inputs, labels) of samples ``indices`` as training batches have them (labels mapped,
         images in the convolutions' fast layout; no augmentation)."""
-        return conv_layout(self._inputs[indices]), self.labels_of(indices)
+        return training_batch(self._fed, self._fed.clients[self.client], indices, None, None)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -212,8 +212,7 @@ class ClientView:
         try:
             for start in range(0, indices.numel(), batch_size):
                 batch = indices[start:start + batch_size]
-                y = self._labels[batch] if self._label_map is None else self._label_map[self._labels[batch]]
-                self.forward_backward(conv_layout(self._inputs[batch]), y)
+                self.forward_backward(*self.examples(batch))
                 total += work.grads
                 count += 1
         finally:
@@ -328,6 +327,18 @@ class _Totals:
     steps: int = 0
 
 
+def training_batch(fed, data, index: Tensor, generator, augment) -> tuple[Tensor, Tensor]:
+    """(inputs, labels) of the training samples ``index`` of a client's split ``data``: labels
+    through its label map, inputs augmented (drawing from ``generator``) and in the layout
+    convolutions run fastest on."""
+    x, y = fed.inputs[index], fed.labels[index]
+    if data.label_map is not None:
+        y = data.label_map[y]
+    if augment is not None:
+        x = augment(x, generator)
+    return conv_layout(x), y
+
+
 def phase_parameters(cohort, phase: Phase, client: int) -> tuple[list[str], Optional[list]]:
     """(names, ranges) of the parameters ``phase`` trains in ``cohort``'s layout (ranges None:
     every parameter); ValueError naming ``client`` for a group its architecture lacks."""
@@ -354,13 +365,7 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
         phase.begin(view)
     try:
         for index in client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator):
-            x = fed.inputs[index]
-            y = fed.labels[index]
-            if data.label_map is not None:
-                y = data.label_map[y]
-            if augment is not None:
-                x = augment(x, generator)
-            x = conv_layout(x)
+            x, y = training_batch(fed, data, index, generator, augment)
             batches.append((x, y))
             if len(batches) < phase.batches_per_step:
                 continue
