@@ -152,6 +152,29 @@ class Cohort:
                              f"optimizer needs {sorted(names)}: phases with different optimizers need different "
                              "state names")
 
+    def client_tensors(self) -> dict[str, torch.Tensor]:
+        """Every per-client tensor of the cohort, by a flat name, each [members, ...] (row r is
+        member r's): ``params``, ``buffers``, ``int_buffers``, ``extra/<name>``,
+        ``optimizer/<state>/<vector>`` and ``steps/<state>``.  What moves with a client between
+        processes (a Flower node's kept state, a distributed rank's rows)."""
+        tensors = {"params": self.params.data, "buffers": self.buffers.data, "int_buffers": self.int_buffers.data}
+        tensors.update({f"extra/{name}": bank.data for name, bank in self.extra.items()})
+        for state, vectors in self.optimizer_state.items():
+            tensors.update({f"optimizer/{state}/{vector}": bank.data for vector, bank in vectors.items()})
+            tensors[f"steps/{state}"] = self.optimizer_steps[state]
+        return tensors
+
+    def ensure_client_tensors(self, names) -> None:
+        """Create the kept optimizer states that ``names`` (of :meth:`client_tensors`) hold and
+        this cohort lacks, so that every name has its tensor."""
+        vectors: dict[str, list[str]] = {}
+        for name in names:
+            if name.startswith("optimizer/"):
+                _, state, vector = name.split("/", 2)
+                vectors.setdefault(state, []).append(vector)
+        for state, found in vectors.items():
+            self.ensure_optimizer_state(state, found)
+
     def state_dict(self) -> dict:
         """Every bank of the cohort (for checkpoints)."""
         return {"params": self.params.data, "buffers": self.buffers.data, "int_buffers": self.int_buffers.data,

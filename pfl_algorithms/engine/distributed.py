@@ -183,31 +183,18 @@ class DistributedExecutor(Executor):
         for cohort in fed.cohorts:
             rows = torch.tensor([row for row, client in enumerate(cohort.clients) if self.owner(client, size) == rank],
                                 dtype=torch.int64)
-            on = rows.to(cohort.params.data.device)
-            mine[cohort.name] = {
-                "rows": rows, "params": cohort.params.data[on], "buffers": cohort.buffers.data[on],
-                "int_buffers": cohort.int_buffers.data[on],
-                "extra": {n: b.data[on] for n, b in cohort.extra.items()},
-                "optimizer_state": {s: {n: b.data[on] for n, b in banks.items()}
-                                    for s, banks in cohort.optimizer_state.items()},
-                "optimizer_steps": {s: steps[rows] for s, steps in cohort.optimizer_steps.items()}}
+            mine[cohort.name] = {"rows": rows, **{name: tensor[rows.to(tensor.device)]
+                                                  for name, tensor in cohort.client_tensors().items()}}
         for r, part in enumerate(all_gather(mine, self.device)):
             if r == rank:
                 continue
             for cohort in fed.cohorts:
-                sent = part[cohort.name]
-                on = sent["rows"].to(cohort.params.data.device)
-                for bank, values in ((cohort.params, sent["params"]), (cohort.buffers, sent["buffers"]),
-                                     (cohort.int_buffers, sent["int_buffers"])):
-                    bank.data[on] = values
-                for name, values in sent["extra"].items():
-                    cohort.extra[name].data[on] = values
-                for state, vectors in sent["optimizer_state"].items():
-                    cohort.ensure_optimizer_state(state, list(vectors))
-                    for vector, values in vectors.items():
-                        cohort.optimizer_state[state][vector].data[on] = values
-                for state, steps in sent["optimizer_steps"].items():
-                    cohort.optimizer_steps[state][sent["rows"].cpu()] = steps.cpu()
+                sent = dict(part[cohort.name])
+                rows = sent.pop("rows")
+                cohort.ensure_client_tensors(sent)
+                tensors = cohort.client_tensors()
+                for name, values in sent.items():
+                    tensors[name][rows.to(tensors[name].device)] = values.to(tensors[name].device)
 
     def close(self) -> None:
         self.local.close()

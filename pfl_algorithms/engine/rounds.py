@@ -68,7 +68,9 @@ def _downloads(sent: Union[None, Message, Mapping[int, Message]], clients: list[
     return {c: sent[c] for c in clients}
 
 
-def _prepare_kept_state(fed: Federation, tasks: list[TrainTask]) -> None:
+def prepare_kept_state(fed: Federation, tasks: list[TrainTask]) -> None:
+    """With ``optimizer_state='keep'``, create the kept optimizer state every phase of ``tasks``
+    needs (zeros, step 0) where its client's cohort lacks it."""
     if fed.settings.optimizer_state != "keep":
         return
     for task in tasks:
@@ -84,7 +86,7 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
     up0, down0 = fed.comm.total("up"), fed.comm.total("down")
     downloads = _downloads(algorithm.configure(round_, torch.tensor(clients)), clients)
     tasks = [TrainTask(c, round_, downloads[c], tuple(algorithm.plan(c))) for c in clients]
-    _prepare_kept_state(fed, tasks)
+    prepare_kept_state(fed, tasks)
     for task in tasks:
         if task.download is not None:
             fed.comm.record("down", task.client, task.download, fed.cohort_of(task.client).name)

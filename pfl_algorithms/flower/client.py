@@ -29,11 +29,10 @@ from typing import Mapping, Optional
 import torch
 
 from ..config import RunConfig, check, config_from
-from ..engine.client import EvalTask, TrainTask, phase_optimizer, run_eval_task, run_train_task
+from ..engine.client import EvalTask, TrainTask, run_eval_task, run_train_task
 from ..engine.cohort_stats import resolve_class_means
 from ..engine.executors import one_intra_op_thread
-from ..engine.plan import state_names
-from ..engine.rounds import _evaluation_task
+from ..engine.rounds import _evaluation_task, prepare_kept_state
 from . import records
 
 STATE = "pfl.client-state"
@@ -74,47 +73,24 @@ def flower_federation(config: RunConfig) -> tuple:
 
 
 def client_rows(fed, client: int) -> dict[str, torch.Tensor]:
-    """Every bank row of ``client``, by name (what its node keeps between rounds)."""
+    """Every bank row of ``client``, by name (what its node keeps between rounds): its rows of
+    ``Cohort.client_tensors``."""
     cohort = fed.cohort_of(client)
     row = cohort.row(client)
-    rows = {"params": cohort.params.row(row), "buffers": cohort.buffers.row(row),
-            "int_buffers": cohort.int_buffers.row(row)}
-    rows.update({f"extra/{name}": bank.row(row) for name, bank in cohort.extra.items()})
-    for state, vectors in cohort.optimizer_state.items():
-        rows.update({f"optimizer/{state}/{vector}": bank.row(row) for vector, bank in vectors.items()})
-        rows[f"steps/{state}"] = cohort.optimizer_steps[state][row]
-    return rows
+    return {name: tensor[row] for name, tensor in cohort.client_tensors().items()}
 
 
 def load_client_rows(fed, client: int, record) -> None:
     """Write a node's kept rows (:func:`client_rows`, as an ArrayRecord) into the federation."""
     cohort = fed.cohort_of(client)
-    row = cohort.row(client)
-    vectors: dict[str, list] = {}
-    for name in record:
-        if name.startswith("optimizer/"):
-            _, state, vector = name.split("/", 2)
-            vectors.setdefault(state, []).append(vector)
-    for state, names in vectors.items():
-        cohort.ensure_optimizer_state(state, names)
+    cohort.ensure_client_tensors(record)
     targets = client_rows(fed, client)
     values = records.state_tensors(record, {n: t.dtype for n, t in targets.items()}, cohort.params.data.device)
     missing = sorted(set(targets) - set(values))
     if missing:
         raise ValueError(f"client {client}'s kept state lacks {missing}")
     for name, value in values.items():
-        if name.startswith("steps/"):
-            cohort.optimizer_steps[name.split("/", 1)[1]][row] = value
-        else:
-            targets[name].copy_(value)
-
-
-def _prepare_kept_state(fed, task: TrainTask) -> None:
-    if fed.settings.optimizer_state != "keep":
-        return
-    cohort = fed.cohort_of(task.client)
-    for phase, name in zip(task.plan, state_names(task.plan)):
-        cohort.ensure_optimizer_state(name, phase_optimizer(phase, fed.settings).state_names())
+        targets[name].copy_(value)
 
 
 def _partition(context, fed) -> int:
@@ -195,7 +171,7 @@ def train(session, message, context, faults: Optional[Faults] = None):
     download = records.decode(message.content, "down", fed.device)
     task = TrainTask(client, round_, download, tuple(algorithm.plan(client)))
     _restore(context, fed, initial, client)
-    _prepare_kept_state(fed, task)
+    prepare_kept_state(fed, [task])
     with one_intra_op_thread():
         result = run_train_task(fed, algorithm, task)
         if kind == "nan" and result.upload is not None:
