@@ -71,7 +71,7 @@ class FedAMP(Algorithm):
     name = "fedamp"
     description = "personalized cloud models by attentive message passing (xi ~ exp(-||wi-wj||^2/sigma)), proximal to them"
     Settings = FedAMPSettings
-    capabilities = Capabilities(batchable=False)
+    capabilities = Capabilities()
 
     def setup(self, server) -> None:
         initial = server.initial_model()

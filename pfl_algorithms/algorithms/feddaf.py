@@ -81,7 +81,7 @@ class FedDAF(Algorithm):
     name = "feddaf"
     description = "target mixes the global source model in by a Gompertz weight of their mean-gradient angle"
     Settings = FedDAFSettings
-    capabilities = Capabilities(batchable=False, roles=("source", "target"))
+    capabilities = Capabilities(roles=("source", "target"))
 
     def client_state(self):
         return {"fda": StateSpec(shape=(2,), dtype=torch.float64)}  # this round's (α, θ) on the target

@@ -74,7 +74,7 @@ class FedDWA(Algorithm):
     name = "feddwa"
     description = "personalized mixes p_ij ~ ||guidance_i - w_j||^-2 (top-K) of the clients' models"
     Settings = FedDWASettings
-    capabilities = Capabilities(batchable=False)
+    capabilities = Capabilities()
 
     def client_state(self):
         return {"trained": StateSpec()}  # w_i while the guidance pass runs

@@ -103,7 +103,7 @@ class FedFomo(Algorithm):
     name = "fedfomo"
     description = "each client downloads M models and moves towards those that lower its validation loss"
     Settings = FedFomoSettings
-    capabilities = Capabilities(needs_validation=True, batchable=False)
+    capabilities = Capabilities(needs_validation=True)
 
     def client_state(self):
         return {"fomo_weights": StateSpec(shape=(self.settings.n_download,), dtype=torch.float64)}

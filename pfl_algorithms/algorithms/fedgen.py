@@ -286,7 +286,7 @@ class FedGen(Algorithm):
     description = ("FedGen, limited sharing: heads averaged, a server generator of embeddings fitted to the heads, "
                    "its samples regularize each client's head; bodies stay local")
     Settings = FedGenSettings
-    capabilities = Capabilities(mixed_architectures=True, batchable=False)
+    capabilities = Capabilities(mixed_architectures=True)
 
     def local_groups(self, *, keep_head_local):
         return {"body"}

@@ -83,7 +83,7 @@ class IFCA(Algorithm):
     name = "ifca"
     description = "k cluster models; each client trains the one of lowest loss on its data, averaged per cluster"
     Settings = IFCASettings
-    capabilities = Capabilities(batchable=False)
+    capabilities = Capabilities()
 
     def client_state(self):
         return {"cluster": StateSpec(shape=(1,), dtype=torch.int64)}

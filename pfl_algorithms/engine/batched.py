@@ -17,40 +17,105 @@ together, so a short last batch or a client with fewer steps is simply not in th
 group: no padding enters a loss or a BatchNorm statistic.  A client whose state turns
 non-finite sends nothing and keeps its previous rows, as on the other executors.
 
-What runs batched: phases whose hooks only read and write the client's flat vectors
-(``grad_terms``, ``after_step``), which get a :class:`ClientView` per client whose
-parameters and gradients are its rows of the stacked tensors.  A task whose algorithm is not
-``batchable``, or whose plan has loss terms, a custom gradient or a ``begin`` hook, runs on the
-threaded executor instead, with a one-line notice.  Evaluation tasks run there too.
+Hooks run per client, each seeing what it would see alone:
+
+* ``begin``: on a normal :class:`ClientView`, with the client's rows loaded into the working
+  model (so the hook may evaluate, train or overwrite it: IFCA's cluster choice, FedFomo's and
+  FedDAF's model updates), then written back to the stacked rows;
+* loss terms: on a :class:`Batch` of the client's rows of the stacked forward's inputs,
+  labels, logits and embeddings, whose ``module`` is a :class:`ClientModule` running the
+  template on the client's rows, so any forward a term makes (Fed-CMA's fixed batch, FedGen's
+  head on generated embeddings) has its gradient reach them;
+* ``grad_terms`` and ``after_step``: on a :class:`ClientView` whose parameters and gradients
+  are the client's rows of the stacked tensors.
+
+A task whose algorithm is not ``batchable`` or whose plan has a custom gradient (pFedMe,
+Per-FedAvg: steps computed client by client) runs on the threaded executor instead, with a
+one-line notice.  Evaluation tasks run there too.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
+from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import (ClientView, TrainResult, apply_download, autocast, finish_train_task, initial_optimizer_state,
-                     local_result, phase_optimizer, phase_parameters, phase_schedule, training_batch)
+from .client import (ClientView, TrainResult, apply_download, autocast, finish_train_task, forward,
+                     initial_optimizer_state, local_result, phase_optimizer, phase_parameters, phase_schedule,
+                     trains_only, training_batch)
 from .executors import Executor, ThreadedExecutor
 from .local import client_batches
-from .plan import Phase, state_names
+from .plan import Batch, Phase, state_names
 
 
 def unbatchable_reason(algorithm, plan) -> Optional[str]:
     """Why a task of ``algorithm`` with ``plan`` cannot run batched (None: it can)."""
     if not algorithm.capabilities.batchable:
         return f"{algorithm.name or type(algorithm).__name__} declares itself not batchable"
-    for phase in plan:
-        for hook, what in ((phase.loss_terms, "loss terms"), (phase.gradient, "a custom gradient"),
-                           (phase.begin, "a begin hook")):
-            if hook:
-                return f"{algorithm.name or type(algorithm).__name__}'s local plan has {what}"
+    if any(phase.gradient is not None for phase in plan):
+        return f"{algorithm.name or type(algorithm).__name__}'s local plan has a custom gradient"
     return None
+
+
+class ClientModule:
+    """One client's model as a loss term sees it on the batched executor: the cohort's template
+    module run by ``functional_call`` on the client's rows of the stacked parameters and buffers
+    (gradients reach the rows; BatchNorm updates the client's statistics).  Call it, one of its
+    submodules (``.head``, ``.body``) or one of its methods (``.embed``); its other attributes
+    are the template's."""
+
+    def __init__(self, module: nn.Module, tensors: dict):
+        self._module, self._tensors = module, tensors
+
+    def __call__(self, *args, **kwargs):
+        return functional_call(self._module, self._tensors, args, kwargs)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._module, name)
+        if isinstance(attr, nn.Module):
+            prefix = name + "."
+            return ClientModule(attr, {k[len(prefix):]: v for k, v in self._tensors.items() if k.startswith(prefix)})
+        if hasattr(nn.Module, name):  # parameters(), state_dict(), ...: the template's, not the client's
+            raise AttributeError(f"{name!r} of a client's model is not available to a loss term on the batched "
+                                 f"executor; read parameters with ClientView.parameter in a begin or grad term")
+        if inspect.ismethod(attr):
+            return functools.partial(_call_method, self._module, name, self._tensors)
+        return attr
+
+
+class _Method(nn.Module):
+    """``model.<name>(...)`` as a module's forward, for ``functional_call``."""
+
+    def __init__(self, model: nn.Module, name: str):
+        super().__init__()
+        self.model, self.name = model, name
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.model, self.name)(*args, **kwargs)
+
+
+def _call_method(module: nn.Module, name: str, tensors: dict, *args, **kwargs):
+    return functional_call(_Method(module, name), {"model." + k: v for k, v in tensors.items()}, args, kwargs)
+
+
+class _Outputs(nn.Module):
+    """(logits, embeddings) of ``model`` as the other executors compute them
+    (``client.forward``); logits alone where the model has no embeddings."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs):
+        logits, embeddings = forward(self.model, inputs)
+        return logits if embeddings is None else (logits, embeddings)
 
 
 def _signature(phase: Phase) -> tuple:
@@ -188,6 +253,9 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
     active = list(range(len(tasks)))
     module = cohort.work.module
     module.train()
+    for i, task in enumerate(tasks):
+        if task.plan[index].begin is not None:
+            _begin(fed, cohort, task, task.plan[index], views[i], names, params[i], buffers[i], int_buffers[i])
     while active:
         batches, finished = {}, []
         for i in active:
@@ -203,6 +271,16 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
         for members in by_size.values():
             _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers,
                   members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast)
+
+
+def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params, buffers, int_buffers) -> None:
+    """``phase``'s begin hook on a normal ClientView of ``task``'s client: its rows loaded into the
+    working model (the hook may run or change it, as on the other executors), written back after."""
+    work = cohort.work
+    work.load(params, buffers, int_buffers)
+    with trains_only(work.module, names):
+        phase.begin(ClientView(fed, cohort, task.client, task.round, task.download, row_view._extra))
+    work.store(params, buffers, int_buffers)
 
 
 def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, members,
@@ -221,8 +299,11 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
     x = torch.stack([batches[i][0] for i in members])
     y = torch.stack([batches[i][1] for i in members])
 
-    def forward(param_parts, buffer_parts, inputs):
-        return functional_call(module, {**param_parts, **buffer_parts}, (inputs,))
+    outputs = _Outputs(module)
+
+    def client_outputs(param_parts, buffer_parts, inputs):
+        tensors = {"model." + name: t for parts in (param_parts, buffer_parts) for name, t in parts.items()}
+        return functional_call(outputs, tensors, (inputs,))
 
     # The buffers go in as contiguous tensors [G, ...] of their own, copied back after:
     # BatchNorm's in-place updates of its running statistics under vmap reach such a tensor, but
@@ -230,13 +311,18 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
     buffer_views = {**buffer_layout.views(chunk_buffers), **int_layout.views(chunk_int_buffers)}
     parts = {name: view.clone() for name, view in buffer_views.items()}
     with autocast(fed_autocast, x.device):
-        logits = vmap(forward)(leaves, parts, x)
-    if fed_autocast:
-        logits = logits.float()  # the loss in float32, as torch.autocast leaves it
-    with torch.no_grad():
+        out = vmap(client_outputs)(leaves, parts, x)
+    logits, embeddings = (out, None) if isinstance(out, torch.Tensor) else out
+    # The loss in float32, as torch.autocast leaves it.
+    loss_logits = logits.float() if fed_autocast else logits
+    per_client = F.cross_entropy(loss_logits.flatten(0, 1), y.flatten(), reduction="none").view(len(members), -1).mean(1)
+    terms = [tasks[i].plan[index].loss_terms for i in members]
+    if any(terms):
+        per_client = torch.stack([_with_loss_terms(per_client[k], terms[k], module, leaves, parts, k, x, y, logits,
+                                                   embeddings) for k in range(len(members))])
+    with torch.no_grad():  # after the loss terms, whose forwards may move BatchNorm statistics too
         for name, view in buffer_views.items():
             view.copy_(parts[name])
-    per_client = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(len(members), -1).mean(1)
     per_client.sum().backward()
     with torch.no_grad():
         if not whole:  # BatchNorm statistics moved in the gathered copies
@@ -279,3 +365,15 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
             steps_taken[i] += 1
             views[i].step += 1
 
+
+
+def _with_loss_terms(loss, terms, module, leaves, parts, k, x, y, logits, embeddings):
+    """Row ``k``'s loss plus its loss terms, each given the row's :class:`Batch` (its model a
+    :class:`ClientModule` on its rows), added in order as the other executors add them."""
+    if not terms:
+        return loss
+    tensors = {**{name: leaf[k] for name, leaf in leaves.items()}, **{name: part[k] for name, part in parts.items()}}
+    batch = Batch(x[k], y[k], logits[k], None if embeddings is None else embeddings[k], ClientModule(module, tensors))
+    for term in terms:
+        loss = loss + term(batch)
+    return loss

@@ -13,8 +13,9 @@ its extra state, what it received, and forward/backward helpers.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -351,19 +352,31 @@ def phase_parameters(cohort, phase: Phase, client: int) -> tuple[list[str], Opti
     return names, None if phase.groups is None else cohort.layout.ranges(names)
 
 
+@contextmanager
+def trains_only(module: nn.Module, names) -> Iterator[None]:
+    """Within the block, only ``module``'s parameters ``names`` require grad: no gradient is
+    computed for what a phase does not train (its ``begin`` hook included)."""
+    keep = set(names)
+    frozen = [p for n, p in module.named_parameters() if n not in keep and p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
 def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augment, totals: _Totals) -> None:
     cohort, work, module = view._cohort, view._work, view.module
     optimizer = phase_optimizer(phase, fed.settings)
     names, ranges = phase_parameters(cohort, phase, view.client)
-    frozen = [p for n, p in module.named_parameters() if n not in set(names) and p.requires_grad]
-    for p in frozen:  # no gradient is computed for what the phase does not train
-        p.requires_grad_(False)
     data = fed.clients[view.client]
     batches = []
     view.step = 0
-    if phase.begin is not None:
-        phase.begin(view)
-    try:
+    with trains_only(module, names):
+        if phase.begin is not None:
+            phase.begin(view)
         for index in client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator):
             x, y = training_batch(fed, data, index, generator, augment)
             batches.append((x, y))
@@ -395,9 +408,6 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
             totals.steps += 1
             view.step += 1
             batches = []
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
 
 
 def initial_optimizer_state(fed, cohort, phase: Phase, name: str, rows, *, keep: bool) -> dict:

@@ -40,7 +40,9 @@ class Batch:
             inputs after augmentation).
         logits: the model's output.
         embeddings: the body's output (models with ``body`` and ``head``), else None.
-        module: the client's working model.
+        module: the client's working model; on the batched executor, a
+            :class:`~pfl_algorithms.engine.batched.ClientModule` running the template on the
+            client's rows (call it, its submodules or its methods, as a term calls a model).
     """
 
     inputs: Tensor

@@ -10,6 +10,7 @@ import torch
 
 from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
 from pfl_algorithms.engine.batched import BatchedExecutor, unbatchable_reason
+from pfl_algorithms.engine.plan import Phase
 from pfl_algorithms.engine.rounds import run_round
 
 from ..algorithms.federation_cases import BatchNormNet, DeepBatchNormNet, make_federation
@@ -52,8 +53,10 @@ def test_adam_with_kept_state_and_batchnorm():
         assert_close_state(b, a, **TOL)
 
 
-@pytest.mark.parametrize("name", ["fedavg-classifier", "local"])
+@pytest.mark.parametrize("name", ["fedavg-classifier", "local", "fedcma", "fedgen"])
 def test_a_mixed_architecture_federation_batches_within_each_cohort(name):
+    """BatchNorm in both architectures; Fed-CMA's and FedGen's loss terms run their own forwards
+    (a fixed batch through the body, generated embeddings through the head) on each client's rows."""
     def models():
         torch.manual_seed(0)
         return {"bn": BatchNormNet().double(), "deep": DeepBatchNormNet().double()}
@@ -70,9 +73,13 @@ def test_a_non_finite_client_drops_only_its_own_update():
 
 
 def test_unbatchable_plans_fall_back_to_threaded_with_one_notice(capsys):
-    algo = make_algorithm("fedgen")
+    for name in ("fedgen", "fedcma", "ifca", "fedprox"):  # loss terms, begin hooks, grad terms: batched
+        algo = make_algorithm(name)
+        assert unbatchable_reason(algo, algo.plan(0)) is None
+    algo = make_algorithm("per-fedavg")
     assert "not batchable" in unbatchable_reason(algo, algo.plan(0))
-    assert unbatchable_reason(make_algorithm("fedprox"), make_algorithm("fedprox").plan(0)) is None
+    custom = (Phase(), Phase(gradient=lambda view, batches: None))
+    assert unbatchable_reason(make_algorithm("fedprox"), custom) == "fedprox's local plan has a custom gradient"
     run("pfedme", "batched")
     err = capsys.readouterr().err
     assert err.count("pfl: executor batched: pfedme declares itself not batchable; its clients run on the "
@@ -95,6 +102,7 @@ def _metrics(out):
     ("fedavg", []), ("factorized-fl-beta", []), ("pfedmb", []),
     ("fedavg-classifier", ["--scenario", "dirichlet", "--set",
                            "architectures=['digits-cnn(embedding_dim=32)', 'mlp(hidden=(64, 32))', 'fedgen-cnn']"]),
+    ("fedcma", ["--scenario", "dirichlet", "--set", "architectures=['digits-cnn(embedding_dim=32)', 'fedgen-cnn']"]),
 ])
 def test_float32_digits_runs_agree_up_to_reassociation(tmp_path, name, extra):
     """float32 on digits, 3 rounds (factorized and multi-branch layers through their ops' client
@@ -120,3 +128,39 @@ def test_float32_digits_runs_agree_up_to_reassociation(tmp_path, name, extra):
         for client, loss in y["train_loss"].items():
             assert abs(x["train_loss"][client] - loss) <= 1e-4 * abs(loss)
     assert_close_state(state_a["federation"]["cohorts"], state_b["federation"]["cohorts"], rtol=1e-4, atol=1e-4)
+
+
+def test_client_module_runs_the_template_on_the_clients_rows():
+    """A loss term's model on the batched executor: calls, submodules and methods run on row 1
+    of the stacked tensors (gradient and BatchNorm statistics reach row 1 only)."""
+    import copy
+
+    from pfl_algorithms.engine.batched import ClientModule
+    from pfl_algorithms.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("mlp", input_shape=(4,), num_classes=3, hidden=(6,)).double()
+    model.body.insert(2, torch.nn.BatchNorm1d(6).double())
+    stacked = {n: torch.randn(2, *p.shape, dtype=torch.float64, requires_grad=True) for n, p in model.named_parameters()}
+    buffers = {n: torch.stack([b, b]) for n, b in model.named_buffers()}
+    client = ClientModule(model, {**{n: t[1] for n, t in stacked.items()}, **{n: b[1] for n, b in buffers.items()}})
+    alone = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in alone.named_parameters():
+            p.copy_(stacked[n][1])
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(client(x), alone(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(client.embed(x), alone.embed(x), rtol=1e-12, atol=1e-12)
+    e = torch.randn(5, model.embedding_dim, dtype=torch.float64)
+    torch.testing.assert_close(client.head(e), alone.head(e), rtol=1e-12, atol=1e-12)
+    assert client.embedding_dim == model.embedding_dim
+    client.embed(x).sum().backward()
+    alone.embed(x)  # as many training forwards as the client's: the same running statistics
+    for n, t in stacked.items():
+        if n.startswith("body"):
+            assert t.grad[0].abs().max() == 0 and t.grad[1].abs().max() > 0, n
+    stats = [n for n in buffers if n.endswith("running_mean")]
+    assert stats and all(not torch.equal(buffers[n][0], buffers[n][1]) for n in stats)
+    torch.testing.assert_close(buffers[stats[0]][1], dict(alone.named_buffers())[stats[0]], rtol=1e-12, atol=1e-12)
+    with pytest.raises(AttributeError, match="'parameters' of a client's model is not available to a loss term"):
+        client.parameters()
