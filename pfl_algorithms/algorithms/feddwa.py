@@ -11,7 +11,11 @@ it uses, as the released code computes them (``cal_optimal_weight``), are
     p_ij = ‖ŵ_i − w_j‖⁻² / Σ_k ‖ŵ_i − w_k‖⁻²
 
 of which it keeps each client's ``top_k`` largest (5, the released code's default) and
-renormalizes them to sum to 1.  The squared distances of every guidance model to every model
+renormalizes them to sum to 1.  Only the paper's abstract (arXiv 2305.06124) was available to
+us: it states the objective (personalized models as close as possible to guidance models
+obtained by one-step-ahead local adaptation, computed by the server from the uploaded models),
+which this closed form solves; the formula itself is checked against the released code only.
+The squared distances of every guidance model to every model
 come from one ``pairwise_sqdist`` (in float64, centred on the models' mean, since ŵ_i and w_i
 are near-duplicates), every w̄_i from one ``weighted_average``.  A model equal to a guidance
 model (distance 0) takes all of its weight, the limit of the rule.  The weights run over the

@@ -16,16 +16,20 @@ with cos_i the cosine of g_T and g_i over that tensor (``pairwise_cosine``), β 
 source i's share of the sources' training samples this round.  ``projection='paper'`` is the
 projection of the paper's Figure 1 written out, Proj₊(g_T | g_i) = max(⟨g_T, g_i⟩, 0)/‖g_i‖²·g_i
 = [cos_i > 0]·cos_i·(‖g_T‖/‖g_i‖)·g_i, which keeps the target's step size (with a scarce target,
-a small one).  The released code also multiplies each source term by the ratio of the
-target's to the source's local steps and learning rates; that factor is not offered (the
-server here does not know the sources' schedule).  Each tensor's new value is one
-``weighted_average`` of the stacked updates.
+a small one).  Each tensor's new value is one ``weighted_average`` of the stacked updates.
+
+The released server differs in two ways, both offered and both off by default (the issue names
+the README facts' rule): ``step_scaling=True`` multiplies source i's term by the ratio of the
+target's to the source's local step budget, (η_T·τ_T)/(η·τ_i), with τ the local steps each
+took this round (each upload carries its count) and η_T the target's learning rate; the
+released code's factor ``target_lr_ratio·(n_T/b_T)/(n_i/b_S)`` is this with one epoch each.
+``fedavg_rounds=2`` averages every upload, target included (FedAvg, weighted by training
+samples), in the first two rounds, as ``ServerFedGP.update`` does before ``update_fedgp``.
 
 Choices the paper leaves open, stated: the BatchNorm statistics of the new global model are
 the target's (the model serves the target's data; statistics are not gradients; the released
 code runs them through the same rule); a round in which the target sent nothing leaves w
-unchanged (no target direction to project on).  The released ``ServerFedGP`` averages in its
-first two rounds (FedAvg); here every round is FedGP.
+unchanged (no target direction to project on).
 
 Every client is evaluated with the global model, which is the target's model; the run's
 summary reports the target's accuracy.
@@ -40,7 +44,7 @@ from torch import nn
 
 from pfl_kernels.ops import pairwise_cosine, weighted_average
 
-from ..api import BUFFERS, Capabilities, Fraction, OneOf, Phase, head_parameter_names
+from ..api import BUFFERS, Capabilities, Fraction, NonNegativeInt, OneOf, Phase, head_parameter_names
 from .fedavg import FedAvg
 from .target_only import TargetTraining, target_phase, the_target
 
@@ -49,6 +53,8 @@ from .target_only import TargetTraining, target_phase, the_target
 class FedGPSettings(TargetTraining):
     beta: Fraction = 0.5  # β: the weight of the sources' projections against the target's own update
     projection: Annotated[str, OneOf(("cosine", "paper"))] = "cosine"  # cos_i·g_i (README facts), or Proj₊(g_T | g_i)
+    step_scaling: bool = False  # released code: source i's term × (η_T·τ_T)/(η·τ_i), τ the local steps
+    fedavg_rounds: NonNegativeInt = 0  # released code: 2 (FedAvg of every upload in the first rounds)
 
 
 def projection_coefficients(g_target: torch.Tensor, g_sources: torch.Tensor, shares: torch.Tensor, beta: float,
@@ -96,12 +102,27 @@ class FedGP(FedAvg):
                 raise ValueError(f"{self.name}: group {group!r} does not hold the model's "
                                  f"{group} tensors; it projects tensor by tensor")
         self.positive = float("nan")  # the share of (source, tensor) pairs with cos > 0 in the last round
+        self.lr = server.lr
 
     def plan(self, client):
         return (target_phase(self.settings) if client == self.target else Phase(),)
 
+    def upload(self, view):
+        """The model; with ``step_scaling``, also the local steps taken (τ_i)."""
+        if not self.settings.step_scaling:
+            return super().upload(view)
+        return view.message(view.received(), extras={"steps": view.step})
+
+    def step_factors(self, uploads, t: int, sources: torch.Tensor) -> torch.Tensor:
+        """[M] the released code's factor of each source's term, (η_T·τ_T)/(η·τ_i) (float64)."""
+        steps = torch.tensor([float(s) for s in uploads.extras("steps")], dtype=torch.float64)
+        target_lr = self.lr if self.settings.target_lr is None else self.settings.target_lr
+        return (target_lr * steps[t]) / (self.lr * steps[sources]).clamp_min(torch.finfo(torch.float64).tiny)
+
     def aggregate(self, round_, uploads):
         self.positive = float("nan")
+        if round_ < self.settings.fedavg_rounds:
+            return super().aggregate(round_, uploads)
         senders = uploads.clients.tolist()
         if self.target not in senders:
             return
@@ -109,6 +130,8 @@ class FedGP(FedAvg):
         sources = torch.tensor([i for i, c in enumerate(senders) if c != self.target], dtype=torch.int64)
         sizes = uploads.num_examples[sources]
         shares = sizes / sizes.sum() if len(sources) else sizes
+        if self.settings.step_scaling:
+            shares = shares * self.step_factors(uploads, t, sources)
         positive, pairs = 0, 0
         for group in self.groups:
             old = self.global_model[group]

@@ -233,6 +233,7 @@ def train_chunk(fed, algorithm, cohort, tasks) -> list[TrainResult]:
         # upload asked of a normal ClientView, then stored (``finish_train_task``).
         cohort.work.load(params[i], buffers[i], int_buffers[i])
         view = ClientView(fed, cohort, task.client, task.round, task.download, extras[i])
+        view.step = views[i].step  # the last phase's steps, as the upload sees them alone
         local = local_result(loss_sum[i], samples[i], steps_taken[i], params[i])
         own_states = {name: {vector: value[i] for vector, value in state.items()} for name, state in states.items()}
         results.append(finish_train_task(fed, algorithm, view, local, own_states))

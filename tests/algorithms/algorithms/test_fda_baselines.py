@@ -105,6 +105,46 @@ def test_fedgp_trains_the_target_with_its_own_settings():
     torch.testing.assert_close(row(fed, TARGET), want, **TOL)
 
 
+@pytest.mark.parametrize("executor", ["threaded", "batched"])
+def test_released_step_scaling_weighs_each_source_by_the_targets_step_budget(executor):
+    """τ from each upload's step count (one epoch of batches of 16: ⌈n_i/16⌉ steps), η_T = 0.03
+    against the run's 0.1: source i's share × (0.03·τ_T)/(0.1·τ_i)."""
+    beta = 0.5
+    algo = FedGP(beta=beta, step_scaling=True, target_lr=0.03)
+    fed = make_federation(algo, executor=executor, sizes=(30, 50, 70))
+    old = row(fed, 0).clone()
+    run_round(fed, algo, 0)
+    updates = rows(fed) - old
+    n = fed.train_sizes()[:2]
+    steps = [math.ceil(int(size) / 16) for size in fed.train_sizes()]
+    assert len(set(steps)) == 3
+    shares = [float(n[i] / n.sum()) * (0.03 * steps[TARGET]) / (0.1 * steps[i]) for i in range(2)]
+    want = old.clone()
+    for entry in fed.cohorts[0].layout.entries:
+        part = slice(entry.offset, entry.stop)
+        want[part] = fedgp_step(old[part], updates[:, part], TARGET, [0, 1], shares, beta, "cosine")
+    torch.testing.assert_close(torch.cat([algo.global_model["body"], algo.global_model["head"]]), want, **TOL)
+
+
+def test_released_fedavg_rounds_average_every_upload_first():
+    algo = FedGP(fedavg_rounds=1)
+    fed = make_federation(algo, steps=2)
+    run_round(fed, algo, 0)  # FedAvg of the three uploads, target included
+    n = fed.train_sizes().double()
+    torch.testing.assert_close(torch.cat([algo.global_model["body"], algo.global_model["head"]]),
+                               (n / n.sum()) @ rows(fed), **TOL)
+    assert algo.round_metrics(0)["positive_cosines"] is None
+    start = torch.cat([algo.global_model["body"], algo.global_model["head"]]).clone()
+    run_round(fed, algo, 1)  # then FedGP
+    updates = rows(fed) - start
+    shares = (n[:2] / n[:2].sum()).tolist()
+    want = start.clone()
+    for entry in fed.cohorts[0].layout.entries:
+        part = slice(entry.offset, entry.stop)
+        want[part] = fedgp_step(start[part], updates[:, part], TARGET, [0, 1], shares, 0.5, "cosine")
+    torch.testing.assert_close(torch.cat([algo.global_model["body"], algo.global_model["head"]]), want, **TOL)
+
+
 # ---------------------------------------------------------------- FedDWA
 
 
