@@ -9,7 +9,8 @@ statistics its own.  Ordinary autograd on the stacked rows then gives each clien
 (``torch.func.grad`` cannot differentiate ops whose autograd comes from ``register_autograd``,
 pytorch/pytorch#168393; a vmapped forward followed by ``backward`` can).  The optimizer steps
 the whole [C, P] slice in one call when the clients share their step count, row by row
-otherwise.
+otherwise; clients whose phases differ only in their learning rate share a chunk, each row
+stepped with its own rate.
 
 Each client sees exactly the batches it would alone, drawn from its own generator in the same
 order (augmentation included); at each step the clients whose batches have the same size run
@@ -119,8 +120,9 @@ class _Outputs(nn.Module):
 
 
 def _signature(phase: Phase) -> tuple:
-    """What must agree between the clients of a chunk for one phase (their own hooks may differ)."""
-    return (phase.groups, phase.epochs, phase.steps, phase.batch_size, phase.optimizer, phase.lr, phase.lr_scale,
+    """What must agree between the clients of a chunk for one phase (their own hooks and
+    learning rates may differ: the optimizer steps rows with their own)."""
+    return (phase.groups, phase.epochs, phase.steps, phase.batch_size, phase.optimizer,
             tuple(sorted(phase.optimizer_settings.items())), phase.state, phase.batches_per_step,
             bool(phase.grad_terms), phase.after_step is not None)
 
@@ -247,6 +249,8 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
     names, ranges = phase_parameters(cohort, phase, tasks[0].client)
     trained = None if ranges is None else set(names)
     schedule = phase_schedule(phase, fed.settings.schedule)
+    rates = [phase_optimizer(t.plan[index], fed.settings).lr for t in tasks]
+    lrs = None if len(set(rates)) == 1 else torch.tensor(rates, dtype=params.dtype, device=params.device)
     iterators = [iter(client_batches(fed.clients[t.client].train, schedule, generators[i]))
                  for i, t in enumerate(tasks)]
     for view in views:
@@ -270,7 +274,7 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
         for i in active:
             by_size.setdefault(int(batches[i][1].numel()), []).append(i)
         for members in by_size.values():
-            _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers,
+            _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers,
                   members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast)
 
 
@@ -284,9 +288,10 @@ def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params,
     work.store(params, buffers, int_buffers)
 
 
-def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, members,
+def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers, members,
           batches, ranges, trained, loss_sum, samples, steps_taken, fed_autocast=None) -> None:
-    """One optimizer step of the clients ``members`` (their batches have one size)."""
+    """One optimizer step of the clients ``members`` (their batches have one size); ``lrs``:
+    [C] each client's learning rate where they differ (None: the optimizer's for all)."""
     idx = torch.tensor(members, device=params.device)
     whole = members == list(range(len(tasks)))
     layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
@@ -350,12 +355,12 @@ def _step(cohort, module, tasks, index, optimizer, state, views, params, grads, 
         if whole and bool((steps == steps[0]).all()):
             shared = {name: value for name, value in state.items() if name != "steps"}
             shared["steps"] = steps[0].clone()
-            optimizer.step(params, grads, shared, ranges=ranges)
+            optimizer.step(params, grads, shared, ranges=ranges, lr=None if lrs is None else lrs[:, None])
             steps += 1
         else:
             for i in members:
                 row_state = {name: value[i] for name, value in state.items()}
-                optimizer.step(params[i], grads[i], row_state, ranges=ranges)
+                optimizer.step(params[i], grads[i], row_state, ranges=ranges, lr=None if lrs is None else lrs[i:i + 1])
         for k, i in enumerate(members):
             phase = tasks[i].plan[index]
             if phase.after_step is not None:

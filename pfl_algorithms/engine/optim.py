@@ -6,7 +6,9 @@ a step is a few fused tensor ops whatever the number of tensors in the model (or
 the batched executor steps stacked rows [C, P] sharing a step count in one call), and the state
 (momentum, moments, step count) of every client is a row of a bank, so it survives between
 rounds without a per-client ``torch.optim`` object.  ``ranges`` restrict a step to parameter
-groups (a phase that trains only the head, only α, ...); the rest is left untouched.
+groups (a phase that trains only the head, only α, ...); the rest is left untouched.  ``lr``, a
+[C, 1] tensor, gives stacked rows learning rates of their own (clients whose phases differ only
+in their learning rate step together).
 """
 from __future__ import annotations
 
@@ -55,9 +57,9 @@ class SGD:
 
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
-             *, ranges: Ranges = None) -> None:
-        """One step of ``params`` [P] given ``grads`` [P] (``grads`` may be overwritten)."""
-        lr = self.lr
+             *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None) -> None:
+        """One step of ``params`` [P] (or rows [C, P]) given ``grads`` (may be overwritten);
+        ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``."""
         first = int(state["steps"]) == 0  # torch.optim starts the buffer at the first gradient
         buffers = (state["momentum_buffer"],) if self.momentum != 0.0 else ()
         for p, g, *buf in _pieces(ranges, params, grads, *buffers):
@@ -73,7 +75,10 @@ class SGD:
                     g.add_(b, alpha=self.momentum)
                 else:
                     g = b
-            p.add_(g, alpha=-lr)
+            if lr is None:
+                p.add_(g, alpha=-self.lr)
+            else:
+                p.addcmul_(g, lr, value=-1.0)
         state["steps"] += 1
 
 
@@ -100,9 +105,10 @@ class Adam:
 
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
-             *, ranges: Ranges = None) -> None:
-        """One step of ``params`` [P] given ``grads`` [P] (``grads`` may be overwritten)."""
-        lr = self.lr
+             *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None) -> None:
+        """One step of ``params`` [P] (or rows [C, P]) given ``grads`` (may be overwritten);
+        ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``."""
+        lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
         step = int(state["steps"]) + 1
         bias1 = 1.0 - beta1 ** step
@@ -116,7 +122,10 @@ class Adam:
             m.lerp_(g, 1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
-            p.addcdiv_(m, denom, value=-lr / bias1)
+            if isinstance(lr, torch.Tensor):
+                p.addcdiv_(m * (lr / bias1), denom, value=-1.0)
+            else:
+                p.addcdiv_(m, denom, value=-lr / bias1)
         state["steps"] += 1
 
 

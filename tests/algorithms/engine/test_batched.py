@@ -164,3 +164,31 @@ def test_client_module_runs_the_template_on_the_clients_rows():
     torch.testing.assert_close(buffers[stats[0]][1], dict(alone.named_buffers())[stats[0]], rtol=1e-12, atol=1e-12)
     with pytest.raises(AttributeError, match="'parameters' of a client's model is not available to a loss term"):
         client.parameters()
+
+
+@pytest.mark.parametrize("optimizer, settings", [("sgd", {"lr": 0.1, "momentum": 0.9}),
+                                                 ("adamw", {"lr": 0.01, "weight_decay": 0.1})])
+def test_clients_with_their_own_learning_rates_step_together(monkeypatch, optimizer, settings):
+    """A plan whose clients differ only in their lr: one chunk, each row stepped with its own
+    rate (kept state; unequal sizes, so the last steps go row by row), as sequentially."""
+    import pfl_algorithms.engine.batched as batched
+    from pfl_algorithms.algorithms.fedavg import FedAvg
+
+    class OwnRates(FedAvg):  # unnamed: not registered
+        def plan(self, client):
+            return (Phase(lr=settings["lr"] * (1 + client)),)
+
+    chunks, train_chunk = [], batched.train_chunk
+    monkeypatch.setattr(batched, "train_chunk",
+                        lambda fed, algo, cohort, tasks: chunks.append(len(tasks)) or train_chunk(fed, algo, cohort, tasks))
+
+    def run_own(executor):
+        algo = OwnRates()
+        fed = make_federation(algo, rounds=2, epochs=2, executor=executor, optimizer=optimizer,
+                              optimizer_settings=settings, optimizer_state="keep")
+        for r in range(2):
+            run_round(fed, algo, r)
+        return fed.state_dict(), algo.state_dict()
+
+    assert_close_state(run_own("batched"), run_own("sequential"), **TOL)
+    assert chunks == [3, 3]
