@@ -83,6 +83,8 @@ class ClientModule:
         if isinstance(attr, nn.Module):
             prefix = name + "."
             return ClientModule(attr, {k[len(prefix):]: v for k, v in self._tensors.items() if k.startswith(prefix)})
+        if name == "forward":
+            return self.__call__
         if hasattr(nn.Module, name):  # parameters(), state_dict(), ...: the template's, not the client's
             raise AttributeError(f"{name!r} of a client's model is not available to a loss term on the batched "
                                  f"executor; read parameters with ClientView.parameter in a begin or grad term")

@@ -150,6 +150,7 @@ def test_client_module_runs_the_template_on_the_clients_rows():
             p.copy_(stacked[n][1])
     x = torch.randn(5, 4, dtype=torch.float64)
     torch.testing.assert_close(client(x), alone(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(client.forward(x), alone(x), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(client.embed(x), alone.embed(x), rtol=1e-12, atol=1e-12)
     e = torch.randn(5, model.embedding_dim, dtype=torch.float64)
     torch.testing.assert_close(client.head(e), alone.head(e), rtol=1e-12, atol=1e-12)
