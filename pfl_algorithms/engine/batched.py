@@ -68,9 +68,10 @@ def unbatchable_reason(algorithm, plan) -> Optional[str]:
 class ClientModule:
     """One client's model as a loss term sees it on the batched executor: the cohort's template
     module run by ``functional_call`` on the client's rows of the stacked parameters and buffers
-    (gradients reach the rows; BatchNorm updates the client's statistics).  Call it, one of its
-    submodules (``.head``, ``.body``) or one of its methods (``.embed``); its other attributes
-    are the template's."""
+    (gradients reach the rows; BatchNorm updates the client's statistics).  Call it (or its
+    ``forward``), one of its submodules (``.head``, ``.body``) or one of its methods
+    (``.embed``); its other attributes are the template's, except ``nn.Module``'s own methods
+    (``parameters()``, ``state_dict()``, ...), which would show the template, not the client."""
 
     def __init__(self, module: nn.Module, tensors: dict):
         self._module, self._tensors = module, tensors
@@ -323,7 +324,8 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
     logits, embeddings = (out, None) if isinstance(out, torch.Tensor) else out
     # The loss in float32, as torch.autocast leaves it.
     loss_logits = logits.float() if fed_autocast else logits
-    per_client = F.cross_entropy(loss_logits.flatten(0, 1), y.flatten(), reduction="none").view(len(members), -1).mean(1)
+    per_client = F.cross_entropy(loss_logits.flatten(0, 1), y.flatten(), reduction="none")
+    per_client = per_client.view(len(members), -1).mean(1)
     terms = [tasks[i].plan[index].loss_terms for i in members]
     if any(terms):
         per_client = torch.stack([_with_loss_terms(per_client[k], terms[k], module, leaves, parts, k, x, y, logits,
@@ -372,7 +374,6 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
             samples[i] += n
             steps_taken[i] += 1
             views[i].step += 1
-
 
 
 def _with_loss_terms(loss, terms, module, leaves, parts, k, x, y, logits, embeddings):

@@ -141,7 +141,8 @@ def test_client_module_runs_the_template_on_the_clients_rows():
     torch.manual_seed(0)
     model = build_model("mlp", input_shape=(4,), num_classes=3, hidden=(6,)).double()
     model.body.insert(2, torch.nn.BatchNorm1d(6).double())
-    stacked = {n: torch.randn(2, *p.shape, dtype=torch.float64, requires_grad=True) for n, p in model.named_parameters()}
+    stacked = {n: torch.randn(2, *p.shape, dtype=torch.float64, requires_grad=True)
+               for n, p in model.named_parameters()}
     buffers = {n: torch.stack([b, b]) for n, b in model.named_buffers()}
     client = ClientModule(model, {**{n: t[1] for n, t in stacked.items()}, **{n: b[1] for n, b in buffers.items()}})
     alone = copy.deepcopy(model)
@@ -180,8 +181,11 @@ def test_clients_with_their_own_learning_rates_step_together(monkeypatch, optimi
             return (Phase(lr=settings["lr"] * (1 + client)),)
 
     chunks, train_chunk = [], batched.train_chunk
-    monkeypatch.setattr(batched, "train_chunk",
-                        lambda fed, algo, cohort, tasks: chunks.append(len(tasks)) or train_chunk(fed, algo, cohort, tasks))
+    def counted(fed, algo, cohort, tasks):
+        chunks.append(len(tasks))
+        return train_chunk(fed, algo, cohort, tasks)
+
+    monkeypatch.setattr(batched, "train_chunk", counted)
 
     def run_own(executor):
         algo = OwnRates()
