@@ -60,7 +60,8 @@ def build(config: RunConfig):
                               optimizer_settings=_optimizer_settings(config), eval_every=config.eval_every,
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=executor,
                               workers=config.workers, finetune_epochs=config.finetune(),
-                              chunk_clients=config.chunk_clients, autocast=config.autocast)
+                              chunk_clients=config.chunk_clients, autocast=config.autocast,
+                              threaded_hooks=config.executor == "auto" and torch.device(config.device).type == "cpu")
     augment = None
     if config.augment is not None:
         from .data.augment import make_augmentation

@@ -32,7 +32,11 @@ Hooks run per client, each seeing what it would see alone:
 
 A task whose algorithm is not ``batchable`` or whose plan has a custom gradient (pFedMe,
 Per-FedAvg: steps computed client by client) runs on the threaded executor instead, with a
-one-line notice.  Evaluation tasks run there too.
+one-line notice.  Evaluation tasks run there too.  With ``threaded_hooks`` (``--executor auto``
+on a CPU), so do tasks whose plans have ``begin`` hooks or loss terms: those run client by
+client here, and on 2 CPU cores threads ran them faster (Fed-CMA 0.96 s threaded against
+1.32 s batched, FedGen 0.86 against 1.06, IFCA 0.61 against 0.65: the training time of 5
+rounds of 20 digits clients).
 """
 from __future__ import annotations
 
@@ -63,6 +67,17 @@ def unbatchable_reason(algorithm, plan) -> Optional[str]:
     if any(phase.gradient is not None for phase in plan):
         return f"{algorithm.name or type(algorithm).__name__}'s local plan has a custom gradient"
     return None
+
+
+def client_by_client_reason(algorithm, plan) -> Optional[str]:
+    """Why a task of ``algorithm`` with ``plan`` would run partly client by client batched: its
+    ``begin`` hooks or loss terms (None: neither)."""
+    hooks = [what for what, present in (("begin hooks", any(p.begin is not None for p in plan)),
+                                        ("loss terms", any(p.loss_terms for p in plan))) if present]
+    if not hooks:
+        return None
+    return (f"{algorithm.name or type(algorithm).__name__}'s local plan has {' and '.join(hooks)}, which run client "
+            f"by client (auto on a CPU)")
 
 
 class ClientModule:
@@ -155,10 +170,11 @@ class BatchedExecutor(Executor):
 
     name = "batched"
 
-    def __init__(self, workers: Optional[int] = None, chunk: Optional[int] = None):
+    def __init__(self, workers: Optional[int] = None, chunk: Optional[int] = None, *, threaded_hooks: bool = False):
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk must be None or an integer >= 1, got {chunk!r}")
         self.chunk = chunk
+        self.threaded_hooks = threaded_hooks  # plans with begin hooks or loss terms run threaded
         self.fallback = ThreadedExecutor(workers)
         self._noticed: set[str] = set()
 
@@ -177,6 +193,8 @@ class BatchedExecutor(Executor):
         groups: dict[tuple, list] = {}
         for position, task in enumerate(tasks):
             reason = unbatchable_reason(algorithm, task.plan)
+            if reason is None and self.threaded_hooks:
+                reason = client_by_client_reason(algorithm, task.plan)
             if reason is not None:
                 if reason not in self._noticed:
                     self._noticed.add(reason)

@@ -139,16 +139,18 @@ def choose_executor(name: Optional[str], *, device: str, parameters: int) -> tup
         return "batched", "auto on CUDA: clients in chunks, one vmapped forward/backward each"
     if parameters <= AUTO_CPU_MAX_PARAMETERS:
         return "batched", (f"auto on a CPU: {parameters} parameters per client <= {AUTO_CPU_MAX_PARAMETERS}, "
-                           "where batched trained faster than threaded in the CPU benchmark")
+                           "where batched trained faster than threaded in the CPU benchmark; plans with begin "
+                           "hooks or loss terms, which run client by client, go threaded")
     return "threaded", (f"auto on a CPU: {parameters} parameters per client > {AUTO_CPU_MAX_PARAMETERS}, "
                         "where threaded trained faster than batched in the CPU benchmark")
 
 
 def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cpu",
-                  chunk: Optional[int] = None) -> Executor:
+                  chunk: Optional[int] = None, threaded_hooks: bool = False) -> Executor:
     """The executor ``name`` ('sequential', 'threaded', 'batched', whose chunks hold ``chunk``
-    clients, None: as many as free memory holds, or 'distributed', ``workers`` tasks at once per
-    rank, None: 1); on a GPU, threads would only queue kernels on
+    clients, None: as many as free memory holds, and which sends plans with begin hooks or
+    loss terms to threads when ``threaded_hooks``; or 'distributed', ``workers`` tasks at once
+    per rank, None: 1); on a GPU, threads would only queue kernels on
     one device, so ``threaded`` (and batched's fallback) runs one task at a time there."""
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {sorted(EXECUTORS)}, got {name!r}")
@@ -158,7 +160,7 @@ def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cp
     if name == "batched":
         from .batched import BatchedExecutor
 
-        return BatchedExecutor(workers, chunk=chunk)
+        return BatchedExecutor(workers, chunk=chunk, threaded_hooks=threaded_hooks)
     if name == "distributed":
         from .distributed import DistributedExecutor
 

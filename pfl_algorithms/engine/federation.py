@@ -39,6 +39,8 @@ class EngineSettings:
     ``finetune_epochs``: before evaluation, each client fine-tunes a scratch copy of its
     evaluation model for that many epochs (``rounds.finetune_phase``; 0: none).
     ``chunk_clients``: clients per chunk of the ``batched`` executor (None: from free memory).
+    ``threaded_hooks``: the ``batched`` executor sends plans with begin hooks or loss terms to
+    threads (``--executor auto`` on a CPU, where that is faster for them).
     ``autocast``: 'bf16' runs the training forward under bfloat16 autocast (None: float32).
     """
 
@@ -56,6 +58,7 @@ class EngineSettings:
     finetune_epochs: int = 0
     chunk_clients: Optional[int] = None
     autocast: Optional[str] = None
+    threaded_hooks: bool = False
 
     def __post_init__(self):
         if self.rounds < 0:
@@ -232,7 +235,7 @@ class Federation:
         self._class_counts: Optional[torch.Tensor] = None
         self.comm = CommLedger()
         self.executor = make_executor(settings.executor, workers=settings.workers, device=str(self.device),
-                                      chunk=settings.chunk_clients)
+                                      chunk=settings.chunk_clients, threaded_hooks=settings.threaded_hooks)
         self.round = 0
 
     def _check_shared_shapes(self) -> None:

@@ -87,6 +87,30 @@ def test_unbatchable_plans_fall_back_to_threaded_with_one_notice(capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_auto_on_a_cpu_sends_plans_with_hooks_to_threads(monkeypatch, capsys):
+    """``threaded_hooks`` (auto on a CPU): Fed-CMA's plan (a begin hook and a loss term) runs
+    threaded with one notice; FedProx's (a grad term only) stays batched."""
+    import pfl_algorithms.engine.batched as batched
+
+    chunks, train_chunk = [], batched.train_chunk
+
+    def counted(fed, algo, cohort, tasks):
+        chunks.append(algo.name)
+        return train_chunk(fed, algo, cohort, tasks)
+
+    monkeypatch.setattr(batched, "train_chunk", counted)
+    for name in ("fedcma", "fedprox"):
+        algo = make_algorithm(name)
+        fed = make_federation(algo, rounds=2, executor="batched")
+        fed.executor.threaded_hooks = True
+        for r in range(2):
+            run_round(fed, algo, r)
+    assert set(chunks) == {"fedprox"}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pfl: executor batched: fedcma's local plan has begin hooks and loss terms, which run client by "
+                   "client (auto on a CPU); its clients run on the threaded executor"]
+
+
 def test_chunk_is_checked():
     with pytest.raises(ValueError, match="chunk must be None or an integer >= 1"):
         BatchedExecutor(chunk=0)

@@ -64,6 +64,7 @@ def test_choose_executor_default_auto_and_asked():
     small = choose_executor("auto", device="cpu", parameters=AUTO_CPU_MAX_PARAMETERS)
     large = choose_executor("auto", device="cpu", parameters=AUTO_CPU_MAX_PARAMETERS + 1)
     assert small[0] == "batched" and large[0] == "threaded"
+    assert "begin hooks or loss terms" in small[1] and "go threaded" in small[1]
     assert str(AUTO_CPU_MAX_PARAMETERS + 1) in large[1] and "benchmark" in large[1]
     with pytest.raises(ValueError, match="executor must be one of"):
         choose_executor("ray", device="cpu", parameters=1)
