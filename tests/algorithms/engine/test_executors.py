@@ -54,8 +54,11 @@ def test_a_threaded_round_leaves_the_callers_thread_count_alone():
         torch.set_num_threads(threads)
 
 
-def test_choose_executor_default_auto_and_asked():
-    from pfl_algorithms.engine.executors import AUTO_CPU_MAX_PARAMETERS, choose_executor
+def test_choose_executor_default_auto_and_asked(monkeypatch):
+    from pfl_algorithms.engine.executors import (AUTO_CPU_MAX_PARAMETERS, AUTO_CPU_MAX_PARAMETERS_PASSIVE,
+                                                 choose_executor)
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
 
     assert choose_executor(None, device="cpu", parameters=10) == ("threaded", "the default on a CPU")
     assert choose_executor(None, device="cuda", parameters=10)[0] == "batched"
@@ -65,6 +68,10 @@ def test_choose_executor_default_auto_and_asked():
     large = choose_executor("auto", device="cpu", parameters=AUTO_CPU_MAX_PARAMETERS + 1)
     assert small[0] == "batched" and large[0] == "threaded"
     assert "begin hooks or loss terms" in small[1] and "go threaded" in small[1]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # batched's two-thread small ops pay for waking threads
+    assert choose_executor("auto", device="cpu", parameters=AUTO_CPU_MAX_PARAMETERS_PASSIVE)[0] == "batched"
+    passive = choose_executor("auto", device="cpu", parameters=AUTO_CPU_MAX_PARAMETERS_PASSIVE + 1)
+    assert passive[0] == "threaded" and "OMP_WAIT_POLICY=PASSIVE" in passive[1]
     assert str(AUTO_CPU_MAX_PARAMETERS + 1) in large[1] and "benchmark" in large[1]
     with pytest.raises(ValueError, match="executor must be one of"):
         choose_executor("ray", device="cpu", parameters=1)
