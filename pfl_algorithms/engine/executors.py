@@ -15,8 +15,8 @@ bit; small models also use cores better one client per core than one op per core
   (``torchrun``), client c on rank c % N, the results gathered on every rank
   (``engine.distributed``).
 
-An executor that trains clients its own way has ``run_train(fed, algorithm, tasks, run_one)``;
-the others run each training task through ``run``.  A task is a pure description (client,
+The round loop hands its training tasks to ``run_train(fed, algorithm, tasks, run_one)``, which
+runs each through ``run`` unless the executor trains clients its own way.  A task is a pure description (client,
 round, download, plan), so it can be shipped or stacked.
 """
 from __future__ import annotations
@@ -58,6 +58,11 @@ class Executor(ABC):
     @abstractmethod
     def run(self, tasks: Sequence[Task], run_one: Callable[[Task], Result]) -> list[Result]:
         """``[run_one(task) for task in tasks]``, computed wherever this executor runs tasks."""
+
+    def run_train(self, fed, algorithm, tasks: Sequence[Task], run_one: Callable[[Task], Result]) -> list[Result]:
+        """The round's training tasks, in task order: each through ``run_one`` here; an executor
+        that trains clients its own way (batched, distributed) overrides it."""
+        return self.run(tasks, run_one)
 
     def close(self) -> None:
         """Release workers (the executor may be used again afterwards)."""

@@ -90,9 +90,7 @@ def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
     for task in tasks:
         if task.download is not None:
             fed.comm.record("down", task.client, task.download, fed.cohort_of(task.client).name)
-    run_one = lambda task: run_train_task(fed, algorithm, task)
-    run_train = getattr(fed.executor, "run_train", None)
-    results = run_train(fed, algorithm, tasks, run_one) if run_train is not None else fed.executor.run(tasks, run_one)
+    results = fed.executor.run_train(fed, algorithm, tasks, lambda task: run_train_task(fed, algorithm, task))
     resolve_class_means(fed, results)  # the uploads' class-mean requests, per cohort at once
     sent = [r for r in results if r.finite and r.upload is not None]
     for result in sent:
