@@ -87,25 +87,31 @@ def test_unbatchable_plans_fall_back_to_threaded_with_one_notice(capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_auto_on_a_cpu_sends_plans_with_hooks_to_threads(monkeypatch, capsys):
-    """``threaded_hooks`` (auto on a CPU): Fed-CMA's plan (a begin hook and a loss term) runs
-    threaded with one notice; FedProx's (a grad term only) stays batched."""
+@pytest.fixture
+def chunks(monkeypatch):
+    """(algorithm name, clients) of every chunk the batched executor trains from here on."""
     import pfl_algorithms.engine.batched as batched
 
-    chunks, train_chunk = [], batched.train_chunk
+    seen, train_chunk = [], batched.train_chunk
 
     def counted(fed, algo, cohort, tasks):
-        chunks.append(algo.name)
+        seen.append((algo.name, len(tasks)))
         return train_chunk(fed, algo, cohort, tasks)
 
     monkeypatch.setattr(batched, "train_chunk", counted)
+    return seen
+
+
+def test_auto_on_a_cpu_sends_plans_with_hooks_to_threads(chunks, capsys):
+    """``threaded_hooks`` (auto on a CPU): Fed-CMA's plan (a begin hook and a loss term) runs
+    threaded with one notice; FedProx's (a grad term only) stays batched."""
     for name in ("fedcma", "fedprox"):
         algo = make_algorithm(name)
         fed = make_federation(algo, rounds=2, executor="batched")
         fed.executor.threaded_hooks = True
         for r in range(2):
             run_round(fed, algo, r)
-    assert set(chunks) == {"fedprox"}
+    assert {name for name, _ in chunks} == {"fedprox"}
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pfl: executor batched: fedcma's local plan has begin hooks and loss terms, which run client by "
                    "client (auto on a CPU); its clients run on the threaded executor"]
@@ -194,22 +200,14 @@ def test_client_module_runs_the_template_on_the_clients_rows():
 
 @pytest.mark.parametrize("optimizer, settings", [("sgd", {"lr": 0.1, "momentum": 0.9}),
                                                  ("adamw", {"lr": 0.01, "weight_decay": 0.1})])
-def test_clients_with_their_own_learning_rates_step_together(monkeypatch, optimizer, settings):
+def test_clients_with_their_own_learning_rates_step_together(chunks, optimizer, settings):
     """A plan whose clients differ only in their lr: one chunk, each row stepped with its own
     rate (kept state; unequal sizes, so the last steps go row by row), as sequentially."""
-    import pfl_algorithms.engine.batched as batched
     from pfl_algorithms.algorithms.fedavg import FedAvg
 
     class OwnRates(FedAvg):  # unnamed: not registered
         def plan(self, client):
             return (Phase(lr=settings["lr"] * (1 + client)),)
-
-    chunks, train_chunk = [], batched.train_chunk
-    def counted(fed, algo, cohort, tasks):
-        chunks.append(len(tasks))
-        return train_chunk(fed, algo, cohort, tasks)
-
-    monkeypatch.setattr(batched, "train_chunk", counted)
 
     def run_own(executor):
         algo = OwnRates()
@@ -220,4 +218,4 @@ def test_clients_with_their_own_learning_rates_step_together(monkeypatch, optimi
         return fed.state_dict(), algo.state_dict()
 
     assert_close_state(run_own("batched"), run_own("sequential"), **TOL)
-    assert chunks == [3, 3]
+    assert [clients for _, clients in chunks] == [3, 3]
