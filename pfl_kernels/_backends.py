@@ -13,6 +13,8 @@ def _why_missing(device: str, impl: str) -> str:
         return _extension.REASON or "the extension has no kernel for this op"
     if impl == "triton":
         return _triton.REASON or "no Triton kernel for this op"
+    if impl == "reference":
+        return "plain PyTorch by design"
     return f"no {impl} implementation"
 
 

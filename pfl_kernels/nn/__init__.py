@@ -4,10 +4,12 @@ from .convert import (alpha_parameters, branch_parameters, factorize, factorized
 from ._read_only import ReadOnlyWeightError
 from .factorized import FactorizedConv2d, FactorizedLinear
 from .multibranch import MultiBranchConv2d, MultiBranchLinear
+from .pool import ReLUMaxPool2d, fuse_relu_max_pool, unfuse_relu_max_pool
 
 __all__ = [
     "FactorizedConv2d", "FactorizedLinear", "MultiBranchConv2d", "MultiBranchLinear",
     "factorize", "factorized_layers", "sparsity_loss",
     "multibranch", "multibranch_layers", "branch_parameters", "alpha_parameters", "project_alpha_",
+    "ReLUMaxPool2d", "fuse_relu_max_pool", "unfuse_relu_max_pool",
     "ReadOnlyWeightError",
 ]

@@ -11,7 +11,8 @@ from .branch import branch_combine, project_simplex_
 from .branch_aggregate import branch_aggregate
 from .class_means import class_means
 from .factorized import factorized_weight, soft_threshold_
+from .pool import relu_max_pool2d
 from .similarity import *  # noqa: F401,F403
 
 __all__ = ["branch_aggregate", "branch_combine", "class_means", "factorized_weight", "project_simplex_",
-           "soft_threshold_", *_aggregate.__all__, *_similarity.__all__]
+           "relu_max_pool2d", "soft_threshold_", *_aggregate.__all__, *_similarity.__all__]

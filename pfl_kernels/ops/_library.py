@@ -41,11 +41,12 @@ except ImportError:  # pragma: no cover  (a torch without it: no torch.func supp
     enable_single_level_autograd_function = contextlib.nullcontext
 
 
-def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton") -> str:
+def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: Optional[str] = "triton") -> str:
     """Define ``pfl::<schema>`` with ``reference`` as the default kernel for every device.
 
     ``cpu`` / ``cuda`` name the fast implementations expected for those devices (they
-    register themselves); ``backend_info()`` reports whether they did.  An op that mutates
+    register themselves); ``backend_info()`` reports whether they did.  ``cuda=None``: the
+    reference is the CUDA implementation by design.  An op that mutates
     an argument also gets ``_guard_mutation``'s kernels.
     """
     name = schema.split("(", 1)[0]
@@ -54,7 +55,7 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: str = "triton")
     # a CPU or CUDA registration takes precedence over it.
     LIB.impl(name, reference, "CompositeExplicitAutograd")
     qualname = f"{NAMESPACE}::{name}"
-    FAST_PATHS[qualname] = {"cpu": cpu, "cuda": cuda}
+    FAST_PATHS[qualname] = {"cpu": cpu, "cuda": cuda or "reference"}
     REFERENCE_KERNELS[qualname] = reference
     op = op_overload(qualname)
     if op._schema.is_mutable:
