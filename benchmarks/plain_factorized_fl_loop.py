@@ -57,10 +57,12 @@ class EagerFactorizedLinear(nn.Module):
 
 def eager_copy(model: nn.Module) -> nn.Module:
     """A copy of a model made by ``factorized-fl-beta`` (layout ``view``) with the released
-    code's eager layers in place of the fused ones: the same parameters, names and values."""
-    from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear
+    code's eager layers in place of the fused ones, and its ReLU + MaxPool2d(2) in place of
+    the engine's fused pool: the same parameters, names and values."""
+    from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, unfuse_relu_max_pool
 
     model = copy.deepcopy(model)
+    unfuse_relu_max_pool(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, (FactorizedConv2d, FactorizedLinear)):
             parent_name, _, child = name.rpartition(".")

@@ -73,10 +73,12 @@ class EagerMultiBranchLinear(_EagerMultiBranch):
 
 def eager_copy(model: nn.Module) -> nn.Module:
     """A copy of a model prepared by ``pfedmb`` (softmax α) with eager layers in place of the
-    fused ones: the same parameters, names and values."""
-    from pfl_kernels.nn import MultiBranchConv2d, MultiBranchLinear
+    fused ones, and ReLU + MaxPool2d(2) in place of the engine's fused pool: the same
+    parameters, names and values."""
+    from pfl_kernels.nn import MultiBranchConv2d, MultiBranchLinear, unfuse_relu_max_pool
 
     model = copy.deepcopy(model)
+    unfuse_relu_max_pool(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, (MultiBranchConv2d, MultiBranchLinear)):
             if module.simplex != "softmax":
