@@ -52,17 +52,21 @@ class Sparse:
 
     def kept(self) -> Tensor:
         """Bool mask of the entries that travel."""
-        mag = self.tensor.detach().abs()
-        return mag >= self.threshold if self.threshold > 0 else mag != 0
+        t = self.tensor.detach()
+        return t.abs() >= self.threshold if self.threshold > 0 else t != 0  # |x| != 0 iff x != 0
 
     def dense(self) -> Tensor:
-        """What the receiver gets: the tensor with the entries that did not travel set to 0."""
+        """What the receiver gets: the tensor with the entries that did not travel set to 0
+        (threshold 0: the tensor itself, whose zeros are the entries that did not travel)."""
+        if self.threshold == 0:
+            return self.tensor
         return torch.where(self.kept(), self.tensor, torch.zeros((), dtype=self.tensor.dtype,
                                                                  device=self.tensor.device))
 
     def bits(self) -> float:
         """The cost of this payload (module docstring)."""
-        return float(int(self.kept().sum())) * (dtype_bits(self.tensor.dtype) + self.index_bits)
+        kept = torch.count_nonzero(self.tensor.detach()) if self.threshold == 0 else self.kept().sum()
+        return float(int(kept)) * (dtype_bits(self.tensor.dtype) + self.index_bits)
 
 
 Payload = Union[Tensor, Sparse]
