@@ -122,9 +122,10 @@ CHOICES = (*EXECUTORS, "auto")  # what a run may ask for: 'auto' is resolved by 
 # ``auto`` on a CPU runs ``batched`` for models of at most this many parameters per client and
 # ``threaded`` above.  Measured on 2 cores (``bash scripts/bench.sh --full --suite executor``,
 # benchmarks/results/executor_cpu.json; one FedAvg round of 20 clients): batched trains the MLP
-# (9.6k parameters, batch 16) 3.7x and the digits CNN (38k, batch 16) 1.8x faster than threaded,
+# (9.6k parameters, batch 16) 3.9x and the digits CNN (38k, batch 16) 2.2x faster than threaded,
 # LeNet-5 (62k, batch 64; its vmapped convolutions become grouped convolutions, slow to
-# differentiate on a CPU) and its factorized form 0.4x.
+# differentiate on a CPU) and its factorized form 0.34x and 0.36x (re-measured with the fused
+# ReLU + max pool, which both executors run).
 AUTO_CPU_MAX_PARAMETERS = 40_000
 # Under OMP_WAIT_POLICY=PASSIVE, batched's two-thread ops pay for waking sleeping threads at every
 # small op: the MLP still trained 1.4-2.3x faster batched, the digits CNN 0.66-1.13x (20 clients,
