@@ -21,10 +21,9 @@ from ..data.partition import ClientSplit
 from ..models.base import head_parameter_names
 from .cohort import Cohort, StateSpec
 from .comm import CommLedger
-from .local import conv_layout
 from .executors import make_executor
 from .groups import BUFFERS, GroupRule, declare_groups
-from .local import LocalSchedule
+from .local import LocalSchedule, conv_layout
 from .seeds import stream_generator
 
 
