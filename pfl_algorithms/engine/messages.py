@@ -49,6 +49,11 @@ class Sparse:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
         if isinstance(self.index_bits, bool) or not isinstance(self.index_bits, int) or self.index_bits < 0:
             raise ValueError(f"index_bits must be an int >= 0, got {self.index_bits!r}")
+        # Counted where the payload is made: a client's upload on its worker thread, in
+        # parallel with the other clients, not on the server's thread when it is recorded.
+        t = self.tensor.detach()
+        kept = torch.count_nonzero(t) if self.threshold == 0 else (t.abs() >= self.threshold).sum()
+        object.__setattr__(self, "_kept_count", int(kept))
 
     def kept(self) -> Tensor:
         """Bool mask of the entries that travel."""
@@ -65,8 +70,7 @@ class Sparse:
 
     def bits(self) -> float:
         """The cost of this payload (module docstring)."""
-        kept = torch.count_nonzero(self.tensor.detach()) if self.threshold == 0 else self.kept().sum()
-        return float(int(kept)) * (dtype_bits(self.tensor.dtype) + self.index_bits)
+        return float(self._kept_count) * (dtype_bits(self.tensor.dtype) + self.index_bits)
 
 
 Payload = Union[Tensor, Sparse]
@@ -96,7 +100,7 @@ class ClassMeans:
 
 def dtype_bits(dtype: torch.dtype) -> int:
     """Bits of one element of ``dtype`` as stored."""
-    return torch.empty((), dtype=dtype).element_size() * 8
+    return dtype.itemsize * 8
 
 
 def payload_bits(value: Any) -> float:
