@@ -50,13 +50,17 @@ struct Geometry {
   int64_t row() const { return OW() * C; }  // outputs per output row
 };
 
-bool channels_last(const at::Tensor& t) {
-  // A tensor both layouts describe (C = 1, or 1x1 maps) is walked as NCHW.
-  return t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+// The layout a tensor is walked in, which its outputs take: channels-last for a channels-last
+// tensor; NCHW otherwise, also for one both layouts describe (C = 1, or 1x1 maps).
+at::MemoryFormat walk_format(const at::Tensor& t) {
+  const bool last = t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+  return last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
 }
 
-Geometry geometry_of(const at::Tensor& t, int64_t H, int64_t W, bool last) {
-  return last ? Geometry{t.size(0), H, W, t.size(1)} : Geometry{t.size(0) * t.size(1), H, W, 1};
+// The rows of t [N, C, ., .] (laid out in `format`) for input maps of H x W.
+Geometry geometry_of(const at::Tensor& t, int64_t H, int64_t W, at::MemoryFormat format) {
+  return format == at::MemoryFormat::ChannelsLast ? Geometry{t.size(0), H, W, t.size(1)}
+                                                  : Geometry{t.size(0) * t.size(1), H, W, 1};
 }
 
 // The checks of _check_forward in ops/pool.py (the same wording).
@@ -149,10 +153,16 @@ __attribute__((target("avx2"))) int64_t forward_row_avx2(const float* r0, const 
 }
 #endif
 
-// base(j) = 2 * ow * C + c for the outputs j = ow * C + c of a row: where each window starts.
-std::vector<int32_t> window_bases(int64_t L, int64_t C) {
-  std::vector<int32_t> base(L);
-  for (int64_t j = 0; j < L; ++j) base[j] = static_cast<int32_t>(j + (j / C) * C);
+// For the AVX2 loops: base(j) = 2 * ow * C + c for the outputs j = ow * C + c of a row, where
+// each window starts; empty where they do not run (other dtypes, rows under 8 outputs, no AVX2).
+template <typename scalar_t>
+std::vector<int32_t> avx2_window_bases(const Geometry& g) {
+  std::vector<int32_t> base;
+  const int64_t L = g.row();
+  if (std::is_same<scalar_t, float>::value && L >= 8 && cpu::cpu_has_avx2() && 2 * g.W * g.C < (int64_t{1} << 31)) {
+    base.resize(L);
+    for (int64_t j = 0; j < L; ++j) base[j] = static_cast<int32_t>(j + (j / g.C) * g.C);
+  }
   return base;
 }
 
@@ -164,10 +174,7 @@ void forward_kernel(const scalar_t* x, scalar_t* out, uint8_t* offsets, const Ge
   const int64_t OH = g.OH(), L = g.row(), rows = g.P * OH;
   if (rows == 0 || L == 0) return;
 #ifdef PFL_POOL_AVX2
-  std::vector<int32_t> base;
-  const bool avx2 = std::is_same<scalar_t, float>::value && L >= 8 && cpu::cpu_has_avx2() &&
-                    2 * g.W * g.C < (int64_t{1} << 31);
-  if (avx2) base = window_bases(L, g.C);
+  const std::vector<int32_t> base = avx2_window_bases<scalar_t>(g);
 #endif
   at::parallel_for(0, rows, grain_rows(L), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -176,7 +183,7 @@ void forward_kernel(const scalar_t* x, scalar_t* out, uint8_t* offsets, const Ge
       const scalar_t* r1 = r0 + g.W * g.C;
       int64_t j = 0;
 #ifdef PFL_POOL_AVX2
-      if (avx2) {
+      if (!base.empty()) {
         j = forward_row_avx2(reinterpret_cast<const float*>(r0), reinterpret_cast<const float*>(r1), g.C, L,
                              base.data(), reinterpret_cast<float*>(out + r * L), offsets + r * L);
       }
@@ -228,10 +235,7 @@ void backward_kernel(const scalar_t* grad, const uint8_t* offsets, scalar_t* gra
   const int64_t OH = g.OH(), OW = g.OW(), C = g.C, L = g.row(), width = g.W * C, rows = g.P * g.H;
   if (rows == 0 || width == 0) return;
 #ifdef PFL_POOL_AVX2
-  std::vector<int32_t> base;
-  const bool avx2 = std::is_same<scalar_t, float>::value && L >= 8 && cpu::cpu_has_avx2() &&
-                    2 * g.W * g.C < (int64_t{1} << 31);
-  if (avx2) base = window_bases(L, C);
+  const std::vector<int32_t> base = avx2_window_bases<scalar_t>(g);
 #endif
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -247,7 +251,7 @@ void backward_kernel(const scalar_t* grad, const uint8_t* offsets, scalar_t* gra
       const uint8_t* fr = offsets + (p * OH + oh) * L;
       int64_t j = 0;
 #ifdef PFL_POOL_AVX2
-      if (avx2) j = backward_row_avx2(reinterpret_cast<const float*>(gr), fr, top, L, base.data(), C,
+      if (!base.empty()) j = backward_row_avx2(reinterpret_cast<const float*>(gr), fr, top, L, base.data(), C,
                                       reinterpret_cast<float*>(row));
 #endif
       backward_row_scalar(gr, fr, top, C, j, L, row);
@@ -258,13 +262,12 @@ void backward_kernel(const scalar_t* grad, const uint8_t* offsets, scalar_t* gra
 
 std::tuple<at::Tensor, at::Tensor> relu_max_pool2d_cpu(const at::Tensor& input) {
   check_input(input);
-  const bool last = channels_last(input);
-  const auto format = last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const auto format = walk_format(input);
   const at::Tensor x = input.contiguous(format);
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   at::Tensor out = at::empty({N, C, H / 2, W / 2}, x.options().memory_format(format));
   at::Tensor offsets = at::empty({N, C, H / 2, W / 2}, x.options().dtype(at::kByte).memory_format(format));
-  const Geometry g = geometry_of(x, H, W, last);
+  const Geometry g = geometry_of(x, H, W, format);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "relu_max_pool2d", [&] {
     forward_kernel(x.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), offsets.data_ptr<uint8_t>(), g);
   });
@@ -286,12 +289,11 @@ void check_backward(const at::Tensor& grad, const at::Tensor& offsets, c10::IntA
 
 at::Tensor relu_max_pool2d_backward_cpu(const at::Tensor& grad, const at::Tensor& offsets, c10::IntArrayRef size) {
   check_backward(grad, offsets, size);
-  const bool last = channels_last(offsets);
-  const auto format = last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const auto format = walk_format(offsets);
   const at::Tensor g = grad.contiguous(format), f = offsets.contiguous(format);
   const int64_t N = f.size(0), C = f.size(1), H = size[0], W = size[1];
   at::Tensor grad_x = at::empty({N, C, H, W}, g.options().memory_format(format));
-  const Geometry geo = geometry_of(f, H, W, last);
+  const Geometry geo = geometry_of(f, H, W, format);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), "relu_max_pool2d_backward", [&] {
     backward_kernel(g.const_data_ptr<scalar_t>(), f.const_data_ptr<uint8_t>(), grad_x.data_ptr<scalar_t>(), geo);
   });

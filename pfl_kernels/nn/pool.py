@@ -2,6 +2,8 @@
 it into a model."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -35,6 +37,15 @@ def _is_pool2(m: nn.Module) -> bool:
             and not m.return_indices)
 
 
+def _adjacent_pairs(model: nn.Module) -> Iterator[tuple[nn.Sequential, str, str]]:
+    """(container, name, next name) for each two neighbours in every plain ``nn.Sequential`` of
+    ``model``; the containers are listed first, so replacing a pair's modules is safe."""
+    for seq in [m for m in model.modules() if type(m) is nn.Sequential]:
+        names = list(seq._modules)
+        for first, second in zip(names, names[1:]):
+            yield seq, first, second
+
+
 def fuse_relu_max_pool(model: nn.Module) -> int:
     """Replace, in place, each ``nn.ReLU`` directly followed by a 2x2 ``nn.MaxPool2d`` in an
     ``nn.Sequential`` by ``nn.Identity`` and a ``ReLUMaxPool2d``; returns how many pairs.
@@ -51,15 +62,12 @@ def fuse_relu_max_pool(model: nn.Module) -> int:
     for _, m in model.named_modules(remove_duplicate=False):
         uses[id(m)] = uses.get(id(m), 0) + 1
     fused = 0
-    for seq in [m for m in model.modules() if type(m) is nn.Sequential]:
-        names = list(seq._modules)
-        for first, second in zip(names, names[1:]):
-            relu, pool = seq._modules[first], seq._modules[second]
-            if (type(relu) is nn.ReLU and uses[id(relu)] == 1 and _is_pool2(pool) and _unhooked(relu)
-                    and _unhooked(pool)):
-                seq._modules[first] = nn.Identity()
-                seq._modules[second] = ReLUMaxPool2d()
-                fused += 1
+    for seq, first, second in _adjacent_pairs(model):
+        relu, pool = seq._modules[first], seq._modules[second]
+        if type(relu) is nn.ReLU and uses[id(relu)] == 1 and _is_pool2(pool) and _unhooked(relu) and _unhooked(pool):
+            seq._modules[first] = nn.Identity()
+            seq._modules[second] = ReLUMaxPool2d()
+            fused += 1
     return fused
 
 
@@ -68,11 +76,9 @@ def unfuse_relu_max_pool(model: nn.Module) -> int:
     ``ReLUMaxPool2d`` in an ``nn.Sequential`` becomes ``nn.ReLU()`` and ``nn.MaxPool2d(2)``
     again (for plain-PyTorch copies of an engine's model, or export); returns how many."""
     restored = 0
-    for seq in [m for m in model.modules() if type(m) is nn.Sequential]:
-        names = list(seq._modules)
-        for first, second in zip(names, names[1:]):
-            if type(seq._modules[first]) is nn.Identity and type(seq._modules[second]) is ReLUMaxPool2d:
-                seq._modules[first] = nn.ReLU()
-                seq._modules[second] = nn.MaxPool2d(2)
-                restored += 1
+    for seq, first, second in _adjacent_pairs(model):
+        if type(seq._modules[first]) is nn.Identity and type(seq._modules[second]) is ReLUMaxPool2d:
+            seq._modules[first] = nn.ReLU()
+            seq._modules[second] = nn.MaxPool2d(2)
+            restored += 1
     return restored
