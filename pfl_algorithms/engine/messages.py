@@ -51,8 +51,7 @@ class Sparse:
             raise ValueError(f"index_bits must be an int >= 0, got {self.index_bits!r}")
         # Counted where the payload is made: a client's upload on its worker thread, in
         # parallel with the other clients, not on the server's thread when it is recorded.
-        t = self.tensor.detach()
-        kept = torch.count_nonzero(t) if self.threshold == 0 else (t.abs() >= self.threshold).sum()
+        kept = torch.count_nonzero(self.tensor.detach()) if self.threshold == 0 else self.kept().sum()
         object.__setattr__(self, "_kept_count", int(kept))
 
     def kept(self) -> Tensor:

@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 import torch
 
 from ..config import RunConfig, check, config_from
-from ..engine.client import EvalTask, TrainTask, run_eval_task, run_train_task
+from ..engine.client import EvalTask, TrainTask, all_finite, run_eval_task, run_train_task
 from ..engine.cohort_stats import resolve_class_means
 from ..engine.executors import one_intra_op_thread
 from ..engine.rounds import _evaluation_task, prepare_kept_state
@@ -192,7 +192,7 @@ def train(session, message, context, faults: Optional[Faults] = None):
 
 def _finite(message) -> bool:
     tensors = [message.dense(name) for name in message.tensors]
-    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+    return all(all_finite(t) for t in tensors if t.is_floating_point())
 
 
 def evaluate(session, message, context):
