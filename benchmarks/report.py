@@ -313,6 +313,16 @@ SUITES = {
                 "default policy this suite runs under, 2 threads are faster).\n" + _TIMES_LEGEND),
         wait_policy=None,
     ),
+    "pool": Suite(
+        name="pool",
+        cases={"relu_max_pool": Case("relu + max pool", speedup=True, target=None)},
+        ops=("relu_max_pool2d",),
+        reference_note=("NOTE: relu_max_pool2d ran the plain-PyTorch reference on CPU, so the fused side is "
+                        "eager code behind a custom op."),
+        legend=("ours / baseline: pfl_kernels.ops.relu_max_pool2d / F.max_pool2d(F.relu(x), 2); forward and "
+                "backward of a batch of 64 channels-last float32 maps (N x C x H x W).\n"
+                "ratio: baseline / ours (speed-up). No target.\n" + _TIMES_LEGEND),
+    ),
     "augment": Suite(
         name="augment",
         cases={"crop_flip": Case("crop + flip", speedup=True, target=None),

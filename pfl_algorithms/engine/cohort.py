@@ -80,7 +80,7 @@ class Cohort:
         if torch.device(device).type == "cpu":
             # One fused kernel for each ReLU + 2x2 max pool: the same values and gradients,
             # and F.max_pool2d is slowest on few channels channels-last (LeNet-5's first pool,
-            # 64 images on one thread: 0.30 against 1.11 ms forward and backward).
+            # 64 images: 0.42 against 1.16 ms forward and backward, benchmarks/bench_pool.py).
             fuse_relu_max_pool(model)
         self.buffer_group = {n: _buffer_group(groups, model, n) for n, b in model.named_buffers()
                              if b.is_floating_point()}
