@@ -28,6 +28,9 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        # The vector ISA torch's kernels dispatch to (AVX2, AVX512, ...): machines that report
+        # the same CPU name can differ here, and the round ratios with them.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "quick": os.environ.get("PFL_BENCH_QUICK", "") not in ("", "0"),
     }

@@ -517,6 +517,7 @@ def machine_summary(raw: dict) -> dict:
         "platform": platform.platform(),
         "cpu": info.get("cpu", {}).get("brand_raw", info.get("processor", "")),
         "cpu_count": pfl.get("cpu_count"),
+        "cpu_capability": pfl.get("cpu_capability", ""),
         "torch_version": pfl.get("torch_version"),
         "torch_num_threads": pfl.get("torch_num_threads"),
         "omp_wait_policy": pfl.get("omp_wait_policy"),
@@ -536,7 +537,7 @@ def print_report(suite: Suite, machine: dict, rows: list[dict]) -> None:
     print()
     print(f"pfl-kernels CPU benchmarks ({machine['mode']} mode), {machine['date']}")
     print(f"torch {machine['torch_version']}, {machine['torch_num_threads']} threads, "
-          f"{machine['cpu_count']} CPUs ({machine['cpu']}), {machine['platform']}, "
+          f"{machine['cpu_count']} CPUs ({machine['cpu']}, {machine['cpu_capability'] or '?'}), {machine['platform']}, "
           f"OMP_WAIT_POLICY={machine['omp_wait_policy']}")
     print("\nImplementations on CPU (pfl_kernels.backend_info() in the measuring process):")
     print(format_backends(machine["backend_info"]))
