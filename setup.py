@@ -37,7 +37,9 @@ def _extensions():
     openmp = ["-fopenmp"] if not torch.backends.mps.is_built() else []
     # The sources are C++17; BuildExtension adds the -std its torch's headers need (c++20
     # for recent torch) and -DPy_LIMITED_API for py_limited_api=True, so neither is set here.
-    cxx = ["-O3", *openmp]
+    # -g0 overrides the -g of Python's own CFLAGS: debug info for torch's template-heavy headers
+    # took 30% of a fresh build (98 s -> 69 s on 2 cores; GCC's code is the same either way).
+    cxx = ["-O3", "-g0", *openmp]
     extra = {"cxx": cxx}
     extension = CppExtension
     if use_cuda:
