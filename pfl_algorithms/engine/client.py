@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .groups import BUFFERS
-from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate
+from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate, gather_rows
 from .messages import Message
 from .optim import make_optimizer
 from .plan import Batch, Phase, state_names
@@ -338,15 +338,6 @@ def training_batch(fed, data, index: Tensor, generator, augment) -> tuple[Tensor
     if augment is not None:
         x = augment(x, generator)
     return conv_layout(x), y
-
-
-def gather_rows(t: Tensor, index: Tensor) -> Tensor:
-    """``t[index]`` for a 1-D integer ``index``; channels-last images stay channels-last,
-    gathered as rows of their NHWC view (64 CIFAR images: 0.03 ms against 0.06 ms for
-    ``t[index]``, one thread)."""
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
-        return t.permute(0, 2, 3, 1).index_select(0, index).permute(0, 3, 1, 2)
-    return t[index]
 
 
 def phase_parameters(cohort, phase: Phase, client: int) -> tuple[list[str], Optional[list]]:
