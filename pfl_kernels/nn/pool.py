@@ -54,9 +54,9 @@ def fuse_relu_max_pool(model: nn.Module) -> int:
     module has state), and its output, gradient included, is the same.  Only plain
     ``nn.Sequential`` containers are rewritten (a subclass may run its children in another
     order), only ReLU modules that appear once in the model (a shared one may also run
-    elsewhere), and only modules without hooks (they would no longer fire).  What the Identity passes on is the pre-ReLU value, so code that runs a
-    slice ending at the ReLU (``seq[:i + 1]``) sees the difference: fuse working copies that
-    are run whole.
+    elsewhere), and only modules without hooks (they would no longer fire).  What the Identity
+    passes on is the pre-ReLU value, so code that runs a slice ending at the ReLU
+    (``seq[:i + 1]``) sees the difference: fuse working copies that are run whole.
     """
     uses: dict[int, int] = {}
     for _, m in model.named_modules(remove_duplicate=False):
