@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     pairs, warmup = (2, 1) if args.dry_run else (args.pairs, args.warmup)
     if pairs < 1 or warmup < 0:
         parser.error(f"--pairs must be >= 1 and --warmup >= 0, got {pairs} and {warmup}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # before minutes of measuring
+        parser.error(f"--json: the folder of {args.json!r} does not exist")
     if "torch" not in sys.modules:  # OpenMP reads its wait policy once, when torch loads
         os.environ.pop("OMP_WAIT_POLICY", None)
     sys.path.insert(0, str(ROOT))

@@ -41,6 +41,13 @@ def test_bad_pairs_is_a_usage_error(capsys):
     assert "--pairs must be >= 1" in capsys.readouterr().err
 
 
+def test_json_in_a_missing_folder_is_refused_before_measuring(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        paired_rounds.main(["factorized_fl_round", "--json", str(tmp_path / "absent" / "out.json")])
+    assert exit_.value.code == 2
+    assert "--json: the folder of" in capsys.readouterr().err
+
+
 def test_dry_run_measures_both_sides_and_writes_json(tmp_path, capsys):
     path = tmp_path / "paired.json"
     assert paired_rounds.main(["factorized_fl_round", "--dry-run", "--json", str(path)]) == 0
