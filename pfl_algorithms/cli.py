@@ -162,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list algorithms, scenarios, datasets and models")
 
     compare = sub.add_parser("compare", help="compare finished runs")
-    compare.add_argument("dirs", nargs="+", metavar="DIR", help="run directories, or folders of them")
+    compare.add_argument("dirs", nargs="+", metavar="DIR",
+                         help="run directories, or folders holding runs at any depth (e.g. runs/)")
 
     demo = sub.add_parser("demo", help="the CPU demo: every algorithm on digits (permuted labels; FedDAF's noisy "
                                        "target; Fed-CMA's label skew over three architectures), then the table",

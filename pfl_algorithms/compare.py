@@ -41,8 +41,9 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def find_summaries(paths: list[str]) -> list[dict]:
-    """The summary.json of each run directory in ``paths`` (a folder of runs is searched one
-    level down), each directory once (by resolved path), with ``_path`` set to it.
+    """The summary.json of each run directory in or below ``paths`` (at any depth, e.g.
+    ``runs/`` finds ``runs/demo/fedavg-seed0``), each directory once (by resolved path), with
+    ``_path`` set to it.
 
     Raises:
         ValueError: a path with no finished run, or a summary that is not valid JSON or lacks
@@ -50,9 +51,9 @@ def find_summaries(paths: list[str]) -> list[dict]:
     """
     summaries, seen = [], set()
     for path in map(Path, paths):
-        files = [path / "summary.json"] if (path / "summary.json").is_file() else sorted(path.glob("*/summary.json"))
+        files = _summary_files(path)
         if not files:
-            raise ValueError(f"{path} holds no finished run (no summary.json there or one level below)")
+            raise ValueError(f"{path} holds no finished run (no summary.json in it or in any folder below it)")
         for file in files:
             where = file.parent.resolve()
             if where in seen:
@@ -62,6 +63,28 @@ def find_summaries(paths: list[str]) -> list[dict]:
             summary["_path"] = str(file.parent)
             summaries.append(summary)
     return summaries
+
+
+def _summary_files(path: Path) -> list[Path]:
+    """The summary.json of every run at or below ``path``, in sorted order.  A folder that
+    holds a summary.json is a run: its own subfolders (plots/, checkpoints) are not searched.
+    Symlinked folders are followed, each real folder once, so a link loop ends."""
+    files, visited, stack = [], set(), [path]
+    while stack:
+        folder = stack.pop()
+        real = folder.resolve()
+        if real in visited:
+            continue
+        visited.add(real)
+        if (folder / "summary.json").is_file():
+            files.append(folder / "summary.json")
+            continue
+        try:
+            children = sorted((child for child in folder.iterdir() if child.is_dir()), reverse=True)
+        except OSError:  # not a folder, or one we may not read: nothing of it to compare
+            continue
+        stack.extend(children)  # reversed onto the stack, so folders are visited in sorted order
+    return files
 
 
 def read_summary(file: Path) -> dict:

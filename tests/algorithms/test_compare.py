@@ -88,3 +88,23 @@ def test_compare_of_real_runs(tmp_path, capsys):
     assert main(["compare", str(tmp_path), str(tmp_path / "a")]) == 0
     table = capsys.readouterr().out.splitlines()
     assert len(table) == 4 and "lr=0.1, rounds=1" in table[2] and "lr=0.2, rounds=2" in table[3]
+
+
+def test_runs_are_found_at_any_depth_but_not_inside_a_run(tmp_path):
+    """``pfl compare runs`` finds runs/demo/*: a folder with a summary.json is a run at any depth,
+    and a run's own subfolders (here a stray summary.json under plots/) are not searched."""
+    write_run(tmp_path / "runs" / "a", 0.4)
+    write_run(tmp_path / "runs" / "demo" / "b", 0.6, seed=1)
+    write_run(tmp_path / "runs" / "demo" / "deeper" / "c", 0.8, seed=2)
+    write_run(tmp_path / "runs" / "a" / "plots" / "not-a-run", 0.0, seed=3)
+    (tmp_path / "runs" / "unfinished" / "plots").mkdir(parents=True)
+    summaries = find_summaries([str(tmp_path / "runs"), str(tmp_path / "runs" / "demo" / "b")])
+    assert [s["_path"] for s in summaries] == [str(tmp_path / "runs" / p) for p in ("a", "demo/b", "demo/deeper/c")]
+    [row] = comparison_rows(summaries)
+    assert row["seeds"] == [0, 1, 2]
+
+
+def test_a_folder_without_runs_is_an_error_naming_it(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    with pytest.raises(ValueError, match="empty holds no finished run"):
+        find_summaries([str(tmp_path / "empty")])
