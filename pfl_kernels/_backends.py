@@ -1,6 +1,8 @@
 """``backend_info()``: which implementation of each op runs on which device, and why."""
 from __future__ import annotations
 
+import torch
+
 from . import _extension
 from . import triton as _triton
 from .ops._library import FAST_PATHS, has_kernel
@@ -39,11 +41,17 @@ def backend_info() -> dict[str, dict[str, dict[str, str]]]:
 
 
 def format_backend_info() -> str:
-    """``backend_info()`` as a table for people."""
+    """``backend_info()`` as a table for people.  Without a CUDA device the cuda rows say so:
+    they tell what would run on a CUDA tensor, which this machine cannot have."""
+    # Checked once: is_available() may initialize the driver.
+    cuda_here = torch.cuda.is_available()
     lines = [f"{'op':<32} {'device':<6} {'implementation':<14} reason"]
     for op, devices in backend_info().items():
         for device, entry in devices.items():
-            lines.append(f"{op:<32} {device:<6} {entry['implementation']:<14} {entry['reason']}")
+            reason = entry["reason"]
+            if device == "cuda" and not cuda_here:
+                reason = f"{reason}; no CUDA device here" if reason else "no CUDA device here (what would run on one)"
+            lines.append(f"{op:<32} {device:<6} {entry['implementation']:<14} {reason}".rstrip())
     return "\n".join(lines)
 
 

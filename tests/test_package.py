@@ -51,5 +51,23 @@ def test_command_line_report():
     assert "pfl::factorized_weight" in out and "implementation" in out
 
 
+def test_command_line_report_says_when_no_cuda_device_is_present():
+    """Without a CUDA device every cuda row says so, next to what would run on one (it listed
+    "cuda triton" with an empty reason, as if Triton were running)."""
+    out = _run("import runpy; runpy.run_module('pfl_kernels', run_name='__main__')", CUDA_VISIBLE_DEVICES="")
+    cuda_rows = [line.split(maxsplit=3) for line in out.splitlines() if line.split()[1:2] == ["cuda"]]
+    assert len(cuda_rows) == len(pfl_kernels.backend_info())
+    for op, _, implementation, reason in cuda_rows:
+        assert implementation == pfl_kernels.backend_info()[op]["cuda"]["implementation"]
+        assert "no CUDA device here" in reason, (op, reason)
+
+
+def test_command_line_report_has_no_device_note_where_cuda_is_present(monkeypatch):
+    from pfl_kernels._backends import format_backend_info
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert "no CUDA device" not in format_backend_info()
+
+
 def test_algorithms_package_imports():
     import pfl_algorithms  # noqa: F401
