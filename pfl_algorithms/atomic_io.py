@@ -1,8 +1,10 @@
 """Files written so that a kill never leaves half of one: a temporary file in the same folder,
-flushed and synced, then moved over the old one with ``os.replace`` (atomic on POSIX)."""
+flushed and synced, then moved over the old one with ``os.replace`` (atomic on POSIX).  JSON is
+written strict (``json_text``): no bare NaN or Infinity."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 from pathlib import Path
@@ -41,7 +43,28 @@ def atomic_write_bytes(path, data: bytes) -> None:
         raise
 
 
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, Infinity, -Infinity) inside it replaced by
+    None, which JSON writes as null: "no number" (a diverged loss, a client without test
+    samples).  Python's json would write bare ``NaN``, which is not JSON: jq, JavaScript and
+    strict parsers reject the whole file."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
+def json_text(value: Any, **options) -> str:
+    """``json.dumps(finite_json(value), **options)``, strict: ``allow_nan=False`` turns a
+    non-finite number that got past the conversion into an error instead of a bare NaN."""
+    return json.dumps(finite_json(value), allow_nan=False, **options)
+
+
 def atomic_write_json(path, value: Any, *, compact: bool = False) -> None:
-    """``value`` as JSON (indented and key-sorted, or ``compact``), written atomically."""
-    text = json.dumps(value, separators=(",", ":")) if compact else json.dumps(value, indent=2, sort_keys=True)
+    """``value`` as strict JSON (``json_text``: non-finite numbers as null), indented and
+    key-sorted or ``compact``, written atomically."""
+    text = json_text(value, separators=(",", ":")) if compact else json_text(value, indent=2, sort_keys=True)
     atomic_write_bytes(path, (text + "\n").encode())

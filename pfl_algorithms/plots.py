@@ -8,6 +8,11 @@ from __future__ import annotations
 from .engine.rundir import RunDirectory
 
 
+def _percent(accuracy) -> float:
+    """An accuracy in %; NaN (a gap in the plot) for one with no value (null in metrics.jsonl)."""
+    return float("nan") if accuracy is None else 100 * accuracy
+
+
 def write_plots(rundir: RunDirectory, history: list[dict]) -> dict:
     """Write the run's PNGs under ``rundir.plots``; returns {name: path} or {'skipped': why}."""
     try:
@@ -22,7 +27,7 @@ def write_plots(rundir: RunDirectory, history: list[dict]) -> dict:
         return {"skipped": "no evaluated round"}
     rundir.plots.mkdir(parents=True, exist_ok=True)
     rounds = [m["round"] + 1 for m in evals]
-    accuracy = [100 * m["eval"]["mean_accuracy"] for m in evals]
+    accuracy = [_percent(m["eval"]["mean_accuracy"]) for m in evals]
     gigabits = [m["comm_gb"]["up"] + m["comm_gb"]["down"] for m in evals]
     paths = {}
 
@@ -49,7 +54,7 @@ def write_plots(rundir: RunDirectory, history: list[dict]) -> dict:
     final = evals[-1]["eval"]["accuracy"]
     clients = sorted(final, key=int)
     fig, ax = plt.subplots(figsize=(max(5, 0.3 * len(clients)), 3.5))
-    ax.bar([str(c) for c in clients], [100 * final[c] for c in clients])
+    ax.bar([str(c) for c in clients], [_percent(final[c]) for c in clients])
     ax.set(xlabel="client", ylabel="accuracy (%)", title=f"per-client accuracy, round {rounds[-1]}")
     save(fig, "client_accuracy")
     return paths

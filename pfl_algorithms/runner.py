@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from .engine.executors import choose_executor
 from .engine.federation import EngineSettings, Federation
 from .engine.rounds import federation_for, run_round
 from .engine.local import LocalSchedule
-from .atomic_io import atomic_write_json
+from .atomic_io import atomic_write_json, finite_json
 from .engine.rundir import RunDirectory
 from .models import build_client_models, build_model
 
@@ -231,6 +232,9 @@ def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, p
             break
         record = run_round(fed, algorithm, round_).as_dict()
         record["comm_gb"] = fed.comm.gigabits()
+        # As metrics.jsonl holds it (NaN and Inf as None), so that the history of a resumed run,
+        # read back from that file, is the same as the one kept in memory here.
+        record = finite_json(record)
         history.append(record)
         checkpoint = (round_ + 1) % config.checkpoint_every == 0 or round_ + 1 == config.rounds
         if checkpoint:
@@ -305,6 +309,12 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
                          f"the same settings (or none: the saved config is used)")
 
 
+def _best(accuracies) -> Optional[float]:
+    """The highest of the accuracies that are numbers (an accuracy is None, or NaN before it is
+    written, where there was nothing to evaluate); None if there is none."""
+    return max((a for a in accuracies if a is not None and math.isfinite(a)), default=None)
+
+
 def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: float,
               scenario_info: Optional[dict] = None) -> dict:
     """Final and best mean personalized accuracy, per-client final accuracy, communication;
@@ -312,14 +322,14 @@ def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: f
     the best over rounds)."""
     evals = [(m["round"], m["eval"]) for m in history if "eval" in m]
     final = evals[-1][1] if evals else None
-    best = max((e["mean_accuracy"] for _, e in evals), default=None)
+    best = _best(e["mean_accuracy"] for _, e in evals)
     target = {}
     if scenario_info and "target_client" in scenario_info:
         client = scenario_info["target_client"]
         # JSON turns int keys into strings: accept both (a resumed run reads metrics back).
         of = lambda e: e["accuracy"].get(client, e["accuracy"].get(str(client)))
         target = {"target_client": client, "target_final_accuracy": of(final) if final else None,
-                  "target_best_accuracy": max((of(e) for _, e in evals), default=None)}
+                  "target_best_accuracy": _best(of(e) for _, e in evals)}
     return {
         "algorithm": config.algorithm, "scenario": config.scenario, "dataset": config.dataset,
         "model": config.model, "seed": config.seed, "clients": config.clients, "rounds": fed.round,

@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from ..atomic_io import atomic_write_bytes, atomic_write_json
+from ..atomic_io import atomic_write_bytes, atomic_write_json, json_text
 from .checkpoint import read_checkpoint, write_checkpoint
 
 RUN_FORMAT = "pfl-run"
@@ -47,7 +47,8 @@ def warn(message: str) -> None:
 
 
 def _metrics_line(record: dict) -> str:
-    return json.dumps(record, sort_keys=True) + "\n"
+    """One line of metrics.jsonl: strict JSON, a NaN or infinite number (a diverged loss) as null."""
+    return json_text(record, sort_keys=True) + "\n"
 
 
 class RunDirectory:

@@ -4,6 +4,7 @@ against our numbers, and plots of accuracy against round and against bits per se
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Optional
@@ -34,7 +35,9 @@ def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]
         record = json.loads(line)
         if "eval" in record:
             accuracy = record["eval"]["mean_accuracy"] if target is None else record["eval"]["accuracy"][target]
-            rows.append((record["round"] + 1, 100 * accuracy, record["comm_gb"]["up"] + record["comm_gb"]["down"]))
+            # null: nothing evaluated (NaN, a gap in the plot)
+            percent = math.nan if accuracy is None else 100 * accuracy
+            rows.append((record["round"] + 1, percent, record["comm_gb"]["up"] + record["comm_gb"]["down"]))
     return rows
 
 
