@@ -48,40 +48,43 @@ def branch_cases(device: str, dtype: torch.dtype = torch.float32, p: int = 37) -
     def bank(*shape, seed=0):
         return torch.randn(*shape, generator=_gen(seed), dtype=F64).to(device, dtype)
 
+    def alpha_counts():  # on the cases' device: the op refuses alpha or counts on another
+        alpha, counts = _alpha_counts(k, b)
+        return alpha.to(device), counts.to(device)
+
     def out_is_a_client():  # slice along K: out = branch_params[1]
         bp = bank(k, b, p)
-        return _branch_case(bp, *_alpha_counts(k, b), bp[1])
+        return _branch_case(bp, *alpha_counts(), bp[1])
 
     def out_is_a_branch_column():  # slice along B: out[i] = branch_params[i, 2] (K = B)
         bp = bank(k, b, p)
-        return _branch_case(bp, *_alpha_counts(k, b), bp[:, 2])
+        return _branch_case(bp, *alpha_counts(), bp[:, 2])
 
     def out_is_shifted_along_p():  # out = the bank one element further along P
         big = bank(k, b, p + 1)
-        return _branch_case(big[:, :, :p], *_alpha_counts(k, b), big[1, :, 1:])
+        return _branch_case(big[:, :, :p], *alpha_counts(), big[1, :, 1:])
 
     def out_is_strided_params():  # every other element: out = branch_params[2] of a strided bank
         big = bank(k, b, 2 * p)
-        return _branch_case(big[:, :, ::2], *_alpha_counts(k, b), big[2, :, ::2])
+        return _branch_case(big[:, :, ::2], *alpha_counts(), big[2, :, ::2])
 
     def out_interleaved_with_params():  # shares no element, but the address ranges interleave
         big = bank(k, b, 2 * p)
-        return _branch_case(big[:, :, ::2], *_alpha_counts(k, b), big[0, :, 1::2])
+        return _branch_case(big[:, :, ::2], *alpha_counts(), big[0, :, 1::2])
 
     def out_is_transposed():  # out[b, h, w] = branch_params[0, b, w, h]
         bp = bank(k, b, 5, 5)
-        return _branch_case(bp, *_alpha_counts(k, b), bp[0].transpose(1, 2))
+        return _branch_case(bp, *alpha_counts(), bp[0].transpose(1, 2))
 
     def out_is_alpha():  # parameters of shape [] (P = 1): out [B] is a row of alpha
-        alpha, counts = _alpha_counts(k, b)
-        alpha = alpha.to(device, dtype)
-        bp = bank(k, b)
-        return _branch_case(bp, alpha, counts.to(device), alpha[1])
+        alpha, counts = alpha_counts()
+        alpha = alpha.to(dtype)
+        return _branch_case(bank(k, b), alpha, counts, alpha[1])
 
     def out_is_counts():  # float counts [K] and out [B] (K = B) one tensor
-        alpha, counts = _alpha_counts(k, b)
-        counts = counts.to(device, dtype)
-        return _branch_case(bank(k, b), alpha.to(device), counts, counts)
+        alpha, counts = alpha_counts()
+        counts = counts.to(dtype)
+        return _branch_case(bank(k, b), alpha, counts, counts)
 
     def out_aliases_through_another_storage():  # torch.from_numpy of one array twice, shifted by one
         if device != "cpu":
@@ -92,15 +95,15 @@ def branch_cases(device: str, dtype: torch.dtype = torch.float32, p: int = 37) -
         if dtype != torch.float32:  # from_numpy shares memory only for its own dtype
             return out_is_shifted_along_p()
         out = torch.from_numpy(flat[1: 1 + b * p].reshape(b, p))
-        return _branch_case(bp, *_alpha_counts(k, b), out)
+        return _branch_case(bp, *alpha_counts(), out)
 
     def out_expanded():  # out's elements share memory: refused
-        return Case((bank(k, b, p), *_alpha_counts(k, b)), bank(p).expand(b, p), None)
+        return Case((bank(k, b, p), *alpha_counts()), bank(p).expand(b, p), None)
 
     def out_overlaps_itself_too_hard():  # strides [3, 6, 1] for [3, 2, 3]: torch cannot tell
         bp = bank(k, b, 2, 3)
         out = torch.empty(64, dtype=dtype, device=device).as_strided((3, 2, 3), (3, 6, 1))
-        return Case((bp, *_alpha_counts(k, b)), out, None)
+        return Case((bp, *alpha_counts()), out, None)
 
     cases = [out_is_a_client, out_is_a_branch_column, out_is_shifted_along_p, out_is_strided_params,
              out_interleaved_with_params, out_is_transposed, out_is_alpha, out_is_counts,

@@ -229,6 +229,9 @@ def test_gpu_large_offsets_and_nan():
 @gpu_only
 def test_gpu_opcheck_and_gradcheck():
     w, params = make(4, 6, 11, F64, 0.5, seed=7)
+    # make() gives float32 weights (what callers pass), whose gradient the op returns in
+    # float32: gradcheck needs float64 for both, or it compares float32-rounded Jacobians.
+    w = w.to(F64)
     torch.library.opcheck(torch.ops.pfl.weighted_average.default, (w.requires_grad_(), params.requires_grad_()))
     torch.library.opcheck(torch.ops.pfl.weighted_average.out, (w.detach(), params.detach()),
                           {"out": torch.empty(4, 11, dtype=F64, device=DEVICE)},
