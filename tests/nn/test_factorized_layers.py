@@ -156,6 +156,38 @@ def test_sparsity_loss_has_a_real_gradient():
     assert sparsity_loss(nn.Sequential(nn.ReLU())).item() == 0
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sparsity_loss_reductions_match_a_float64_reference(reduction):
+    torch.manual_seed(5)
+    model = factorize(small_model())
+    model[1].conv2.mu = model[1].conv1.mu  # a tied μ: one Parameter, counted once
+    with torch.no_grad():
+        for layer in factorized_layers(model):
+            layer.mu.normal_()
+    mus = list({id(layer.mu): layer.mu for layer in factorized_layers(model)}.values())
+    assert len(mus) == 4
+    mus64 = [mu.detach().double().requires_grad_() for mu in mus]
+    expected = sum(mu.abs().sum() for mu in mus64)
+    if reduction == "mean":
+        expected = expected / sum(mu.numel() for mu in mus64)
+    loss = sparsity_loss(model, reduction=reduction)
+    assert_close(loss, expected, torch.float32, "loss")
+    for grad, grad64 in zip(torch.autograd.grad(loss, mus), torch.autograd.grad(expected, mus64)):
+        assert_close(grad, grad64, torch.float32, "gradient")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_sparsity_loss_without_mu_is_zero(reduction):
+    assert sparsity_loss(nn.Sequential(nn.ReLU()), reduction=reduction).item() == 0
+    assert sparsity_loss(factorize(small_model(), sparse=False), reduction=reduction).item() == 0
+
+
+@pytest.mark.parametrize("bad", ["Sum", "max", "none", None, ["sum"]])
+def test_sparsity_loss_rejects_an_unknown_reduction(bad):
+    with pytest.raises(ValueError, match=r"reduction must be one of \('sum', 'mean'\), got"):
+        sparsity_loss(factorize(small_model()), reduction=bad)
+
+
 def test_nnz_and_parameter_count():
     layer = FactorizedLinear(5, 4, rank=2)
     with torch.no_grad():
