@@ -83,6 +83,19 @@ def check_num_classes(num_classes: int) -> int:
     return int(num_classes)
 
 
+NORMS = ("none", "batch")
+Norm = Annotated[str, OneOf(NORMS)]  # the declared type of a model's ``norm`` option
+
+
+def conv_block(conv: nn.Conv2d, norm: str) -> list[nn.Module]:
+    """``conv`` followed by BatchNorm2d when ``norm`` is 'batch' (as after every convolution of
+    the papers' ResNet-9), then a ReLU.  'none' adds no module, so a model's parameter names
+    (and checkpoints) are those it had before the option existed."""
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
+    return [conv, *([nn.BatchNorm2d(conv.out_channels)] if norm == "batch" else []), nn.ReLU(inplace=False)]
+
+
 ACTIVATIONS = ("relu", "sigmoid", "tanh")
 Activation = Optional[Annotated[str, OneOf(ACTIVATIONS)]]  # the declared type of an activation option
 

@@ -186,3 +186,21 @@ def test_a_mixed_federation_bounds_embeddings_with_a_sigmoid_unless_told_otherwi
     relu = build_client_models(entries[:2], input_shape=(1, 8, 8), num_classes=10,
                                options={"embedding_activation": "relu"})
     assert [last(m) for m in relu.values()] == ["ReLU", "ReLU"]  # the run's model option next
+
+
+@pytest.mark.parametrize("name, shape", [("digits-cnn", (1, 8, 8)), ("lenet5", (1, 28, 28))])
+def test_norm_batch_puts_batchnorm_after_each_conv_and_none_keeps_the_names(name, shape):
+    """``norm='batch'``: a BatchNorm2d of the conv's width after every conv (the normalized models
+    of the demo); ``norm='none'`` (the default) builds the model with its old parameter names."""
+    plain = build_model(name, input_shape=shape, num_classes=10)
+    assert [n for n, _ in plain.named_parameters()] == \
+        [n for n, _ in build_model(name, input_shape=shape, num_classes=10, norm="none").named_parameters()]
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+    normed = build_model(name, input_shape=shape, num_classes=10, norm="batch")
+    layers = list(normed.body)
+    convs = [i for i, m in enumerate(layers) if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(isinstance(layers[i + 1], torch.nn.BatchNorm2d)
+                         and layers[i + 1].num_features == layers[i].out_channels for i in convs)
+    assert normed(torch.randn(4, *shape)).shape == (4, 10)
+    with pytest.raises(ValueError, match="norm must be one of"):
+        build_model(name, input_shape=shape, num_classes=10, norm="layer")
