@@ -7,6 +7,7 @@ and the sparse bias μ [R, C] as parameters and rebuild the weight with the fuse
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -20,6 +21,66 @@ from ..reference.factorized import unplace
 from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
 from ._convertible import check_convertible
 from ._read_only import RebuiltAttributes, read_only
+
+
+def best_rank_factors(m: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """u [R, rank] and v [rank, C] whose product is the best rank-r approximation of ``m`` [R, C]
+    (Eckart-Young: the top r singular triplets, r = min(rank, R, C)).
+
+    Balanced as ``from_dense`` has always split them: column i of u and row i of v both have
+    norm sqrt(σ_i); the columns of u and rows of v beyond r are zero.
+
+    The top singular vectors come from the eigenvectors of the smaller Gram matrix (m mᵀ or
+    mᵀ m), not from a full SVD: the convolutions' matrices are kh·kw × O·I (9 × 262,144 in
+    ResNet-18), where the Gram matrix costs one pass over m and LAPACK's SVD took 0.1-0.3 s
+    per layer (most of ``factorize``'s time).  In float64 the top vectors' error is about
+    eps·σ₁² / (σ_r² - σ_r+1²) against the SVD's eps·σ₁ / (σ_r - σ_r+1): the same order for
+    rank 1, and far below the float32 rounding of the factors wherever float32 can tell σ_r
+    from σ_r+1 (squaring costs accuracy in the small singular values, which are not kept).
+    σ_i is measured on m itself (the norm of m's projection onto the vector), not taken from
+    the eigenvalue.  Where σ_r = σ_r+1 the best rank-r part is not unique, for the SVD too.
+    """
+    rows, cols = m.shape
+    r = min(rank, rows, cols)
+    wide = rows <= cols
+    # eigh sorts ascending: the last r eigenvectors, largest first.
+    basis = torch.linalg.eigh(m @ m.mT if wide else m.mT @ m).eigenvectors[:, -r:].flip(-1)
+    # The other side's vectors scaled by σ: Σ Vᵀ [r, C] (wide) or U Σ [R, r] (tall).
+    scaled = basis.mT @ m if wide else m @ basis
+    sing = torch.linalg.vector_norm(scaled, dim=1 if wide else 0)
+    root = sing.sqrt()
+    # Divide by sqrt(σ) only where σ > 0 (a zero matrix, or rank above m's rank): there the
+    # triplet contributes nothing and both factors stay zero.
+    inv_root = torch.where(sing > 0, 1 / root.clamp_min(torch.finfo(m.dtype).tiny), 0)
+    u = m.new_zeros(rows, rank)
+    v = m.new_zeros(rank, cols)
+    if wide:
+        u[:, :r] = basis * root
+        v[:r] = scaled * inv_root[:, None]
+    else:
+        u[:, :r] = scaled * inv_root
+        v[:r] = root[:, None] * basis.mT
+    return u, v
+
+
+@contextmanager
+def _one_thread_on_cpu(device: torch.device):
+    """Run the body with one intra-op thread when ``device`` is a CPU, restoring the count after.
+
+    Why: the conversion is a few small, memory-bound ops per layer, each a parallel region whose
+    threads wait for one another.  On a busy 2-core machine (load 8-11) that waiting dominated:
+    ResNet-18's ``factorize`` took a median 2.2 s of wall time (0.9 s CPU) on 2 threads against
+    0.5 s (0.17 s CPU) on one, in one process (the full-SVD conversion before: 21 s, 8.6 s CPU).
+    On one thread the work itself is ~0.2 s of CPU, so a quiet machine loses little.
+    """
+    previous = torch.get_num_threads()
+    if device.type == "cpu" and previous > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
 
 
 class _FactorizedMixin(RebuiltAttributes):
@@ -81,24 +142,29 @@ class _FactorizedMixin(RebuiltAttributes):
                 f"torch.no_grad() (e.g. nn.init.xavier_uniform_(layer.u), layer.mu.zero_()); "
                 f"for a copy you can write to, use layer.{name}.detach().clone()")
 
+    @classmethod
+    def _converted(cls, module: nn.Module, arguments: tuple, **kwargs):
+        """A new layer of ``arguments`` and ``kwargs`` on ``module``'s device and dtype, loaded from it."""
+        w = module.weight
+        with _one_thread_on_cpu(w.device):
+            layer = cls(*arguments, device=w.device, dtype=w.dtype, **kwargs)
+            layer._load_dense(module)
+        return layer
+
     def _load_dense(self, module: nn.Module) -> None:
-        """From a dense layer: u, v the best rank-r part of its weight (SVD), μ the rest; its
-        bias and its train/eval mode."""
+        """From a dense layer: u, v the best rank-r part of its weight, μ the rest; its bias and
+        its train/eval mode."""
         with torch.no_grad():
             if module.bias is not None:
                 self.bias.copy_(module.bias)
-            m = unplace(module.weight.detach().to(torch.float64), self.weight_shape, self.layout)
-            left, sing, right = torch.linalg.svd(m, full_matrices=False)
-            r = min(self.rank, sing.numel())
-            root = sing[:r].sqrt()
-            u = torch.zeros(m.shape[0], self.rank, dtype=torch.float64, device=m.device)
-            v = torch.zeros(self.rank, m.shape[1], dtype=torch.float64, device=m.device)
-            u[:, :r] = left[:, :r] * root
-            v[:r] = root[:, None] * right[:r]
+            # A float64 copy of our own (copy=True: a float64 weight too), so μ can be computed in it.
+            m = unplace(module.weight.detach().to(torch.float64, copy=True), self.weight_shape, self.layout)
+            u, v = best_rank_factors(m, self.rank)
             self.u.copy_(u)
             self.v.copy_(v)
             if self.mu is not None:
-                self.mu.copy_(m - u @ v)
+                # m - u v in float64, rounded once: u v + μ is the dense weight to within that rounding.
+                self.mu.copy_(m.addmm_(u, v, alpha=-1))
         self.train(module.training)
 
     def sparsity_loss(self) -> torch.Tensor:
@@ -168,11 +234,7 @@ class FactorizedConv2d(_FactorizedMixin, nn.Module):
                 ``factorize``).
         """
         check_convertible(module, nn.Conv2d, allow_subclasses=allow_subclasses)
-        w = module.weight
-        layer = cls(*conv2d_arguments(module), device=w.device, dtype=w.dtype, rank=rank, layout=layout,
-                    sparse=sparse)
-        layer._load_dense(module)
-        return layer
+        return cls._converted(module, conv2d_arguments(module), rank=rank, layout=layout, sparse=sparse)
 
     def extra_repr(self) -> str:
         return conv2d_extra_repr(self) + f", rank={self.rank}, layout={self.layout!r}, sparse={self.mu is not None}"
@@ -201,10 +263,7 @@ class FactorizedLinear(_FactorizedMixin, nn.Module):
         """A factorized copy of ``module`` (exact with sparse=True; the arguments and errors of
         FactorizedConv2d.from_dense)."""
         check_convertible(module, nn.Linear, allow_subclasses=allow_subclasses)
-        w = module.weight
-        layer = cls(*linear_arguments(module), device=w.device, dtype=w.dtype, rank=rank, sparse=sparse)
-        layer._load_dense(module)
-        return layer
+        return cls._converted(module, linear_arguments(module), rank=rank, sparse=sparse)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

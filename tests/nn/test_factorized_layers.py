@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, factorize, factorized_layers, sparsity_loss
+from pfl_kernels.nn.factorized import best_rank_factors
 from tests.tolerances import assert_close
 
 CONV_ARGS = [
@@ -82,6 +83,44 @@ def test_linear_from_dense(sparse):
         s = torch.linalg.svdvals(dense.weight.detach())
         err = torch.linalg.matrix_norm(layer.weight - dense.weight)
         assert torch.isclose(err, s[2:].norm())
+
+
+@pytest.mark.parametrize("rows,cols,rank", [(9, 300, 1), (9, 300, 3), (40, 25, 2), (25, 40, 25), (1, 12, 1),
+                                           (12, 1, 2), (30, 30, 4)])
+def test_best_rank_factors_match_the_svd(rows, cols, rank):
+    """The Gram-matrix route gives the SVD's rank-r part, split sqrt(σ) / sqrt(σ) as before."""
+    gen = torch.Generator().manual_seed(rows * 1000 + cols + rank)
+    m = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    u, v = best_rank_factors(m, rank)
+    left, sing, right = torch.linalg.svd(m, full_matrices=False)
+    r = min(rank, rows, cols)
+    assert u.shape == (rows, rank) and v.shape == (rank, cols)
+    assert_close(u @ v, left[:, :r] @ torch.diag(sing[:r]) @ right[:r], torch.float64, "rank-r part")
+    assert_close(u[:, :r].norm(dim=0), sing[:r].sqrt(), torch.float64, "norms of u's columns")
+    assert_close(v[:r].norm(dim=1), sing[:r].sqrt(), torch.float64, "norms of v's rows")
+    assert not u[:, r:].any() and not v[r:].any()
+
+
+def test_best_rank_factors_of_a_rank_deficient_or_zero_matrix():
+    gen = torch.Generator().manual_seed(3)
+    m = torch.randn(6, 1, generator=gen, dtype=torch.float64) @ torch.randn(1, 50, generator=gen, dtype=torch.float64)
+    u, v = best_rank_factors(m, 3)  # rank 1: the other two triplets add (next to) nothing
+    assert_close(u @ v, m, torch.float64, "rank-1 matrix")
+    u, v = best_rank_factors(torch.zeros(4, 9, dtype=torch.float64), 2)
+    assert not u.any() and not v.any()
+
+
+def test_from_dense_leaves_the_thread_count_and_the_dense_layer_alone():
+    dense = nn.Conv2d(8, 16, 3, dtype=torch.float64)
+    before = dense.weight.detach().clone()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        FactorizedConv2d.from_dense(dense)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(dense.weight, before)
 
 
 def test_from_dense_rank_above_matrix_rank_is_exact():
