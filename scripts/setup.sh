@@ -24,9 +24,14 @@ PYTHON=${PYTHON:-python3}
 VENV=${PFL_VENV:-.venv}
 TORCH_VERSION=${PFL_TORCH_VERSION:-2.13.0}
 
+# Whether torch is installed and its version are read without importing it: importing torch
+# before numpy is installed logs "Failed to initialize NumPy", and an import takes seconds.
+has_torch() { "$1" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; }
+torch_version() { "$1" -c "import importlib.metadata; print(importlib.metadata.version('torch'))"; }
+
 if [ ! -x "$VENV/bin/python" ]; then
-  if "$PYTHON" -c "import torch" 2>/dev/null; then
-    echo "setup: using the torch already installed for $PYTHON ($("$PYTHON" -c 'import torch; print(torch.__version__)'))"
+  if has_torch "$PYTHON"; then
+    echo "setup: using the torch already installed for $PYTHON ($(torch_version "$PYTHON"))"
     "$PYTHON" -m venv --system-site-packages "$VENV"
   else
     "$PYTHON" -m venv "$VENV"
@@ -36,28 +41,64 @@ PY="$VENV/bin/python"
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 
 # Install only what is missing, so nothing already there (torch above all) is replaced.
-if ! "$PY" -c "import torch" 2>/dev/null; then
+if ! has_torch "$PY"; then
+  echo "setup: installing torch==$TORCH_VERSION"
   pip_install "torch==$TORCH_VERSION"
 fi
-missing=()
-for spec in "triton:triton" "pytest:pytest" "pytest_benchmark:pytest-benchmark" "xdist:pytest-xdist" "numpy:numpy" \
-            "ninja:ninja" "setuptools:setuptools" "expecttest:expecttest" "sklearn:scikit-learn" \
-            "matplotlib:matplotlib" "scipy:scipy" "PIL:pillow"; do
-  "$PY" -c "import ${spec%%:*}" 2>/dev/null || missing+=("${spec#*:}")
-done
+# module:package pairs; a module counts as installed when Python finds it (nothing is imported).
+missing=($("$PY" - triton:triton pytest:pytest pytest_benchmark:pytest-benchmark xdist:pytest-xdist numpy:numpy \
+                   ninja:ninja setuptools:setuptools expecttest:expecttest sklearn:scikit-learn \
+                   matplotlib:matplotlib scipy:scipy PIL:pillow <<'PYTHON'
+import importlib.util
+import sys
+
+print(" ".join(package for module, package in (pair.split(":") for pair in sys.argv[1:])
+               if importlib.util.find_spec(module) is None))
+PYTHON
+))
 if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
   # The constraint keeps pip from touching torch while resolving these.
-  pip_install -c <("$PY" -c "import torch; print('torch==' + torch.__version__)") "${missing[@]}"
+  pip_install -c <(echo "torch==$(torch_version "$PY")") "${missing[@]}"
 fi
+
+# A line per compiled file of the build's output on stdin, as it comes (a bash loop: mawk, a
+# common awk, reads its input in blocks and would print nothing until the build ends).
+show_progress() {
+  local line word source
+  local -a words
+  while IFS= read -r line; do
+    if [[ $line =~ ^\ *(\[[0-9]+/[0-9]+\])\  ]]; then
+      source="?"
+      read -ra words <<< "$line"
+      for word in "${words[@]}"; do
+        if [[ $word == *.cpp || $word == *.cu ]]; then source="csrc/${word##*/csrc/}"; fi
+      done
+      echo "  ${BASH_REMATCH[1]} $source"
+    elif [[ $line == *" -shared "*"/_C."* ]]; then
+      echo "  linking pfl_kernels._C"
+    fi
+  done
+}
 
 stamp="$VENV/.pfl-build-stamp"
 want=$(cat setup.py pyproject.toml $(find csrc -type f | sort) | sha256sum | cut -d' ' -f1)
 have=$(cat "$stamp" 2>/dev/null || true)
 if [ "$want" != "$have" ] || ! "$PY" -c "import pfl_kernels" 2>/dev/null; then
-  echo "setup: building pfl-kernels (C++ extension against torch $("$PY" -c 'import torch; print(torch.__version__)'))"
-  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --disable-pip-version-check \
-    --no-build-isolation --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
-  "$PY" -c "import pfl_kernels._C" || { echo "setup: the C++ extension did not build (see above)"; exit 1; }
+  jobs=${MAX_JOBS:-$(nproc)}
+  sources=$(find csrc -name '*.cpp' | wc -l)
+  log="$VENV/pfl-build.log"
+  echo "setup: building the C++ extension of pfl-kernels against torch $(torch_version "$PY"): $sources files," \
+       "about 1-2 minutes on 2 cores ($jobs at once here; longer on a busy machine); full log in $log"
+  # pip -v streams the build's output; ninja, which torch's BuildExtension uses, prints
+  # "[n/N] <compile command>" per file, shown as "[n/N] <source file>" (show_progress).
+  MAX_JOBS=$jobs "$PY" -m pip install -v --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 \
+    | tee "$log" | show_progress || true  # a failed build is reported below, with the end of its log
+  if ! "$PY" -c "import pfl_kernels._C" 2>/dev/null; then
+    echo "setup: the C++ extension did not build; the end of $log:"
+    tail -n 40 "$log"
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi
 
@@ -66,7 +107,7 @@ fi
 if [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" -c "import flwr, ray" 2>/dev/null; then
   flower=$(sed -n 's/^flower = \["\(.*\)"\]$/\1/p' pyproject.toml)
   echo "setup: installing the flower extra ($flower)"
-  pip_install -c <("$PY" -c "import torch; print('torch==' + torch.__version__)") "$flower"
+  pip_install -c <(echo "torch==$(torch_version "$PY")") "$flower"
 fi
 
 # The real datasets when asked (--data); pfl_algorithms/data/readers/sources.py finds both.
