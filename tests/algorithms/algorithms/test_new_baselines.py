@@ -140,6 +140,15 @@ def test_pfedme_step_solves_the_moreau_problem_then_moves_w():
         assert result["loss"][client] == pytest.approx(float(loss_fn(fed, client)(theta, test)), rel=1e-10)
 
 
+def test_pfedme_refuses_an_inner_step_that_cannot_converge():
+    """personal_lr * lam >= 2: |1 - personal_lr (L + lam)| >= 1 for every curvature L >= 0, so the
+    inner gradient descent cannot converge; the run is refused before it trains on noise."""
+    PFedMe(lam=15.0, personal_lr=0.13)  # the released code's lamda 15 with a step just inside
+    for lam, plr in ((15.0, 0.2), (10.0, 0.2), (1.0, 2.0)):
+        with pytest.raises(ValueError, match="personal_lr \\* lam"):
+            PFedMe(lam=lam, personal_lr=plr)
+
+
 @pytest.mark.parametrize("name", ["fedrep", "per-fedavg", "pfedme"])
 def test_a_few_rounds_on_digits(tmp_path, name):
     """The whole path on real data: every round logs every client, training lowers the loss,
