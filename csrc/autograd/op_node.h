@@ -18,9 +18,11 @@
 
 #include <array>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace pfl {
@@ -136,12 +138,30 @@ struct OpNode : public torch::autograd::Node {
   }
 };
 
+// How torch owns its graph nodes: by c10::intrusive_ptr in torch 2.13, by std::shared_ptr in
+// 2.11 (the declared floor), and set_history takes only that pointer.  Read off
+// torch::autograd::Node itself rather than a version number, so any torch between builds too.
+constexpr bool kIntrusiveNodes = std::is_base_of_v<c10::intrusive_ptr_target, torch::autograd::Node>;
+
+template <typename NodeT>
+using NodePtr = std::conditional_t<kIntrusiveNodes, c10::intrusive_ptr<NodeT>, std::shared_ptr<NodeT>>;
+
+// A new, empty node of type NodeT, owned the way this torch's set_history expects.
+template <typename NodeT>
+NodePtr<NodeT> new_node() {
+  if constexpr (kIntrusiveNodes) {
+    return c10::make_intrusive<NodeT>();
+  } else {
+    return std::make_shared<NodeT>();
+  }
+}
+
 // The node of one call, with edges to and saved copies of `inputs` (tensors or optional
 // tensors, in the op's order); null when no input needs a gradient (or grad mode is off).
 template <typename NodeT, typename... In>
-c10::intrusive_ptr<NodeT> make_node(OpArgs args, const In&... inputs) {
+NodePtr<NodeT> make_node(OpArgs args, const In&... inputs) {
   if (!torch::autograd::compute_requires_grad(inputs...)) return {};
-  auto node = c10::make_intrusive<NodeT>();
+  auto node = new_node<NodeT>();
   node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
   size_t i = 0;
   ((node->saved_[i++] = SavedVariable(inputs, /*is_output=*/false)), ...);
@@ -153,7 +173,7 @@ c10::intrusive_ptr<NodeT> make_node(OpArgs args, const In&... inputs) {
 // placeholders) are constants.
 template <size_t M>
 void set_history(const std::array<at::Tensor, M>& outputs, const std::array<bool, M>& computed,
-                 const c10::intrusive_ptr<torch::autograd::Node>& node) {
+                 const NodePtr<torch::autograd::Node>& node) {
   for (size_t i = 0; i < M; ++i) {
     if (computed[i]) {
       torch::autograd::set_history(outputs[i], node);

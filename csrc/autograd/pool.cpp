@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor> relu_max_pool2d_autograd(c10::DispatchKeySet 
     std::tie(out, offsets) = forward_op().redispatch(ks & c10::after_autograd_keyset, input);
   }
   if (torch::autograd::compute_requires_grad(input)) {
-    auto node = c10::make_intrusive<ReluMaxPool2dBackward>();
+    auto node = autograd::new_node<ReluMaxPool2dBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(input));
     node->saved_[0] = torch::autograd::SavedVariable(offsets, /*is_output=*/false);
     node->args_.shape = {input.sym_size(2), input.sym_size(3)};
@@ -109,7 +109,7 @@ at::Tensor relu_max_pool2d_backward_autograd(c10::DispatchKeySet ks, const at::T
     grad_input = backward_op().redispatch(ks & c10::after_autograd_keyset, grad, offsets, input_size);
   }
   if (torch::autograd::compute_requires_grad(grad)) {  // offsets are integers: no gradient
-    auto node = c10::make_intrusive<ReluMaxPool2dBackwardBackward>();
+    auto node = autograd::new_node<ReluMaxPool2dBackwardBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(grad));
     node->saved_[0] = torch::autograd::SavedVariable(offsets, /*is_output=*/false);
     node->args_.shape = input_size.vec();
