@@ -307,13 +307,6 @@ def _cmd_reproduce(args) -> int:
     return 0
 
 
-def _import_config() -> None:
-    """Bind ``RunConfig`` and ``check`` in this module, where ``_cmd_demo`` reads them.  Not
-    imported with the module: ``.config`` imports torch (see the comment on the imports)."""
-    global RunConfig, check
-    from .config import RunConfig, check
-
-
 def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
@@ -340,8 +333,6 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            if args.command == "demo":
-                _import_config()
             commands = {"run": _cmd_run, "flower": _cmd_flower, "list": _cmd_list, "compare": _cmd_compare, "demo": _cmd_demo,
                         "reproduce": _cmd_reproduce}
             return commands[args.command](args)

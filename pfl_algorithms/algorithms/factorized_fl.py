@@ -59,6 +59,9 @@ class FactorizedFLSettings:
     threshold: NonNegativeFloat = 5e-4  # |μ| below it is not sent (nor counted)
     rank: PositiveInt = 1
     layout: Annotated[str, OneOf(("spatial", "view"))] = "spatial"  # "view": the released code's reshape
+    # paper: u, v Xavier-uniform and μ zeros (the released code); svd: factorize's split of the
+    # dense init (u vᵀ its best rank-r part, μ the rest), which computes the dense model's function
+    init: Annotated[str, OneOf(("paper", "svd"))] = "paper"
 
 
 def l1_term(lam: float):
@@ -96,8 +99,9 @@ class FactorizedFL(Algorithm):
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, FACTORIZED)]
         if not layers:
             raise ValueError(f"{self.name}: the model has no Conv2d/Linear layer outside its head to factorize")
-        for _, layer in layers:  # the released code's initialisation: u, v Xavier-uniform, μ zeros
-            layer.reset_parameters()
+        if self.settings.init == "paper":  # the released code's initialisation: u, v Xavier-uniform, μ zeros
+            for _, layer in layers:
+                layer.reset_parameters()
         self._match_params.add(f"{layers[-1][0]}.v")
         return model
 

@@ -5,7 +5,7 @@ personalized knowledge reflection.
 Kernel factorization (Eq. 5–6): every Conv2d / Linear becomes W = π(u × v ⊕ μ) with
 ``pfl_kernels.nn.factorize(layout='simfed')``: u ∈ R^(I·F), v ∈ R^(O·F), μ ∈ R^(I·F × O·F)
 for a convolution (Eq. 6), u over inputs, v over outputs for a linear (Eq. 5).  By default
-u, v are Xavier-uniform and μ zeros (``init='xavier'``, the released code of the same
+u, v are Xavier-uniform and μ zeros (``init='paper'``, also called 'xavier'; the released code of the same
 authors' Factorized-FL); ``init='svd'`` keeps ``factorize``'s split of the dense
 initialization instead (u v the best rank-1 part, μ the rest).  The factors of the body form
 the groups ``u``, ``v`` and ``mu``; the classifier's stay in ``head`` (local where the
@@ -62,7 +62,7 @@ class SimFedSettings:
     alpha: NonNegativeFloat = 30.0  # α, the softmax scale of the similarities (Eq. 8)
     tau: Annotated[float, Range(ge=-1.0, le=1.0)] = 0.9  # τ, the similarity threshold (Eq. 3)
     lambda1: NonNegativeFloat = 1e-4  # λ1, the L1 weight on μ (Eq. 7)
-    init: Annotated[str, OneOf(("xavier", "svd"))] = "xavier"
+    init: Annotated[str, OneOf(("paper", "xavier", "svd"))] = "paper"  # 'xavier' is 'paper' by its old name
     mu_threshold: NonNegativeFloat = 0.0  # μ entries below this do not travel (0: the nonzeros)
 
 
@@ -109,7 +109,7 @@ class SimFed(Algorithm):
 
     def prepare_model(self, model):
         factorize(model, layout="simfed")
-        if self.settings.init == "xavier":
+        if self.settings.init in ("paper", "xavier"):
             for layer in factorized_layers(model):
                 layer.reset_parameters()
         return model

@@ -13,7 +13,9 @@ of the loaders (``download=False`` on each).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
 import math
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -417,6 +419,26 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+_LOADED: Optional[dict] = None  # the datasets loaded inside ``reuse_loaded_datasets``, by arguments
+
+
+@contextlib.contextmanager
+def reuse_loaded_datasets():
+    """Within this block, ``load_dataset`` with the same arguments returns the dataset it loaded
+    before instead of reading and normalizing the files again (MNIST's 70,000 CSV rows take
+    seconds, once per run otherwise).  For a campaign of runs in one process (``pfl demo``),
+    whose runs treat their pooled dataset as read-only; nested blocks share the outer one's."""
+    global _LOADED
+    if _LOADED is not None:
+        yield
+        return
+    _LOADED = {}
+    try:
+        yield
+    finally:
+        _LOADED = None
+
+
 def load_dataset(name: str, *, root=None, seed: int = 0, **options) -> ArrayDataset:
     """Load the registered dataset ``name`` as one pooled ``ArrayDataset`` on the CPU.
 
@@ -442,4 +464,9 @@ def load_dataset(name: str, *, root=None, seed: int = 0, **options) -> ArrayData
     unknown = sorted(set(options) - set(spec.defaults))
     if unknown:
         raise ValueError(f"dataset {name!r} got unknown options {unknown}; valid options: {sorted(spec.defaults)}")
-    return spec.loader(root, seed, **options)
+    if _LOADED is None:
+        return spec.loader(root, seed, **options)
+    key = json.dumps([name, None if root is None else str(root), seed, options], sort_keys=True, default=str)
+    if key not in _LOADED:
+        _LOADED[key] = spec.loader(root, seed, **options)
+    return _LOADED[key]

@@ -177,3 +177,22 @@ def test_a_few_rounds_on_digits_lower_the_loss(tmp_path, variant):
 def test_kill_9_then_resume_is_bitwise(tmp_path, variant):
     pytest.importorskip("sklearn")
     assert_kill_resume_bitwise(tmp_path, [f"factorized-fl-{variant}", *ARGS], ROUNDS)
+
+
+@pytest.mark.parametrize("name", ["factorized-fl-alpha", "factorized-fl-beta", "simfed"])
+def test_init_svd_computes_the_dense_models_function_and_paper_starts_mu_at_zero(name):
+    """``init='svd'``: the factorized model equals the dense model it was made from (u vᵀ the best
+    rank-1 part, μ the rest); ``init='paper'`` (the default): u, v Xavier-uniform, μ = 0."""
+    import copy
+
+    from pfl_algorithms.models import build_model
+    from pfl_kernels.nn import factorized_layers
+
+    torch.manual_seed(0)
+    dense = build_model("digits-cnn", input_shape=(1, 8, 8), num_classes=10).double().eval()
+    x = torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    svd = make_algorithm(name, init="svd").prepare_model(copy.deepcopy(dense))
+    torch.testing.assert_close(svd(x), dense(x), rtol=1e-9, atol=1e-9)
+    paper = make_algorithm(name).prepare_model(copy.deepcopy(dense))
+    assert all(float(layer.mu.detach().abs().sum()) == 0.0 for layer in factorized_layers(paper))
+    assert not torch.allclose(paper(x), dense(x))

