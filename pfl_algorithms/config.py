@@ -48,11 +48,14 @@ class RunConfig:
     dataset: str = "digits"
     scenario: str = "permuted-iid"
     model: str = "digits-cnn"
-    clients: PositiveInt = 20
+    # The defaults learn on the default data and model (digits, the digits CNN with GroupNorm):
+    # 10 clients of about 144 training images, 9 steps of 16 per round (FedAvg 56.7% after 3
+    # rounds; 20 clients, batches of 32 and no normalization stayed at chance).
+    clients: PositiveInt = 10
     rounds: NonNegativeInt = 10
     local_epochs: PositiveInt = 1  # 0 would train nothing yet still count the round's communication
     local_steps: Optional[PositiveInt] = None
-    batch_size: PositiveInt = 32
+    batch_size: PositiveInt = 16
     optimizer: Annotated[str, OneOf(tuple(OPTIMIZERS))] = "sgd"
     lr: PositiveFloat = 0.05
     momentum: NonNegativeFloat = 0.9

@@ -83,17 +83,21 @@ def check_num_classes(num_classes: int) -> int:
     return int(num_classes)
 
 
-NORMS = ("none", "batch")
-Norm = Annotated[str, OneOf(NORMS)]  # the declared type of a model's ``norm`` option
+NORMS = ("batch", "group")
+Norm = Optional[Annotated[str, OneOf(NORMS)]]  # the declared type of a model's ``norm`` option (None: none)
 
 
 def conv_block(conv: nn.Conv2d, norm: str) -> list[nn.Module]:
-    """``conv`` followed by BatchNorm2d when ``norm`` is 'batch' (as after every convolution of
-    the papers' ResNet-9), then a ReLU.  'none' adds no module, so a model's parameter names
-    (and checkpoints) are those it had before the option existed."""
-    if norm not in NORMS:
-        raise ValueError(f"norm must be one of {', '.join(map(repr, NORMS))}, got {norm!r}")
-    return [conv, *([nn.BatchNorm2d(conv.out_channels)] if norm == "batch" else []), nn.ReLU(inplace=False)]
+    """``conv`` followed by its normalization, then a ReLU: 'batch' is BatchNorm2d (as after
+    every convolution of the papers' ResNet-9), 'group' GroupNorm of 4 channels a group (no
+    running statistics: nothing but parameters to average or generate, as pFedHN needs), None
+    adds no module, so a model's parameter names (and checkpoints) are those it had before the
+    option existed."""
+    if norm is not None and norm not in NORMS:
+        raise ValueError(f"norm must be one of 'batch', 'group' or None, got {norm!r}")
+    width = conv.out_channels
+    layer = {None: [], "batch": [nn.BatchNorm2d(width)], "group": [nn.GroupNorm(max(1, width // 4), width)]}[norm]
+    return [conv, *layer, nn.ReLU(inplace=False)]
 
 
 ACTIVATIONS = ("relu", "sigmoid", "tanh")

@@ -4,7 +4,8 @@ fc 120→84, fc 84→10, ReLU between (shared/papers/README.md).
 The input channels and the flatten size (400 at 32x32) follow ``input_shape``; the body ends
 after fc 84 + ReLU and the head is fc 84→classes.  ``embedding_activation`` replaces that last
 ReLU ('sigmoid': Fed-CMA's bounded embedding; None: linear).  ``norm='batch'`` puts BatchNorm
-after each convolution (the normalized model of the demo and the CPU-scale testbed).
+after each convolution (the normalized model of the demo), 'group' GroupNorm; None (the
+default) neither, as the paper's network.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class LeNet5(BodyHeadModel):
     """LeNet-5 with an 84-d embedding; needs inputs of at least 12x12."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, *, embedding_activation: Activation = "relu",
-                 norm: Norm = "none"):
+                 norm: Norm = None):
         channels, height, width = image_shape("lenet5", input_shape, 12)
         # Each stage: valid 5x5 conv (-4), then 2x2 max pool (floor halving).
         flat_h = ((height - 4) // 2 - 4) // 2

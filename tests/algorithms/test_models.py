@@ -191,12 +191,13 @@ def test_a_mixed_federation_bounds_embeddings_with_a_sigmoid_unless_told_otherwi
 @pytest.mark.parametrize("name, shape", [("digits-cnn", (1, 8, 8)), ("lenet5", (1, 28, 28))])
 def test_norm_batch_puts_batchnorm_after_each_conv_and_none_keeps_the_names(name, shape):
     """``norm='batch'``: a BatchNorm2d of the conv's width after every conv (the normalized models
-    of the demo); ``norm='none'`` (the default) builds the model with its old parameter names."""
-    plain = build_model(name, input_shape=shape, num_classes=10)
-    assert [n for n, _ in plain.named_parameters()] == \
-        [n for n, _ in build_model(name, input_shape=shape, num_classes=10, norm="none").named_parameters()]
-    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in plain.modules())
+    of the demo), 'group' a GroupNorm (digits-cnn's default); None builds the model without either."""
+    plain = build_model(name, input_shape=shape, num_classes=10, norm=None)
+    assert [n for n, _ in plain.named_parameters()][:2] == ["body.0.weight", "body.0.bias"]
+    assert not any(isinstance(m, (torch.nn.BatchNorm2d, torch.nn.GroupNorm)) for m in plain.modules())
     normed = build_model(name, input_shape=shape, num_classes=10, norm="batch")
+    default = build_model(name, input_shape=shape, num_classes=10)
+    assert any(isinstance(m, torch.nn.GroupNorm) for m in default.modules()) == (name == "digits-cnn")
     layers = list(normed.body)
     convs = [i for i, m in enumerate(layers) if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(isinstance(layers[i + 1], torch.nn.BatchNorm2d)
