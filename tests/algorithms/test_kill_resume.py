@@ -37,6 +37,7 @@ def metric_lines(out) -> list[dict]:
     return lines
 
 
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 @pytest.mark.parametrize("algorithm", sorted(CASES))
 def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
     assert_kill_resume_bitwise(tmp_path, [algorithm, *ARGS, *CASES[algorithm]], ROUNDS)

@@ -67,16 +67,18 @@ def test_a_crafted_checkpoint_runs_nothing_on_resume(tmp_path, capsys, encode):
 @pytest.mark.parametrize("encode", [bare_pickle, with_valid_header])
 def test_a_crafted_checkpoint_runs_nothing_in_the_demo(tmp_path, capsys, encode):
     """``pfl demo`` resumes the runs it finds: a planted checkpoint must not run either."""
+    from pfl_algorithms.demo import TESTBEDS, demo_config
+
     out, marker = tmp_path / "demo", tmp_path / "pwned"
-    run_dir = out / "local-seed0"
+    run_dir = out / "permuted" / "local-seed0"
     run_dir.mkdir(parents=True)
-    config = check(RunConfig(algorithm="local", dataset="digits", scenario="permuted-iid", model="digits-cnn",
-                             clients=20, rounds=1, seed=0, local_epochs=2, batch_size=16, lr=0.05))
+    config = demo_config(TESTBEDS["digits"], "local", "permuted", rounds=1, seed=0, data_root=None)
     (run_dir / "run.json").write_text(json.dumps({"format": "pfl-run", "version": 1, "run_id": "0" * 32,
                                                   "created": "2024-01-01T00:00:00+00:00"}))
     (run_dir / "config.json").write_text(json.dumps(config.as_dict()))
     (run_dir / "checkpoint.pt").write_bytes(encode(malicious_state(marker)))
-    assert main(["demo", "--algorithms", "local", "--out", str(out), "--rounds", "1", "--quiet"]) == 2
+    assert main(["demo", "--algorithms", "local", "--out", str(out), "--rounds", "1", "--quiet",
+                 "--dataset", "digits"]) == 2
     one_line_error(capsys, str(run_dir / "checkpoint.pt"), "refusing")
     assert not marker.exists()
 
@@ -226,13 +228,15 @@ def test_resuming_a_run_without_a_checkpoint_restarts_it(tmp_path, capsys):
 
 
 def test_the_demo_restarts_a_run_killed_before_its_first_checkpoint(tmp_path, capsys):
+    from pfl_algorithms.demo import TESTBEDS, demo_config
+
     out = tmp_path / "demo"
-    killed_before_first_checkpoint(check(RunConfig(algorithm="local", dataset="digits", model="digits-cnn",
-                                                   clients=20, rounds=1)), out / "local-seed0")
-    demo = ["demo", "--algorithms", "local", "--out", str(out), "--quiet"]
+    killed_before_first_checkpoint(demo_config(TESTBEDS["digits"], "local", "permuted", rounds=1, seed=0,
+                                               data_root=None), out / "permuted" / "local-seed0")
+    demo = ["demo", "--algorithms", "local", "--out", str(out), "--quiet", "--dataset", "digits"]
     assert main([*demo, "--rounds", "1"]) == 0
     assert "restarting it from round 0" in capsys.readouterr().err
-    assert json.loads((out / "local-seed0" / "summary.json").read_text())["rounds"] == 1
+    assert json.loads((out / "permuted" / "local-seed0" / "summary.json").read_text())["rounds"] == 1
     assert main([*demo, "--rounds", "1"]) == 0
     assert "finished earlier, kept" in capsys.readouterr().out
     assert main([*demo, "--rounds", "2"]) == 2
@@ -257,9 +261,9 @@ def test_the_demo_keeps_a_run_made_before_fields_were_added_and_on_another_execu
     count at their defaults) and names another executor (not a setting of the experiment) is
     kept; a real difference is still refused."""
     out = tmp_path / "demo"
-    demo = ["demo", "--algorithms", "local", "--out", str(out), "--quiet", "--rounds", "1"]
+    demo = ["demo", "--algorithms", "local", "--out", str(out), "--quiet", "--rounds", "1", "--dataset", "digits"]
     assert main(demo) == 0
-    path = out / "local-seed0" / "config.json"
+    path = out / "permuted" / "local-seed0" / "config.json"
     saved = json.loads(path.read_text())
     for field in ("autocast", "chunk_clients"):
         saved.pop(field)

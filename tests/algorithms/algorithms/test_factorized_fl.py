@@ -173,7 +173,9 @@ def test_a_few_rounds_on_digits_lower_the_loss(tmp_path, variant):
     assert all(torch.isfinite(t).all() for t in state["algorithm"]["personal"].values())
 
 
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 @pytest.mark.parametrize("variant", ["alpha", "beta"])
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_kill_9_then_resume_is_bitwise(tmp_path, variant):
     pytest.importorskip("sklearn")
     assert_kill_resume_bitwise(tmp_path, [f"factorized-fl-{variant}", *ARGS], ROUNDS)

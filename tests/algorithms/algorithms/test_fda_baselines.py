@@ -257,6 +257,7 @@ def assert_finite(state, path="state"):
 
 
 @pytest.mark.parametrize("algorithm", ["fedgp", "feddwa", "target-only"])
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_digits_fda_target_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--scenario", "fda", "--clients", "5", "--rounds", str(ROUNDS),

@@ -184,6 +184,7 @@ def pfl_run(*args):
 
 
 @pytest.mark.parametrize("algorithm", ["fedcma", "fedavg-classifier"])
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_three_architectures_kill_9_resume_is_bitwise_and_only_the_classifier_travels(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     rounds = 5

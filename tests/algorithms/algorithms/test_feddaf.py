@@ -120,6 +120,7 @@ def test_settings_are_checked():
 ROUNDS = 4
 
 
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_digits_fda_target_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
     pytest.importorskip("sklearn")
     args = ["feddaf", "--dataset", "digits", "--scenario", "fda", "--clients", "5", "--rounds", str(ROUNDS),

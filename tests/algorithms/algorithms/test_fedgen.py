@@ -278,6 +278,7 @@ def test_settings_and_config_are_checked():
 ROUNDS = 4
 
 
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
     """The code's local optimizer (plain SGD, lr 0.01).  Round 0 trains without the generator, so
     the loss is compared from round 1 on, where the regularized objective is the same."""

@@ -241,7 +241,9 @@ KILL = {"fedfomo": ["--set", "n_download=3"],
 ROUNDS = 6
 
 
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 @pytest.mark.parametrize("algorithm", sorted(KILL))
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
     args = [algorithm, "--dataset", "digits", "--clients", "6", "--rounds", str(ROUNDS), "--quiet", *KILL[algorithm]]
     assert_kill_resume_bitwise(tmp_path, args, ROUNDS)

@@ -192,6 +192,7 @@ ROUNDS = 4
 
 
 @pytest.mark.parametrize("algorithm", ["ifca", "fedamp"])
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--clients", "4", "--rounds", str(ROUNDS), "--quiet",

@@ -263,6 +263,7 @@ ROUNDS = 4
 
 
 @pytest.mark.parametrize("algorithm", ["pfedhn", "pfedhn-pc"])
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     # --lr 0.005: the code's inner lr (the run's default 0.05 is ten times the client step it was tuned with)

@@ -189,6 +189,7 @@ def test_layers_fc_leaves_convolutions_dense_and_bad_settings_name_the_setting()
             PFedMB(**bad)
 
 
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
     pytest.importorskip("sklearn")
     rounds = 4

@@ -200,6 +200,7 @@ CASES = {"pfedpara": ["--scenario", "iid"], "agnostic-fl": ["--scenario", "diric
 
 
 @pytest.mark.parametrize("algorithm", sorted(CASES))
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--clients", "3", "--rounds", str(ROUNDS), "--quiet", *CASES[algorithm]]

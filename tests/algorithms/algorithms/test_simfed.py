@@ -229,6 +229,7 @@ def test_a_few_rounds_on_digits(tmp_path):
     assert "head" not in state["algorithm"]["bank"]  # the classifier never leaves its client
 
 
+@pytest.mark.slow  # end to end: a killed process, then a resumed one
 def test_kill_9_then_resume_is_bitwise(tmp_path, monkeypatch):
     """test_kill_resume's kill -9 mid-run then --resume, for SimFed (its server keeps every
     client's latest upload and embedding; the criteria input is drawn again from the seed)."""

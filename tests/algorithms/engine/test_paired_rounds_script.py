@@ -48,6 +48,7 @@ def test_json_in_a_missing_folder_is_refused_before_measuring(tmp_path, capsys):
     assert "--json: the folder of" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole round suite, both sides, end to end
 def test_dry_run_measures_both_sides_and_writes_json(tmp_path, capsys):
     path = tmp_path / "paired.json"
     assert paired_rounds.main(["factorized_fl_round", "--dry-run", "--json", str(path)]) == 0
