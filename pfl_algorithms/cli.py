@@ -188,9 +188,13 @@ def _parser() -> argparse.ArgumentParser:
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     reproduce.add_argument("paper", choices=list(PAPERS), help="the paper")
     reproduce.add_argument("--scale", choices=SCALES, default="cpu",
-                           help="cpu: digits-sized, minutes on 2 cores; paper: the paper's own setting (real data "
+                           help="cpu: MNIST/Fashion-MNIST-sized (bash scripts/setup.sh --data), about 20 minutes "
+                                "on 2 cores; paper: the paper's own setting (real data "
                                 "under --data-root, a GPU in practice)")
-    reproduce.add_argument("--seeds", type=_positive_int, default=3, help="seeds per method and setting")
+    reproduce.add_argument("--seeds", type=_positive_int, default=None,
+                           help="seeds per method and setting, the same for every method (default: 5; --quick: 3)")
+    reproduce.add_argument("--quick", action="store_true",
+                           help="a quick variant of --scale cpu: the paper's quick column(s) at 10 rounds, 3 seeds")
     reproduce.add_argument("--out", default=None, help="folder of the runs and report.md (default: "
                                                        "runs/reproduce-<paper>-<scale>)")
     reproduce.add_argument("--data-root", default=None, help="the data root (default: $PFL_DATA_ROOT, else ./data)")
@@ -302,7 +306,7 @@ def _cmd_reproduce(args) -> int:
     from .reproduce import reproduce
 
     report = reproduce(args.paper, scale=args.scale, seeds=args.seeds, out=args.out, data_root=args.data_root,
-                       device=args.device, dry_run=args.dry_run, progress=not args.quiet)
+                       device=args.device, dry_run=args.dry_run, progress=not args.quiet, quick=args.quick)
     print(report if args.dry_run else f"report: {report}")
     return 0
 

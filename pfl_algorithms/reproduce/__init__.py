@@ -12,32 +12,40 @@ from .papers import PAPERS, SCALES, Paper
 __all__ = ["PAPERS", "SCALES", "Paper", "reproduce"]
 
 
-def reproduce(paper: str, *, scale: str = "cpu", seeds: int = 3, out: Optional[Union[str, Path]] = None,
+def reproduce(paper: str, *, scale: str = "cpu", seeds: Optional[int] = None, out: Optional[Union[str, Path]] = None,
               data_root: Optional[str] = None, device: str = "cpu", dry_run: bool = False,
-              progress: bool = True) -> Union[Path, str]:
+              progress: bool = True, quick: bool = False) -> Union[Path, str]:
     """Run every method of ``paper``'s table over every setting of ``scale`` for ``seeds``
-    seeds into ``out`` (default ``runs/reproduce-<paper>-<scale>``), keeping finished runs and
-    resuming stopped ones, then write ``out/report.md``; returns its path.  ``dry_run``: check
-    every run's config and return the plan as text, training nothing."""
+    seeds (default 5; ``quick``: 3), the same seeds 0..seeds-1 for every method, into ``out``
+    (default ``runs/reproduce-<paper>-<scale>[-quick]``), keeping finished runs and resuming
+    stopped ones, then write ``out/report.md`` and ``out/report.json``; returns the report's
+    path.  ``quick``: the CPU scale's quick columns at 10 rounds.  ``dry_run``: check every
+    run's config and return the plan as text, training nothing."""
+    from ..data.datasets import reuse_loaded_datasets
     from ..runner import run_or_keep
     from .campaign import describe, plan
+    from .papers import DEFAULT_SEEDS, QUICK_SEEDS
     from .report import write_report
 
     if paper not in PAPERS:
         raise ValueError(f"paper must be one of {', '.join(PAPERS)}, got {paper!r}")
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    if seeds is None:
+        seeds = QUICK_SEEDS if quick else DEFAULT_SEEDS
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be a positive integer, got {seeds!r}")
     spec = PAPERS[paper]
-    out = Path(out) if out is not None else Path("runs") / f"reproduce-{paper}-{scale}"
-    runs = plan(spec, scale, seeds, out, data_root=data_root, device=device)
+    out = Path(out) if out is not None else Path("runs") / f"reproduce-{paper}-{scale}{'-quick' if quick else ''}"
+    runs = plan(spec, scale, seeds, out, data_root=data_root, device=device, quick=quick)
     if dry_run:
-        return describe(spec, scale, seeds, out, runs)
-    for index, run in enumerate(runs, 1):
-        if progress:
-            print(f"[{index}/{len(runs)}] {run.setting.label}, {run.method.label}, seed {run.seed}",
-                  file=sys.stderr, flush=True)
-        run_or_keep(run.config, run.out, progress=progress)
-    command = shlex.join(["pfl", "reproduce", paper, "--scale", scale, "--seeds", str(seeds)])
-    return write_report(spec, scale, seeds, runs, out, command)
+        return describe(spec, scale, seeds, out, runs, quick=quick)
+    with reuse_loaded_datasets():  # each dataset read once per campaign, not once per run
+        for index, run in enumerate(runs, 1):
+            if progress:
+                print(f"[{index}/{len(runs)}] {run.setting.label}, {run.method.label}, seed {run.seed}",
+                      file=sys.stderr, flush=True)
+            run_or_keep(run.config, run.out, progress=progress)
+    command = shlex.join(["pfl", "reproduce", paper, "--scale", scale, "--seeds", str(seeds),
+                          *(["--quick"] if quick else [])])
+    return write_report(spec, scale, seeds, runs, out, command, quick=quick)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import RunConfig, check, config_from
-from .papers import Method, Paper, Setting
+from .papers import QUICK, Method, Paper, Setting, optimizer_steps, phase_steps
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,34 @@ def slug(label: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
 
 
+def settings_of(paper: Paper, scale: str, quick: bool = False) -> tuple[Setting, ...]:
+    """The columns a run of ``scale`` covers: all, or with ``quick`` (CPU scale only) the
+    paper's ``quick`` columns (default: the first)."""
+    settings = paper.settings[scale]
+    if not quick:
+        return settings
+    if scale != "cpu":
+        raise ValueError("--quick is a variant of --scale cpu")
+    chosen = tuple(s for s in settings if s.label in paper.quick) if paper.quick else settings[:1]
+    if paper.quick and len(chosen) != len(paper.quick):
+        raise ValueError(f"{paper.name}: quick names settings the CPU scale lacks: {paper.quick}")
+    return chosen
+
+
 def run_config(paper: Paper, scale: str, method: Method, setting: Setting, seed: int, *,
-               data_root: Optional[str] = None, device: str = "cpu") -> RunConfig:
-    """The checked RunConfig of one cell and seed: the scale's base, then the setting, then the
-    method's algorithm settings (the method's own, then those the setting ties to it)."""
-    values = {**paper.base[scale], **setting.config, "algorithm": method.algorithm, "seed": seed, "device": device,
+               data_root: Optional[str] = None, device: str = "cpu", quick: bool = False) -> RunConfig:
+    """The checked RunConfig of one cell and seed: the scale's base (with ``quick``, at
+    ``QUICK``'s rounds), then the setting, then the method's algorithm settings (the method's
+    own, then those the setting ties to it).  A budget of ``local_steps`` is split over the
+    phases of a method that runs the schedule once per phase (``papers.phase_steps``)."""
+    values = {**paper.base[scale], **(QUICK if quick else {}), **setting.config, "algorithm": method.algorithm,
+              "seed": seed, "device": device,
               "algorithm_settings": {**method.settings, **setting.algorithm_settings.get(method.algorithm, {})}}
+    if values.get("local_steps") is not None:
+        try:
+            values["local_steps"] = phase_steps(method.algorithm, values["local_steps"])
+        except ValueError as error:
+            raise ValueError(f"{paper.name} {setting.label!r}, {method.label}: {error}") from None
     if data_root is not None:
         values["data_root"] = data_root
     try:
@@ -51,20 +73,44 @@ def method_folder(paper: Paper, method: Method) -> str:
 
 
 def plan(paper: Paper, scale: str, seeds: int, out: Path, *, data_root: Optional[str] = None,
-         device: str = "cpu") -> list[PlannedRun]:
+         device: str = "cpu", quick: bool = False) -> list[PlannedRun]:
     """Every run of the comparison, in the order they run (setting by setting, seed by seed;
     a setting runs the rows it names, all by default), each config checked before anything
-    trains."""
+    trains.  Every method of a setting runs the same seeds 0..seeds-1."""
     return [PlannedRun(method, setting, seed,
-                       run_config(paper, scale, method, setting, seed, data_root=data_root, device=device),
+                       run_config(paper, scale, method, setting, seed, data_root=data_root, device=device,
+                                  quick=quick),
                        out / slug(setting.label) / method_folder(paper, method) / f"seed{seed}")
-            for setting in paper.settings[scale] for seed in range(seeds) for method in paper.methods
+            for setting in settings_of(paper, scale, quick) for seed in range(seeds) for method in paper.methods
             if setting.runs(method)]
 
 
-def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[PlannedRun]) -> str:
+def run_steps(run: PlannedRun) -> Optional[int]:
+    """Optimizer steps per client and round of a planned run (None: a budget in epochs)."""
+    return optimizer_steps(run.config.algorithm, run.config.local_steps)
+
+
+def budget_lines(runs: list[PlannedRun]) -> list[str]:
+    """Each setting's budget per client and round, and which methods split it over phases."""
+    lines = []
+    for label in dict.fromkeys(r.setting.label for r in runs):
+        cell = [r for r in runs if r.setting.label == label]
+        steps = {run_steps(r) for r in cell}
+        if None in steps:
+            epochs = sorted({r.config.local_epochs for r in cell})
+            lines.append(f"{label}: {', '.join(map(str, epochs))} local epoch(s) per client and round "
+                         "(a budget in epochs: not equal in steps where methods take several batches a step)")
+            continue
+        split = sorted({f"{r.method.label} ({r.config.local_steps} per phase)" for r in cell
+                        if r.config.local_steps != run_steps(r)})
+        lines.append(f"{label}: {'/'.join(map(str, sorted(steps)))} optimizer steps per client and round for every "
+                     "method" + (f"; split over phases: {', '.join(split)}" if split else ""))
+    return lines
+
+
+def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[PlannedRun], quick: bool = False) -> str:
     """The plan as text (``--dry-run``): one line per setting, with its methods and run count."""
-    settings = paper.settings[scale]
+    settings = settings_of(paper, scale, quick)
     lines = [f"{paper.name} at scale {scale}: {len(runs)} runs ({len(paper.methods)} methods, {len(settings)} "
              f"settings, {seeds} seeds); every config checked"]
     for setting in settings:
@@ -75,4 +121,5 @@ def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[Planned
                      f"-> {out / slug(setting.label)}/"
                      + ("" if setting.methods is None else f" ({', '.join(setting.methods)})"))
     lines.append("  methods: " + ", ".join(f"{m.label} ({m.algorithm})" for m in paper.methods))
+    lines += [f"  budget: {line}" for line in budget_lines(runs)]
     return "\n".join(lines)

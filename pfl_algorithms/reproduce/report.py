@@ -1,6 +1,14 @@
-"""``report.md`` of a reproduction: the paper's table from our runs (mean ± std over seeds,
-communication), the paper's own numbers beside ours where legible, the claims checked
-against our numbers, and plots of accuracy against round and against bits per setting."""
+"""``report.md`` and ``report.json`` of a reproduction: the paper's table from our runs (mean ±
+std over seeds, communication), the paper's own numbers beside ours where legible, the budget,
+each claim checked by the paired difference over seeds with its 95% interval, and plots of
+accuracy against round and against bits per setting.
+
+Claims (``claim_results``): every method of a setting runs the same seeds, so a claim "A is
+above B" is judged on the per-seed differences d_s = acc_A(s) − acc_B(s) over the seeds both
+finished: mean d̄, sample std s_d, and the two-sided 95% Student-t interval d̄ ± t(0.975, n−1)·
+s_d/√n over the n seed pairs (a paired t-interval).  The verdict is "holds", "does not hold"
+or "inconclusive" by where that interval lies (``Claim.verdict``); one seed pair gives no
+interval and is inconclusive."""
 from __future__ import annotations
 
 import json
@@ -10,8 +18,45 @@ from pathlib import Path
 from typing import Optional
 
 from ..atomic_io import atomic_write_bytes
-from .campaign import PlannedRun, slug
-from .papers import Paper
+from .campaign import PlannedRun, budget_lines, settings_of, slug
+from .papers import Claim, Paper
+
+INTERVAL_METHOD = "paired Student-t, 95%, two-sided, n-1 degrees of freedom over seed pairs"
+# t(0.975, df) for df = 1..30 (beyond: Cornish-Fisher's first two terms, within 1e-3 of exact).
+_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
+         2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639,
+         2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def paired_difference(a: dict, b: dict) -> dict:
+    """The paired difference a − b over the seeds both hold ({seed: accuracy %}): the seeds,
+    the differences, their mean and std and the 95% t-interval (None under two pairs)."""
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in seeds]
+    result = {"seeds": seeds, "differences": diffs, "mean": statistics.fmean(diffs) if diffs else None,
+              "std": statistics.stdev(diffs) if len(diffs) > 1 else None, "interval": None,
+              "interval_method": INTERVAL_METHOD}
+    if len(diffs) > 1:
+        half = t_quantile_975(len(diffs) - 1) * result["std"] / math.sqrt(len(diffs))
+        result["interval"] = (result["mean"] - half, result["mean"] + half)
+    return result
+
+
+def judge(claim: Claim, a: dict, b: dict) -> dict:
+    """The claim's paired difference over seeds (``paired_difference``) and its verdict."""
+    result = paired_difference(a, b)
+    result["verdict"] = claim.verdict(result["interval"])
+    return result
 
 
 METRIC_TEXT = {"final_mean_accuracy": "final-round mean personalized test accuracy over clients",
@@ -49,12 +94,14 @@ def cell_results(runs: list[PlannedRun], metric: str = "final_mean_accuracy") ->
     cells: dict = {}
     for run in runs:
         summary = json.loads((run.out / "summary.json").read_text())
-        cell = cells.setdefault((run.method.label, run.setting.label), {"accuracy": [], "gb": []})
+        cell = cells.setdefault((run.method.label, run.setting.label), {"accuracy": [], "gb": [], "per_seed": {}})
         if summary[metric] is not None:
             cell["accuracy"].append(100 * summary[metric])
+            cell["per_seed"][run.seed] = 100 * summary[metric]
         # The ledger counts gigabits; the papers' "Gb" are gigabytes (pfl_algorithms/costs.py).
         cell["gb"].append((summary["comm_gb"]["up"] + summary["comm_gb"]["down"]) / 8)
-    return {key: {"accuracy": _mean_std(c["accuracy"]), "gb": _mean_std(c["gb"]), "seeds": len(c["gb"])}
+    return {key: {"accuracy": _mean_std(c["accuracy"]), "gb": _mean_std(c["gb"]), "seeds": len(c["gb"]),
+                  "per_seed": c["per_seed"]}
             for key, c in cells.items()}
 
 
@@ -70,24 +117,46 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
-def claim_lines(paper: Paper, scale: str, cells: dict) -> list[str]:
-    """Each claim on each setting it names, with our numbers and whether it holds."""
-    lines = []
+def claim_results(paper: Paper, scale: str, cells: dict, quick: bool = False) -> list[dict]:
+    """Each claim on each setting it names: the two cells' mean ± std and the paired
+    difference over seeds with its interval and verdict ("not measured" without both cells)."""
+    results = []
     for claim in paper.claims:
-        for setting in paper.settings[scale]:
+        for setting in settings_of(paper, scale, quick):
             if claim.setting_contains not in setting.label:
                 continue
-            a = cells.get((claim.method, setting.label), {}).get("accuracy")
-            b = cells.get((claim.other, setting.label), {}).get("accuracy")
-            if a is None or b is None:
-                verdict = "not measured"
+            a = cells.get((claim.method, setting.label), {})
+            b = cells.get((claim.other, setting.label), {})
+            row = {"setting": setting.label, "method": claim.method, "relation": claim.relation,
+                   "other": claim.other, "claim": f"{claim.method} {claim.text} {claim.other}",
+                   "accuracy": a.get("accuracy"), "other_accuracy": b.get("accuracy")}
+            if a.get("accuracy") is None or b.get("accuracy") is None:
+                row.update(verdict="not measured", seeds=[], differences=[], mean=None, std=None, interval=None,
+                           interval_method=INTERVAL_METHOD)
             else:
-                verdict = f"{'holds' if claim.holds(a[0], b[0]) else 'does not hold'} ({_pm(a)} vs {_pm(b)})"
-            lines.append(f"- {setting.label}: {claim.method} {claim.text} {claim.other}: {verdict}")
+                row.update(judge(claim, a["per_seed"], b["per_seed"]))
+            results.append(row)
+    return results
+
+
+def claim_lines(paper: Paper, scale: str, cells: dict, quick: bool = False) -> list[str]:
+    """Each claim on each setting it names: our numbers, the paired difference with its 95%
+    interval, and the verdict."""
+    lines = []
+    for r in claim_results(paper, scale, cells, quick):
+        if r["verdict"] == "not measured":
+            lines.append(f"- {r['setting']}: {r['claim']}: not measured")
+            continue
+        n = len(r["seeds"])
+        interval = ("no interval (one seed pair)" if r["interval"] is None
+                    else f"95% CI [{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]")
+        lines.append(f"- {r['setting']}: {r['claim']}: **{r['verdict']}** ({_pm(r['accuracy'])} vs "
+                     f"{_pm(r['other_accuracy'])}; paired difference {r['mean']:+.2f} points over {n} seed(s), "
+                     f"{interval})")
     return lines
 
 
-def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path) -> list[str]:
+def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path, quick: bool = False) -> list[str]:
     """Per setting, accuracy against round and against Gb (mean over seeds, one line per
     method); returns the PNG paths relative to ``folder``'s parent, or a note why none."""
     try:
@@ -99,7 +168,7 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path) 
         return [f"(no plots: matplotlib is not installed: {exc})"]
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for setting in paper.settings[scale]:
+    for setting in settings_of(paper, scale, quick):
         figures = {name: plt.subplots(figsize=(6, 4)) for name in ("accuracy_vs_round", "accuracy_vs_bits")}
         for method in paper.methods:
             histories = [_history(r, paper.metric) for r in runs if r.method is method and r.setting is setting]
@@ -126,13 +195,17 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path) 
     return written
 
 
-def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], out: Path, command: str) -> Path:
-    """Write ``out/report.md`` (and ``out/plots/``) from the finished runs; returns its path."""
+def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], out: Path, command: str,
+                 quick: bool = False) -> Path:
+    """Write ``out/report.md``, ``out/report.json`` (and ``out/plots/``) from the finished runs;
+    returns the report's path."""
     cells = cell_results(runs, paper.metric)
-    settings = paper.settings[scale]
+    settings = settings_of(paper, scale, quick)
     beside = scale == "paper" and bool(paper.paper_numbers)
+    budget = budget_lines(runs)
     lines = [f"# {paper.title}", "",
-             f"Reproduced with `{command}`: scale `{scale}`, {seeds} seed(s) per cell, {len(runs)} runs.",
+             f"Reproduced with `{command}`: scale `{scale}`{' (quick)' if quick else ''}, {seeds} seed(s) per cell "
+             f"(seeds 0-{seeds - 1}, the same for every method), {len(runs)} runs.",
              f"The paper's {paper.table}. Accuracy: " + METRIC_TEXT.get(paper.metric, paper.metric)
              + " (%), mean ± std over seeds." + (" In brackets: the paper's number, where its text "
                                                        "is legible." if beside else ""), ""]
@@ -171,16 +244,33 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
     lines += ["## Communication (GB = 10⁹ bytes, up + down, whole run: the unit of the papers' \"Gb\")", "",
               *(["The paper's cost column is in brackets."] if beside and paper.paper_costs else []),
               *_table(header, rows), ""]
-    claims = claim_lines(paper, scale, cells)
+    lines += ["## Budget", "", *(f"- {line}" for line in budget), ""]
+    claims = claim_lines(paper, scale, cells, quick)
     if claims:
-        lines += ["## The paper's claims at this scale", "", *claims, ""]
+        lines += ["## The paper's claims at this scale", "",
+                  f"Each claim is judged on the per-seed differences (same seeds) by their 95% interval "
+                  f"({INTERVAL_METHOD}): holds when the interval lies on the claimed side of 0, does not hold when "
+                  "it lies on the other, inconclusive when it straddles 0 or there is one seed pair.", "",
+                  *claims, ""]
     if paper.notes:
         lines += ["## Notes", "", *(f"- {note}" for note in paper.notes), ""]
-    plots = write_plots(paper, scale, runs, out / "plots")
+    plots = write_plots(paper, scale, runs, out / "plots", quick)
     lines += ["## Plots", "", *(f"![{p}]({p})" if p.endswith(".png") else p for p in plots), ""]
     lines += ["## Runs", "", "Every run directory is kept: `pfl compare` reads them, `--resume` continues them.", "",
               *(f"- `{run.out.relative_to(out)}`: {run.method.label}, {run.setting.label}, seed {run.seed}"
                 for run in runs), ""]
     report = out / "report.md"
     atomic_write_bytes(report, "\n".join(lines).encode())
+    document = {
+        "paper": paper.name, "scale": scale, "quick": quick, "command": command, "seeds": list(range(seeds)),
+        "metric": paper.metric, "budget": budget,
+        "cells": [{"method": m, "setting": st, "accuracy_per_seed": {str(k): v for k, v in c["per_seed"].items()},
+                   "accuracy_mean": None if c["accuracy"] is None else c["accuracy"][0],
+                   "accuracy_std": None if c["accuracy"] is None else c["accuracy"][1],
+                   "gb_mean": c["gb"][0] if c["gb"] else None}
+                  for (m, st), c in cells.items()],
+        "claims": [{**r, "interval": None if r["interval"] is None else list(r["interval"])}
+                   for r in claim_results(paper, scale, cells, quick)],
+    }
+    atomic_write_bytes(out / "report.json", (json.dumps(document, indent=1, allow_nan=True) + "\n").encode())
     return report

@@ -182,15 +182,18 @@ def test_pfedmb_tables_run_their_own_rows_with_fine_tuning(tmp_path):
         by_setting = {}
         for run in runs:
             by_setting.setdefault(run.setting.label, []).append(run)
-            assert run.config.finetune() == run.config.local_epochs
+            # The paper's E fine-tuning epochs; one at CPU scale (a budget in steps there).
+            assert run.config.finetune() == (run.config.local_epochs if scale == "paper" else 1)
         paired = by_setting.pop("Paired, 10 clients")
         assert [r.method.label for r in paired] == ["Local", "FedAvg", "pFedMB w/o α-weighting", "pFedMB"]
         assert {r.out.parent.name for r in paired} == {"local", "fedavg", "pfedmb-weighting-uniform", "pfedmb"}
         assert all(r.config.algorithm_settings.get("shared_alpha") for r in paired if r.config.algorithm == "pfedmb")
         assert paired[2].config.algorithm_settings["weighting"] == "uniform" and paired[0].config.clients == 10
-        assert len(by_setting) == 4 and all(len(rows) == 9 for rows in by_setting.values())
-        fifty = by_setting["Dirichlet, 50 clients"][0].config
-        assert (fifty.clients, fifty.clients_per_round, fifty.scenario) == (50, 10, "dirichlet")
+        # The CPU scale leaves the 50-client columns out (cost).
+        assert len(by_setting) == (4 if scale == "paper" else 2) and all(len(rows) == 9 for rows in by_setting.values())
+        if scale == "paper":
+            fifty = by_setting["Dirichlet, 50 clients"][0].config
+            assert (fifty.clients, fifty.clients_per_round, fifty.scenario) == (50, 10, "dirichlet")
         assert by_setting["Random 2 classes, 15 clients"][0].config.scenario_options["layout"] == "random"
     paper_runs = plan(paper, "paper", 1, tmp_path)
     assert {(r.config.dataset, r.config.model, r.config.local_epochs, r.config.batch_size) for r in paper_runs} == {
@@ -208,16 +211,28 @@ def test_feddaf_grid_k_sweep_and_the_targets_metric(tmp_path):
     assert paper.metric == "target_best_accuracy"
     cpu = plan(paper, "cpu", 1, tmp_path)
     labels = {r.setting.label for r in cpu}
-    assert len(labels) == 9 and all(r.config.scenario == "fda" for r in cpu)
+    # CPU scale (cost): the three scarcities at noise 0.6 on MNIST, Table 3's k at 1 and 10, no cap on
+    # the target's share.
+    assert labels == {f"Scarcity {s}, noise 0.6" for s in (0.05, 0.25, 0.5)}
+    assert all(r.config.scenario == "fda" and r.config.dataset == "mnist" and r.config.samples_per_client is None
+               for r in cpu)
     k_runs = [r for r in cpu if r.method.label.startswith("FedDAF k=")]
-    assert {r.setting.label for r in k_runs} == {f"Scarcity 0.05, noise {n}" for n in (0.3, 0.6, 0.9)}
-    assert sorted({r.config.algorithm_settings["k"] for r in k_runs}) == [0.5, 1.0, 2.0, 3.0, 4.0, 10.0]
-    daf = next(r for r in cpu if r.method.label == "FedDAF" and r.setting.label == "Scarcity 0.5, noise 0.9")
-    assert daf.config.scenario_options["target_fraction"] == 0.5 and daf.config.scenario_options["noise"] == 0.9
-    assert daf.config.algorithm_settings == {"target_lr": 0.05, "target_batch_size": 16}
+    assert {r.setting.label for r in k_runs} == {"Scarcity 0.05, noise 0.6"}
+    assert sorted({r.config.algorithm_settings["k"] for r in k_runs}) == [1.0, 10.0]
+    full_k = [r for r in plan(paper, "paper", 1, tmp_path) if r.method.label.startswith("FedDAF k=")]
+    assert sorted({r.config.algorithm_settings["k"] for r in full_k}) == [0.5, 1.0, 2.0, 3.0, 4.0, 10.0]
+    daf = next(r for r in cpu if r.method.label == "FedDAF" and r.setting.label == "Scarcity 0.5, noise 0.6")
+    assert daf.config.scenario_options["target_fraction"] == 0.5 and daf.config.scenario_options["noise"] == 0.6
+    # Every method that trains the target trains it alike: one epoch at the run's lr and batch.
+    for run in cpu:
+        if run.config.algorithm in ("feddaf", "fedgp", "feddwa", "target-only"):
+            assert {k: run.config.algorithm_settings[k] for k in ("target_lr", "target_batch_size",
+                                                                   "target_epochs")} == {
+                "target_lr": 0.05, "target_batch_size": 32, "target_epochs": 1}
     paper_labels = {r.setting.label for r in plan(paper, "paper", 1, tmp_path)}
     assert {"PACS P", "VLCS S", "Office-Caltech-10 W"} <= paper_labels and len(paper_labels) == 9 + 12
-    run = daf
+    run = next(r for r in plan(paper, "paper", 1, tmp_path)
+               if r.method.label == "FedDAF" and r.setting.label == "Scarcity 0.5, noise 0.9")
     run.out.mkdir(parents=True)
     (run.out / "summary.json").write_text(json.dumps({"target_client": 10, "target_best_accuracy": 0.5,
                                                        "final_mean_accuracy": 0.9, "comm_gb": {"up": 8, "down": 8}}))
@@ -238,12 +253,13 @@ def test_fedcma_table2_toy_and_table3(tmp_path):
     by_setting = {}
     for run in cpu:
         by_setting.setdefault(run.setting.label, []).append(run)
-    assert set(by_setting) == {"Digits α=0.02", "Digits α=0.03", "Digits α=0.05", "Digits α=0.1",
-                               "Gaussian mixture, 4 clients"}
+    # CPU scale: MNIST (the paper's data), α 0.02, 0.05 and 0.1 (0.03 left out for cost).
+    assert set(by_setting) == {"MNIST α=0.02", "MNIST α=0.05", "MNIST α=0.1", "Gaussian mixture, 4 clients"}
     for label, runs in by_setting.items():
         assert {r.config.algorithm for r in runs} == {"local", "fedavg-classifier", "fedgen", "fedcma"}
-    alpha = by_setting["Digits α=0.03"][0].config
-    assert alpha.scenario == "dirichlet" and alpha.scenario_options["alpha"] == 0.03 and alpha.clients == 20
+    alpha = by_setting["MNIST α=0.05"][0].config
+    assert alpha.scenario == "dirichlet" and alpha.scenario_options["alpha"] == 0.05 and alpha.clients == 20
+    assert alpha.dataset == "mnist"
     assert len(set(alpha.scenario_options["architectures"])) == 3
     toy = by_setting["Gaussian mixture, 4 clients"][0].config
     assert (toy.dataset, toy.clients, toy.model) == ("gaussian-mixture", 4, "mlp")
@@ -262,3 +278,130 @@ def test_fedcma_table2_toy_and_table3(tmp_path):
     assert paper.paper_numbers[("FedCMA", "MNIST α=0.02")] == (79.22, 0.74)
     assert paper.paper_numbers[("pFedHN-PC", "CIFAR-10, 100 workers")] == (80.81, None)
     assert [c.setting_contains for c in paper.claims] == ["α=0.0", "α=0.0"]
+
+
+# ---------------------------------------------------------------- honest statistics and budgets
+
+
+@pytest.mark.parametrize("relation, differences, verdict", [
+    (">", [2.0, 3.0, 2.5, 3.5, 2.2], "holds"),            # every seed above: the interval lies above 0
+    (">", [-2.0, -3.0, -2.5, -3.5, -2.2], "does not hold"),  # every seed below
+    (">", [2.0, -3.0, 1.0, -1.0, 0.5], "inconclusive"),   # straddles 0
+    (">", [5.0], "inconclusive"),                          # one seed pair: no interval
+    ("<", [-1.0, -1.2, -0.8], "holds"),
+    ("<", [1.0, 1.2, 0.8], "does not hold"),
+    (">=", [0.0, 0.0, 0.0], "holds"),                      # equal on every seed: at or above
+    (">=", [-1.0, -1.2, -0.8], "does not hold"),
+    (">=", [1.0, -1.2, 0.8], "inconclusive"),
+])
+def test_claim_verdict_on_hand_made_numbers(relation, differences, verdict):
+    from pfl_algorithms.reproduce.report import judge
+
+    claim = Claim("A", relation, "B", "X")
+    other = {seed: 50.0 + seed for seed in range(len(differences))}
+    mine = {seed: other[seed] + d for seed, d in enumerate(differences)}
+    mine[99] = 100.0  # a seed only one side finished is not paired
+    result = judge(claim, mine, other)
+    assert result["verdict"] == verdict and result["seeds"] == list(range(len(differences)))
+    assert result["differences"] == pytest.approx(differences)
+    if len(differences) > 1:
+        low, high = result["interval"]
+        half = {5: 2.7764, 3: 4.3027}[len(differences)] * np.std(differences, ddof=1) / np.sqrt(len(differences))
+        assert (low, high) == pytest.approx((np.mean(differences) - half, np.mean(differences) + half))
+    else:
+        assert result["interval"] is None
+
+
+def test_t_quantile_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    from pfl_algorithms.reproduce.report import t_quantile_975
+
+    for df in (1, 2, 4, 10, 30, 31, 50, 200):
+        assert t_quantile_975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=2e-3)
+
+
+@pytest.mark.parametrize("name", sorted(PAPERS))
+def test_every_method_of_a_table_makes_the_same_optimizer_steps(name, tmp_path):
+    """At CPU scale each setting's planned runs make one number of optimizer steps per client and
+    round, whatever the method: pFedMB's two phases share the budget (half each), Per-FedAvg
+    counts outer steps (its local_steps)."""
+    from pfl_algorithms.reproduce.campaign import run_steps
+    from pfl_algorithms.reproduce.papers import CPU_STEPS
+
+    for quick in (False, True):
+        runs = plan(PAPERS[name], "cpu", 2, tmp_path, quick=quick)
+        for label in {r.setting.label for r in runs}:
+            steps = {r.method.label: run_steps(r) for r in runs if r.setting.label == label}
+            assert set(steps.values()) == {CPU_STEPS}, (name, label, steps)
+        for run in runs:
+            if run.config.algorithm == "pfedmb":
+                assert run.config.local_steps == CPU_STEPS // 2
+            elif run.config.algorithm == "per-fedavg":
+                assert run.config.local_steps == CPU_STEPS
+
+
+def test_pfedmb_runs_the_schedule_in_two_phases():
+    """The count behind pFedMB's split: both phases of its plan follow the run's schedule."""
+    from pfl_algorithms.algorithms import ALGORITHMS
+    from pfl_algorithms.reproduce.papers import SCHEDULE_PHASES
+
+    for settings in ({}, {"shared_alpha": True}, {"weighting": "uniform"}):
+        phases = ALGORITHMS["pfedmb"](**settings).plan(0)
+        assert len(phases) == SCHEDULE_PHASES["pfedmb"]
+        assert all(p.steps is None and p.epochs is None for p in phases)
+
+
+def test_cpu_scale_settings_are_real_data_normalized_and_long_enough(tmp_path):
+    """MNIST/Fashion-MNIST label settings, MNIST + Fashion-MNIST + digits domains, BatchNorm
+    LeNet-5, hundreds of samples a client, 30 rounds, five seeds by default, both inits."""
+    from pfl_algorithms.reproduce.papers import DEFAULT_SEEDS
+
+    assert DEFAULT_SEEDS >= 5
+    for name, paper in PAPERS.items():
+        for run in plan(paper, "cpu", 1, tmp_path):
+            config = run.config
+            if config.dataset == "gaussian-mixture":
+                continue
+            assert config.dataset in ("mnist", "fashion-mnist", "mixed") and config.rounds >= 30, (name, run)
+            if config.dataset == "mixed":
+                assert config.dataset_options["datasets"] == ["mnist", "fashion-mnist", "digits"]
+            if config.scenario == "fda":
+                assert config.samples_per_client is None  # a cap would shrink the target's share
+            else:
+                assert config.samples_per_client >= 200
+            if not config.scenario_options.get("architectures"):
+                assert (config.model, config.model_options.get("norm")) == ("lenet5", "batch")
+    for name, rows in (("factorized-fl", ("Factorized-FL α", "Factorized-FL β")), ("simfed", ("SimFed",))):
+        labels = {m.label: m.settings.get("init") for m in PAPERS[name].methods}
+        for row in rows:
+            assert labels[row] == "paper" and labels[f"{row} (init=svd)"] == "svd"
+        folders = {r.out.parent.name for r in plan(PAPERS[name], "cpu", 1, tmp_path)}
+        assert any(f.endswith("init-svd") for f in folders) and any(f.endswith("init-paper") for f in folders)
+    # The fda target's smallest share: MNIST's 10,000 test images, 20% to train, 5% of that.
+    fda = plan(PAPERS["feddaf"], "cpu", 1, tmp_path)
+    assert round(10_000 * 0.2 * min(r.config.scenario_options["target_fraction"] for r in fda)) >= 50
+
+
+def test_quick_is_a_short_cpu_variant(tmp_path):
+    for name, paper in PAPERS.items():
+        quick = plan(paper, "cpu", 3, tmp_path, quick=True)
+        assert {r.config.rounds for r in quick} == {10}
+        assert len({r.setting.label for r in quick}) == 1
+    text = reproduce("simfed", quick=True, out=tmp_path, dry_run=True)
+    assert "3 seeds" in text and "budget:" in text
+    assert "5 seeds" in reproduce("simfed", out=tmp_path, dry_run=True)
+    with pytest.raises(ValueError, match="quick"):
+        plan(PAPERS["simfed"], "paper", 1, tmp_path, quick=True)
+
+
+def test_the_report_json_holds_cells_and_claim_verdicts(tiny, tmp_path):
+    out = tmp_path / "rep"
+    report = reproduce("tiny", seeds=2, out=out, progress=False).read_text()
+    document = json.loads((out / "report.json").read_text())
+    assert document["seeds"] == [0, 1] and document["budget"]
+    cell = next(c for c in document["cells"] if (c["method"], c["setting"]) == ("FedAvg", "IID"))
+    assert set(cell["accuracy_per_seed"]) == {"0", "1"}
+    claim = next(c for c in document["claims"] if c["setting"] == "Permuted IID")
+    assert claim["verdict"] in ("holds", "does not hold", "inconclusive") and claim["seeds"] == [0, 1]
+    assert claim["interval_method"].startswith("paired Student-t")
+    assert f"**{claim['verdict']}**" in report and "## Budget" in report
