@@ -28,7 +28,7 @@ import torch
 from benchmarks import _common as common
 from benchmarks._common import Shape
 from pfl_algorithms.algorithms.fedavg import FedAvg
-from pfl_algorithms.engine.executors import make_executor
+from pfl_algorithms.engine.executor_factory import make_executor
 from pfl_algorithms.models import build_model
 from pfl_kernels.nn import factorize
 

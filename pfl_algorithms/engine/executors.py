@@ -17,7 +17,8 @@ bit; small models also use cores better one client per core than one op per core
 
 The round loop hands its training tasks to ``run_train(fed, algorithm, tasks, run_one)``, which
 runs each through ``run`` unless the executor trains clients its own way.  A task is a pure description (client,
-round, download, plan), so it can be shipped or stacked.
+round, download, plan), so it can be shipped or stacked.  ``engine.executor_factory.make_executor``
+makes the executor a run names (a module of its own: ``batched`` and ``distributed`` import this one).
 """
 from __future__ import annotations
 
@@ -156,26 +157,3 @@ def choose_executor(name: Optional[str], *, device: str, parameters: int) -> tup
                            "terms, which run client by client, go threaded")
     return "threaded", (f"auto on a CPU{where}: {parameters} parameters per client > {limit}, where threaded "
                         "trained faster than batched in the CPU benchmark")
-
-
-def make_executor(name: str, *, workers: Optional[int] = None, device: str = "cpu",
-                  chunk: Optional[int] = None, threaded_hooks: bool = False) -> Executor:
-    """The executor ``name`` ('sequential', 'threaded', 'batched', whose chunks hold ``chunk``
-    clients, None: as many as free memory holds, and which sends plans with begin hooks or
-    loss terms to threads when ``threaded_hooks``; or 'distributed', ``workers`` tasks at once
-    per rank, None: 1); on a GPU, threads would only queue kernels on
-    one device, so ``threaded`` (and batched's fallback) runs one task at a time there."""
-    if name not in EXECUTORS:
-        raise ValueError(f"executor must be one of {sorted(EXECUTORS)}, got {name!r}")
-    workers = 1 if torch.device(device).type != "cpu" else workers
-    if name == "threaded":
-        return ThreadedExecutor(workers)
-    if name == "batched":
-        from .batched import BatchedExecutor
-
-        return BatchedExecutor(workers, chunk=chunk, threaded_hooks=threaded_hooks)
-    if name == "distributed":
-        from .distributed import DistributedExecutor
-
-        return DistributedExecutor(workers, device=device)
-    return SequentialExecutor()

@@ -21,7 +21,7 @@ from ..data.partition import ClientSplit
 from ..models.base import head_parameter_names
 from .cohort import Cohort, StateSpec
 from .comm import CommLedger
-from .executors import make_executor
+from .executor_factory import make_executor
 from .groups import BUFFERS, GroupRule, declare_groups
 from .local import LocalSchedule, conv_layout
 from .seeds import stream_generator

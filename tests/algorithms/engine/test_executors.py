@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
-from pfl_algorithms.engine.executors import make_executor
+from pfl_algorithms.engine.executor_factory import make_executor
 from pfl_algorithms.engine.rounds import run_round
 
 from ..algorithms.federation_cases import make_federation
