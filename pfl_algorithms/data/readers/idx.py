@@ -111,8 +111,9 @@ class IdxLayout:
     label_shift: int = 0
 
 
-def _raw_split(layout: IdxLayout, images, labels, source: Path) -> RawData:
-    """The conversion both paths share: [N, H, W] uint8 images and [N] labels to RawData."""
+def raw_split(layout: IdxLayout, images, labels, source: Path) -> RawData:
+    """The conversion every IDX-shaped reader shares (the IDX files, torchvision's copy, the MNIST
+    CSVs of ``sources``): [N, H, W] uint8 images and [N] labels to RawData."""
     images, labels = np.asarray(images), np.asarray(labels).astype(np.int64) - layout.label_shift
     if len(images) != len(labels):
         raise ValueError(f"{source}: {len(images)} images but {len(labels)} labels")
@@ -141,7 +142,7 @@ def read_idx_files(directory: Path, layout: IdxLayout, how_to_get: str = "") -> 
     for images_stem, labels_stem in _stems(layout):
         images = _read_typed(find_file(directory, (images_stem, images_stem + ".gz"), layout.dataset, how_to_get), 3)
         labels = _read_typed(find_file(directory, (labels_stem, labels_stem + ".gz"), layout.dataset, how_to_get), 1)
-        splits.append(_raw_split(layout, images, labels, directory / images_stem))
+        splits.append(raw_split(layout, images, labels, directory / images_stem))
     return pool_splits(*splits)
 
 
@@ -160,7 +161,7 @@ def read_idx_dataset(root: Path, layout: IdxLayout, *, download: bool = False, h
     for train, (images_stem, _) in zip((True, False), stems):
         ds = getattr(tv, layout.torchvision_class)(str(root), train=train, download=download,
                                                    **dict(layout.torchvision_kwargs))
-        splits.append(_raw_split(layout, ds.data.numpy(), ds.targets.numpy(), directory / images_stem))
+        splits.append(raw_split(layout, ds.data.numpy(), ds.targets.numpy(), directory / images_stem))
     return pool_splits(*splits)
 
 

