@@ -14,6 +14,13 @@ One round (``run_round``)::
                                                                               evaluate ─► metrics
 
 A client whose update is not finite sends nothing and keeps the state it had before the round.
+
+A round is two public steps around wherever its tasks run: :func:`start_round` (sampling,
+downloads and their bits, the clients' training tasks) and :func:`finish_round` (the results
+in: upload bits, ``aggregate``, ``fed.round`` advanced, the record and, on evaluation rounds,
+the evaluation).  ``run_round`` runs the tasks between them on the federation's executor
+(sequential, threaded, batched or distributed); Flower's strategy (``flower.strategy``) sends
+them to its nodes and drives the same two steps, so there is one round loop.
 """
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .client import EvalTask, Evaluation, TrainTask, phase_optimizer, run_eval_task, run_train_task
+from .client import (EvalResult, EvalTask, Evaluation, TrainResult, TrainTask, phase_optimizer, run_eval_task,
+                     run_train_task)
 from .cohort_stats import resolve_class_means
 from .federation import EngineSettings, Federation, Server
 from .messages import Message
@@ -45,12 +53,14 @@ class RoundRecord:
     wall_s: float
     eval: Optional[dict] = None
     algorithm: dict = field(default_factory=dict)  # the algorithm's own numbers (``round_metrics``)
+    failed: dict = field(default_factory=dict)  # client -> why it gave no result (Flower's nodes)
 
     def as_dict(self) -> dict:
         return {"round": self.round, "clients": self.clients, "train_loss": self.train_loss,
                 "skipped_non_finite": self.skipped, "bits_up": self.bits_up, "bits_down": self.bits_down,
                 "wall_s": self.wall_s, **({"eval": self.eval} if self.eval is not None else {}),
-                **({"algorithm": self.algorithm} if self.algorithm else {})}
+                **({"algorithm": self.algorithm} if self.algorithm else {}),
+                **({"failed": self.failed} if self.failed else {})}
 
 
 def attach(fed: Federation, algorithm) -> None:
@@ -59,13 +69,48 @@ def attach(fed: Federation, algorithm) -> None:
     algorithm.setup(algorithm.server)
 
 
-def _downloads(sent: Union[None, Message, Mapping[int, Message]], clients: list[int]) -> dict[int, Optional[Message]]:
+@dataclass
+class RoundStart:
+    """A started round (:func:`start_round`): its clients' training tasks, in ascending client
+    order, and what :func:`finish_round` measures the round against."""
+
+    round: int
+    clients: list[int]
+    tasks: list[TrainTask]
+    started: float  # time.perf_counter() at the start
+    bits_up: float  # the ledger's totals at the start
+    bits_down: float
+
+
+def downloads_by_client(sent: Union[None, Message, Mapping[int, Message]],
+                        clients: list[int]) -> dict[int, Optional[Message]]:
+    """What ``configure`` returned (None, one Message for every client, or a Message per
+    client), as a download per client of ``clients``.
+
+    Raises:
+        ValueError: a mapping lacks some client of ``clients``.
+    """
     if sent is None or isinstance(sent, Message):
         return {c: sent for c in clients}
     missing = sorted(set(clients) - set(sent))
     if missing:
         raise ValueError(f"configure returned no download for clients {missing}")
     return {c: sent[c] for c in clients}
+
+
+def start_round(fed: Federation, algorithm, round_: int) -> RoundStart:
+    """The first step of round ``round_``: sample its clients, ``configure`` their downloads,
+    count each download in the ledger and give each client its training task (the download and
+    the algorithm's local plan).  Wherever the tasks run, :func:`finish_round` ends the round."""
+    start = time.perf_counter()
+    clients = fed.sample_clients(round_).tolist()
+    up0, down0 = fed.comm.total("up"), fed.comm.total("down")
+    downloads = downloads_by_client(algorithm.configure(round_, torch.tensor(clients)), clients)
+    tasks = [TrainTask(c, round_, downloads[c], tuple(algorithm.plan(c))) for c in clients]
+    for task in tasks:
+        if task.download is not None:
+            fed.comm.record("down", task.client, task.download, fed.cohort_of(task.client).name)
+    return RoundStart(round_, clients, tasks, start, up0, down0)
 
 
 def prepare_kept_state(fed: Federation, tasks: list[TrainTask]) -> None:
@@ -79,35 +124,60 @@ def prepare_kept_state(fed: Federation, tasks: list[TrainTask]) -> None:
             cohort.ensure_optimizer_state(name, phase_optimizer(phase, fed.settings).state_names())
 
 
-def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
-    """One round of ``algorithm`` on ``fed`` (the loop of the module docstring)."""
-    start = time.perf_counter()
-    clients = fed.sample_clients(round_).tolist()
-    up0, down0 = fed.comm.total("up"), fed.comm.total("down")
-    downloads = _downloads(algorithm.configure(round_, torch.tensor(clients)), clients)
-    tasks = [TrainTask(c, round_, downloads[c], tuple(algorithm.plan(c))) for c in clients]
+def train_on_executor(fed: Federation, algorithm, tasks: list[TrainTask]) -> list[TrainResult]:
+    """The training tasks of a round run by ``fed``'s executor, in task order, their uploads'
+    class-mean requests answered (per cohort at once)."""
     prepare_kept_state(fed, tasks)
-    for task in tasks:
-        if task.download is not None:
-            fed.comm.record("down", task.client, task.download, fed.cohort_of(task.client).name)
     results = fed.executor.run_train(fed, algorithm, tasks, lambda task: run_train_task(fed, algorithm, task))
-    resolve_class_means(fed, results)  # the uploads' class-mean requests, per cohort at once
+    resolve_class_means(fed, results)
+    return results
+
+
+def evaluates_after(fed: Federation, round_: int) -> bool:
+    """Whether round ``round_`` ends with an evaluation (every ``eval_every`` rounds, and the last)."""
+    return (round_ + 1) % fed.settings.eval_every == 0 or round_ + 1 == fed.settings.rounds
+
+
+def finish_round(fed: Federation, algorithm, start: RoundStart, results: list[TrainResult], *,
+                 failed: Optional[Mapping[int, str]] = None, evaluate: bool = True) -> RoundRecord:
+    """The last step of the round ``start`` began: take in the ``results`` of its training tasks
+    (in ascending client order; a client with no result is in ``failed``, with why), count
+    the finite uploads in the ledger, ``aggregate`` them (the non-finite and failed clients as
+    the failures), advance ``fed.round`` and give the round's record; on an evaluation round
+    and with ``evaluate``, :func:`evaluate_all` on ``fed``'s executor fills its ``eval``
+    (without: the caller evaluates :func:`evaluation_tasks` itself, as Flower's strategy does)."""
+    failed = dict(failed or {})
     sent = [r for r in results if r.finite and r.upload is not None]
     for result in sent:
         fed.comm.record("up", result.client, result.upload, fed.cohort_of(result.client).name)
     skipped = [r.client for r in results if not r.finite]
-    algorithm.aggregate(round_, Uploads([r.client for r in sent], [r.upload for r in sent], skipped))
-    fed.round = round_ + 1
-    record = RoundRecord(round=round_, clients=clients, train_loss={r.client: r.local.loss for r in results},
-                         skipped=skipped, bits_up=fed.comm.total("up") - up0,
-                         bits_down=fed.comm.total("down") - down0, wall_s=time.perf_counter() - start,
-                         algorithm=dict(algorithm.round_metrics(round_)))
-    if (round_ + 1) % fed.settings.eval_every == 0 or round_ + 1 == fed.settings.rounds:
+    algorithm.aggregate(start.round, Uploads([r.client for r in sent], [r.upload for r in sent],
+                                             sorted([*skipped, *failed])))
+    fed.round = start.round + 1
+    record = RoundRecord(round=start.round, clients=start.clients,
+                         train_loss={r.client: r.local.loss for r in results}, skipped=skipped,
+                         bits_up=fed.comm.total("up") - start.bits_up,
+                         bits_down=fed.comm.total("down") - start.bits_down,
+                         wall_s=time.perf_counter() - start.started,
+                         algorithm=dict(algorithm.round_metrics(start.round)), failed=failed)
+    if evaluate and evaluates_after(fed, start.round):
         record.eval = evaluate_all(fed, algorithm)
     return record
 
 
-def _evaluation(value) -> Evaluation:
+def run_round(fed: Federation, algorithm, round_: int) -> RoundRecord:
+    """One round of ``algorithm`` on ``fed`` (the loop of the module docstring): start it, train
+    its tasks on ``fed``'s executor, finish it."""
+    start = start_round(fed, algorithm, round_)
+    return finish_round(fed, algorithm, start, train_on_executor(fed, algorithm, start.tasks))
+
+
+def as_evaluation(value) -> Evaluation:
+    """What ``evaluation(client)`` returned (None, a Message or an Evaluation) as an Evaluation.
+
+    Raises:
+        TypeError: it is none of those.
+    """
     if value is None:
         return Evaluation()
     if isinstance(value, Message):
@@ -130,24 +200,36 @@ def finetune_phase(algorithm, client: int, epochs: int) -> Phase:
     return Phase(epochs=epochs, groups=None if groups is None else tuple(sorted(groups)), state="finetune")
 
 
-def _evaluation_task(fed: Federation, algorithm, client: int, split: str) -> EvalTask:
-    evaluation = _evaluation(algorithm.evaluation(client))
+def evaluation_task(fed: Federation, algorithm, client: int, split: str) -> EvalTask:
+    """``client``'s evaluation task on ``split`` after round ``fed.round - 1``: the algorithm's
+    evaluation, then the run's fine-tuning (``finetune_epochs``) if any."""
+    evaluation = as_evaluation(algorithm.evaluation(client))
     if fed.settings.finetune_epochs:  # after the algorithm's own adaptation (Per-FedAvg's step), if any
         evaluation = replace(evaluation, plan=(*evaluation.plan,
                                                finetune_phase(algorithm, client, fed.settings.finetune_epochs)))
     return EvalTask(client, fed.round, split, evaluation)
 
 
-def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:
-    """Personalized accuracy: every client's evaluation model on its own split, fine-tuned first
-    when the run asks (``finetune_epochs``); means over clients."""
-    tasks = [_evaluation_task(fed, algorithm, c, split) for c in range(fed.num_clients)]
-    results = fed.executor.run(tasks, lambda task: run_eval_task(fed, task))
+def evaluation_tasks(fed: Federation, algorithm, split: str = "test") -> list[EvalTask]:
+    """Every client's :func:`evaluation_task`, in client order."""
+    return [evaluation_task(fed, algorithm, c, split) for c in range(fed.num_clients)]
+
+
+def evaluation_summary(results: list[EvalResult], split: str = "test") -> dict:
+    """The ``eval`` of a round's record from its evaluation ``results`` (a client that could not
+    be evaluated has NaN accuracy and loss): per client, and the mean accuracy over clients."""
     acc = {r.client: r.accuracy for r in results}
     loss = {r.client: r.loss for r in results}
     valid = [a for a in acc.values() if a == a]
     return {"split": split, "accuracy": acc, "loss": loss,
             "mean_accuracy": sum(valid) / len(valid) if valid else float("nan")}
+
+
+def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:
+    """Personalized accuracy: every client's evaluation model on its own split, fine-tuned first
+    when the run asks (``finetune_epochs``); means over clients."""
+    results = fed.executor.run(evaluation_tasks(fed, algorithm, split), lambda task: run_eval_task(fed, task))
+    return evaluation_summary(results, split)
 
 
 def _prepared(algorithm, model: nn.Module) -> nn.Module:

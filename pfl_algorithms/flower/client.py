@@ -32,7 +32,7 @@ from ..config import RunConfig, check, config_from
 from ..engine.client import EvalTask, TrainTask, all_finite, run_eval_task, run_train_task
 from ..engine.cohort_stats import resolve_class_means
 from ..engine.executors import one_intra_op_thread
-from ..engine.rounds import _evaluation_task, prepare_kept_state
+from ..engine.rounds import evaluation_task, prepare_kept_state
 from . import records
 
 STATE = "pfl.client-state"
@@ -204,7 +204,7 @@ def evaluate(session, message, context):
     config = _task_config(message, client)
     _restore(context, fed, initial, client)
     fed.round = int(config["round"])  # the fine-tuning's random stream is the evaluated round's
-    local = _evaluation_task(fed, algorithm, client, str(config["split"]))
+    local = evaluation_task(fed, algorithm, client, str(config["split"]))
     evaluation = replace(local.evaluation, download=records.decode(message.content, "down", fed.device),
                          params=str(config["params"]))
     with one_intra_op_thread():

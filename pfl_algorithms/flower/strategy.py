@@ -1,17 +1,18 @@
 """``PflStrategy``: a Flower ``Strategy`` (Message API, flwr 1.22) that drives any registered
-algorithm's server side, as ``engine.rounds.run_round`` does natively.
+algorithm's server side through the engine's round steps (``engine.rounds.start_round`` and
+``finish_round``, as ``run_round`` does natively); it only translates between them and Flower's
+messages.
 
 One Flower round (``Strategy.start``'s loop; Flower counts rounds from 1, pfl from 0)::
 
-    configure_train     sample_clients(round), configure -> one Message per sampled node:
-                        the round and client (ConfigRecord) and the download's records; the
-                        ledger counts each download as decoded from its records
-    aggregate_train     the replies -> Uploads (clients in ascending order, as natively), each
-                        upload counted from its records; a reply with an error (the ClientApp
-                        raised) or none within the timeout is a failure, a non-finite client a
-                        skip: the others are aggregated and the run goes on
-    configure_evaluate  on the run's evaluation rounds, every client's evaluation download
-    aggregate_evaluate  per-client accuracy and loss (a failed client's NaN), the round's record
+    configure_train     start_round -> one Message per training task: the round and client
+                        (ConfigRecord) and the download's records (which carry its bits)
+    aggregate_train     the replies -> TrainResults (uploads decoded from their records) ->
+                        finish_round; a reply with an error (the ClientApp raised) or none
+                        within the timeout is a failure, a non-finite client a skip: the others
+                        are aggregated and the run goes on
+    configure_evaluate  on the run's evaluation rounds, every client's evaluation task
+    aggregate_evaluate  per-client accuracy and loss (a failed client's NaN) -> the round's eval
 
 The ``arrays`` Flower passes around stay empty: server state is the algorithm's, as natively.
 Node i serves client i: the strategy asks every node its ``partition-id`` (a query message)
@@ -24,14 +25,14 @@ import time
 from logging import INFO
 from typing import Callable, Iterable, Optional
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..engine.rounds import RoundRecord, _downloads, _evaluation
-from ..engine.uploads import Uploads
+from ..engine.client import EvalResult, TrainResult
+from ..engine.local import LocalResult
+from ..engine.rounds import evaluates_after, evaluation_summary, evaluation_tasks, finish_round, start_round
 from . import records
 from .client import CONFIG, EVAL_METRICS, QUERY_METRICS, TRAIN_METRICS
 
@@ -62,7 +63,7 @@ class PflStrategy(Strategy):
         self.on_round = on_round
         self.nodes: dict[int, int] = {}  # client -> node id
         self.history: list[dict] = []
-        self._round: dict = {}
+        self._start = self._record = None  # the round's RoundStart and RoundRecord
 
     def summary(self) -> None:
         """Log what runs (Flower calls this at the start)."""
@@ -106,28 +107,17 @@ class PflStrategy(Strategy):
             for name, record in records.encode(download, "down").items():
                 content[name] = record
         return Message(content, dst_node_id=self.nodes[client], message_type=message_type,
-                       group_id=str(server_round)), content
+                       group_id=str(server_round))
 
     # ------------------------------------------------------------------ training
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """One training message per sampled client (module docstring)."""
+        """``start_round``'s training tasks, one message per sampled client (module docstring)."""
         self.discover(grid)
-        fed, round_ = self.fed, server_round - 1
-        clients = fed.sample_clients(round_).tolist()
-        self._round = {"start": time.perf_counter(), "clients": clients, "up": fed.comm.total("up"),
-                       "down": fed.comm.total("down")}
-        downloads = _downloads(self.algorithm.configure(round_, torch.tensor(clients)), clients)
-        messages = []
-        for client in clients:
-            message, content = self._message(client, {"round": round_}, downloads[client], MessageType.TRAIN,
-                                             server_round)
-            sent = records.decode(content, "down", fed.device)
-            if sent is not None:  # counted as it travels: from its records
-                fed.comm.record("down", client, sent, fed.cohort_of(client).name)
-            messages.append(message)
-        return messages
+        self._start = start_round(self.fed, self.algorithm, server_round - 1)
+        return [self._message(task.client, {"round": task.round}, task.download, MessageType.TRAIN, server_round)
+                for task in self._start.tasks]
 
     def _by_client(self, replies: Iterable[Message], clients: list[int]) -> tuple[dict, dict]:
         """(content by client, failure reason by client) of a round's replies."""
@@ -148,72 +138,48 @@ class PflStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        """Aggregate the uploads of the clients that replied with a finite update."""
-        fed, round_, clients = self.fed, server_round - 1, self._round["clients"]
-        contents, failed = self._by_client(replies, clients)
-        losses, skipped, senders, uploads = {}, [], [], []
-        for client in clients:
-            if client not in contents:
-                continue
-            content = contents[client]
-            train = content[TRAIN_METRICS]
-            losses[client] = float(train["loss"])
-            if not train["finite"]:
-                skipped.append(client)
-            elif records.has_message(content, "up"):
-                upload = records.decode(content, "up", fed.device)
-                fed.comm.record("up", client, upload, fed.cohort_of(client).name)
-                senders.append(client)
-                uploads.append(upload)
-        self.algorithm.aggregate(round_, Uploads(senders, uploads, sorted([*skipped, *failed])))
-        fed.round = round_ + 1
-        record = RoundRecord(round=round_, clients=clients, train_loss=losses, skipped=skipped,
-                             bits_up=fed.comm.total("up") - self._round["up"],
-                             bits_down=fed.comm.total("down") - self._round["down"],
-                             wall_s=time.perf_counter() - self._round["start"],
-                             algorithm=dict(self.algorithm.round_metrics(round_)))
-        self._round.update(record=record, failed=failed)
-        finite = [loss for loss in losses.values() if math.isfinite(loss)]
+        """The replies as training results, and ``finish_round`` (its evaluation is Flower's)."""
+        contents, failed = self._by_client(replies, self._start.clients)
+        results = []
+        for client in self._start.clients:
+            if client in contents:
+                train = contents[client][TRAIN_METRICS]
+                upload = (records.decode(contents[client], "up", self.fed.device)
+                          if records.has_message(contents[client], "up") else None)
+                results.append(TrainResult(client, LocalResult(float(train["loss"]), int(train["samples"]),
+                                                               int(train["steps"]), bool(train["finite"])), upload))
+        self._record = finish_round(self.fed, self.algorithm, self._start, results, failed=failed, evaluate=False)
+        finite = [loss for loss in self._record.train_loss.values() if math.isfinite(loss)]
         return None, MetricRecord({"train-loss": sum(finite) / len(finite) if finite else float("nan"),
-                                   "failed": len(failed), "skipped": len(skipped)})
+                                   "failed": len(failed), "skipped": len(self._record.skipped)})
 
     # ------------------------------------------------------------------ evaluation
 
-    def _evaluates(self, round_: int) -> bool:
-        settings = self.fed.settings
-        return (round_ + 1) % settings.eval_every == 0 or round_ + 1 == settings.rounds
-
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """On evaluation rounds, every client's evaluation message (none otherwise)."""
-        if not self._evaluates(server_round - 1):
+        """On evaluation rounds, every client's evaluation task as a message (none otherwise)."""
+        if not evaluates_after(self.fed, server_round - 1):
             return []
-        messages = []
-        for client in range(self.fed.num_clients):
-            evaluation = _evaluation(self.algorithm.evaluation(client))
-            messages.append(self._message(client, {"round": self.fed.round, "split": "test",
-                                                   "params": evaluation.params},
-                                          evaluation.download, MessageType.EVALUATE, server_round)[0])
-        return messages
+        return [self._message(task.client, {"round": task.round, "split": task.split,
+                                            "params": task.evaluation.params},
+                              task.evaluation.download, MessageType.EVALUATE, server_round)
+                for task in evaluation_tasks(self.fed, self.algorithm)]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Optional[MetricRecord]:
         """Close the round: its evaluation (if any) joins its record in :attr:`history`."""
-        record: RoundRecord = self._round["record"]
-        line = record.as_dict()
-        result = None
-        if self._evaluates(server_round - 1):
-            clients = list(range(self.fed.num_clients))
-            contents, failed = self._by_client(replies, clients)
+        record, result, failed = self._record, None, {}
+        if evaluates_after(self.fed, server_round - 1):
+            contents, failed = self._by_client(replies, list(range(self.fed.num_clients)))
             nan = float("nan")
-            acc = {c: float(contents[c][EVAL_METRICS]["accuracy"]) if c in contents else nan for c in clients}
-            loss = {c: float(contents[c][EVAL_METRICS]["loss"]) if c in contents else nan for c in clients}
-            valid = [a for a in acc.values() if a == a]
-            line["eval"] = {"split": "test", "accuracy": acc, "loss": loss,
-                            "mean_accuracy": sum(valid) / len(valid) if valid else nan}
-            if failed:
-                line["eval_failed"] = failed
-            result = MetricRecord({"mean-accuracy": line["eval"]["mean_accuracy"]})
-        line["failed"] = self._round["failed"]
+            record.eval = evaluation_summary([EvalResult(c, float(contents[c][EVAL_METRICS]["accuracy"]),
+                                                         float(contents[c][EVAL_METRICS]["loss"]),
+                                                         int(contents[c][EVAL_METRICS]["samples"]))
+                                              if c in contents else EvalResult(c, nan, nan, 0)
+                                              for c in range(self.fed.num_clients)])
+            result = MetricRecord({"mean-accuracy": record.eval["mean_accuracy"]})
+        line = {**record.as_dict(), "failed": record.failed}
+        if failed:
+            line["eval_failed"] = failed
         line["comm_gb"] = self.fed.comm.gigabits()
         self.history.append(line)
         if self.on_round is not None:
