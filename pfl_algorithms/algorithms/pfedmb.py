@@ -19,7 +19,9 @@ the dense layer's SGD at the run's lr does, whatever α is.  Under uniform α th
 at the run's lr itself pFedMB learned B times slower and had not left the initial plateau
 after 10 rounds on digits with B = 5.  A fixed B × lr instead (this file's first default)
 became B times the dense step once α concentrated: in the paired experiment (seed 2) every
-client diverged.  ``weight_lr`` given: that one rate for every layer (Eq. 4 as written).
+client diverged.  The per-layer rate is the optimizer's own rate for those tensors (a phase's
+``lr_scales``), not a scaled gradient, so it holds under momentum and Adam too (Adam normalizes
+a gradient's scale away).  ``weight_lr`` given: that one rate for every layer (Eq. 4 as written).
 With ``shared_alpha`` the one α receives the sum of the L branched layers' gradients, so η_α
 defaults to the run's lr / L (the per-layer α's step, averaged over layers): at the run's lr
 it concentrated within two rounds of the paired experiment (10 clients, digits), the
@@ -85,15 +87,6 @@ class PFedMBSettings:
     layers: Annotated[str, OneOf(("all", "fc"))] = "all"  # which layers branch (module docstring)
 
 
-@dataclass(frozen=True)
-class _Segment:
-    """One parameter inside its group's flat row: where, how long, and its α (None: not branched)."""
-
-    start: int
-    numel: int
-    slot: Optional[int]
-
-
 class PFedMB(FedAvg):
     """Multi-branch layers: personal α trained first, then shared branches; α-weighted branch averaging."""
 
@@ -103,7 +96,7 @@ class PFedMB(FedAvg):
 
     def __init__(self, **settings):
         super().__init__(**settings)
-        self._segments: Optional[dict[str, list[_Segment]]] = None
+        self._alpha_of: Optional[dict[str, str]] = None  # branched parameter -> the α parameter weighing it
         self._weight_groups: tuple[str, ...] = ()
         self._layers = 1  # L, the multi-branch layers (sharing one α with shared_alpha)
 
@@ -125,34 +118,30 @@ class PFedMB(FedAvg):
                     if p is not None:
                         p.mul_(scale)
         self._layers = len(layers)
-        segments, groups = self._layout(model)
-        if self._segments is not None and segments != self._segments:
+        alpha_of, groups = self._branches(model)
+        if self._alpha_of is not None and alpha_of != self._alpha_of:
             raise ValueError(f"{self.name} needs every client on one architecture")
-        self._segments, self._weight_groups = segments, groups
+        self._alpha_of, self._weight_groups = alpha_of, groups
         return model
 
     @staticmethod
-    def _layout(model: nn.Module) -> tuple[dict[str, list[_Segment]], tuple[str, ...]]:
-        """Each group's parameters in row order (the groups' rule: model order) with their α
-        slot, and the groups phase 2 trains (everything but α)."""
-        owners = {id(p): (m, attr) for m in model.modules() for attr, p in m.named_parameters(recurse=False)}
-        slots: dict[int, int] = {}  # id(alpha_param) -> its position in the alpha group
-        head = set(head_parameter_names(model))
-        segments: dict[str, list[_Segment]] = {}
-        offsets: dict[str, int] = {}
-        for name, p in model.named_parameters():
-            module, attribute = owners[id(p)]
-            branched = isinstance(module, MULTIBRANCH) and attribute in BRANCHED
-            if isinstance(module, MULTIBRANCH) and attribute == "alpha_param":
-                group = ALPHA
-                slots.setdefault(id(p), len(slots))
-            else:
-                group = "head" if name in head else ("branches" if branched else "body")
-            slot = slots.setdefault(id(module.alpha_param), len(slots)) if branched else None
-            start = offsets.get(group, 0)
-            segments.setdefault(group, []).append(_Segment(start, p.numel(), slot))
-            offsets[group] = start + p.numel()
-        return segments, tuple(g for g in ("branches", "body", "head") if g in segments)
+    def _branches(model: nn.Module) -> tuple[dict[str, str], tuple[str, ...]]:
+        """Each branched parameter's α parameter (by name; a shared α under the name the model
+        lists it by), and the groups phase 2 trains: every group but α (``group_rules``)."""
+        names = {id(p): name for name, p in model.named_parameters()}
+        alpha_of = {f"{path}.{attribute}" if path else attribute: names[id(module.alpha_param)]
+                    for path, module in model.named_modules() if isinstance(module, MULTIBRANCH)
+                    for attribute in BRANCHED if getattr(module, attribute, None) is not None}
+        alphas, head = set(alpha_of.values()), set(head_parameter_names(model))
+        groups = {"head" if name in head else "branches" if name in alpha_of else "body"
+                  for name in names.values() if name not in alphas}
+        return alpha_of, tuple(g for g in ("branches", "body", "head") if g in groups)
+
+    def _alpha_slots(self, alpha_segments) -> dict[str, int]:
+        """Each branched parameter's row in the [S, B] α of a client (``sender_alpha``), from
+        where the engine put each α tensor in the ``alpha`` group."""
+        slot = {entry.name: entry.offset // self.settings.branches for entry in alpha_segments}
+        return {name: slot[alpha] for name, alpha in self._alpha_of.items()}
 
     def group_rules(self):
         return (GroupRule(ALPHA, modules=MULTIBRANCH, attributes=("alpha_param",)),
@@ -169,13 +158,15 @@ class PFedMB(FedAvg):
             return
         alpha = self.sender_alpha(uploads.stack(ALPHA)) if self.settings.weighting == "alpha" else None
         counts = uploads.num_examples
+        slots = self._alpha_slots(self.server.segments(ALPHA))
         model = dict(self.global_model)
         for group in uploads.names():
             if group == ALPHA:
                 continue
-            rows = uploads.stack(group)
-            if group in self._segments and any(seg.slot is not None for seg in self._segments[group]):
-                model[group] = self.branch_mean(rows, self._segments[group], alpha, counts, self.settings.branches)
+            segments = self.server.segments(group) if group in self.server.shared else ()
+            if any(entry.name in slots for entry in segments):
+                model[group] = self.branch_mean(uploads.stack(group), segments, slots, alpha, counts,
+                                                self.settings.branches)
             else:
                 model[group] = uploads.weighted_mean([group])[group]
         self.global_model = model
@@ -187,23 +178,29 @@ class PFedMB(FedAvg):
         return torch.softmax(alpha, dim=-1) if self.settings.simplex == "softmax" else alpha
 
     @staticmethod
-    def branch_mean(rows: torch.Tensor, segments: list[_Segment], alpha: Optional[torch.Tensor],
+    def branch_mean(rows: torch.Tensor, segments, slots: dict[str, int], alpha: Optional[torch.Tensor],
                     counts: torch.Tensor, branches: int) -> torch.Tensor:
-        """One group's aggregate: for each α slot, every branch tensor it weighs gathered into one
-        [M, B, P] bank and reduced by one ``branch_aggregate`` (Eq. 5; uniform α: Eq. 6);
-        parameters that do not branch are averaged with weights n_i / Σ n."""
+        """One group's aggregate from its senders' rows [M, P]: for each α slot, every branch
+        tensor it weighs (``segments``: the group's tensors, ``slots``: parameter -> α slot)
+        side by side in one [M, B, P'] bank, reduced by one ``branch_aggregate`` (Eq. 5; uniform
+        α: Eq. 6); tensors that do not branch are averaged with weights n_i / Σ n."""
         out = torch.empty_like(rows[0])
-        by_slot: dict[int, list[torch.Tensor]] = {}
-        for seg in segments:
-            positions = torch.arange(seg.start, seg.start + seg.numel, device=rows.device)
-            if seg.slot is None:
-                out[positions] = (counts / counts.sum()).to(rows.dtype) @ rows[:, positions]
+        by_slot: dict[int, list] = {}
+        for entry in segments:
+            if entry.name in slots:
+                by_slot.setdefault(slots[entry.name], []).append(entry)
             else:
-                by_slot.setdefault(seg.slot, []).append(positions.reshape(branches, -1))
-        for slot, parts in by_slot.items():
-            index = torch.cat(parts, dim=1)  # [B, P]: branch-major across the slot's tensors
+                out[entry.offset:entry.stop] = ((counts / counts.sum()).to(rows.dtype)
+                                                @ rows[:, entry.offset:entry.stop].contiguous())
+        for slot, entries in by_slot.items():
+            bank = torch.cat([rows[:, e.offset:e.stop].reshape(len(rows), branches, -1) for e in entries], dim=2)
             weights = torch.ones(len(rows), branches, dtype=torch.float64) if alpha is None else alpha[:, slot]
-            out[index] = branch_aggregate(rows[:, index], weights, counts)
+            mean = branch_aggregate(bank, weights, counts)  # [B, P']: branch-major across the slot's tensors
+            start = 0
+            for e in entries:
+                width = e.numel // branches
+                out[e.offset:e.stop] = mean[:, start:start + width].reshape(-1)
+                start += width
         return out
 
     # ------------------------------------------------------------------ client side
@@ -212,23 +209,20 @@ class PFedMB(FedAvg):
         s = self.settings
         project = self._project_alpha if s.simplex == "projection" else None
         alpha_scale = 1.0 / self._layers if s.shared_alpha and s.alpha_lr is None else 1.0
-        dense_equivalent = () if s.weight_lr is not None else (self._dense_equivalent_step,)
+        dense_equivalent = self._dense_equivalent_rates if s.weight_lr is None else None
         return (Phase(groups=(ALPHA,), lr=s.alpha_lr, lr_scale=alpha_scale, state="alpha", after_step=project),
-                Phase(groups=self._weight_groups, state="weights", lr=s.weight_lr, grad_terms=dense_equivalent))
+                Phase(groups=self._weight_groups, state="weights", lr=s.weight_lr, lr_scales=dense_equivalent))
 
-    def _dense_equivalent_step(self, view) -> None:
-        """The default η_W (module docstring): each branched tensor's gradient times 1/‖α_l‖²
-        of its layer's α (fixed during this phase), so the run's lr moves the combined weight
-        as a dense layer's SGD step."""
+    def _dense_equivalent_rates(self, view) -> dict[str, float]:
+        """The default η_W (module docstring): each branched tensor steps at the run's lr times
+        1/‖α_l‖² of its layer's α (fixed during this phase), so the run's lr moves the combined
+        weight as a dense layer's step; the optimizer's own per-parameter rate, so it holds
+        under momentum and Adam too."""
         s = self.settings
         alpha = view.group(ALPHA).view(-1, s.branches)
         alpha = torch.softmax(alpha, dim=-1) if s.simplex == "softmax" else alpha
         factor = (1.0 / alpha.square().sum(-1)).tolist()
-        for group in self._weight_groups:
-            grad = view.grad(group)
-            for seg in self._segments.get(group, ()):
-                if seg.slot is not None:
-                    grad[seg.start:seg.start + seg.numel].mul_(factor[seg.slot])
+        return {name: factor[slot] for name, slot in self._alpha_slots(view.segments(ALPHA)).items()}
 
     def _project_alpha(self, view) -> None:
         with torch.no_grad():

@@ -10,7 +10,8 @@ statistics its own.  Ordinary autograd on the stacked rows then gives each clien
 pytorch/pytorch#168393; a vmapped forward followed by ``backward`` can).  The optimizer steps
 the whole [C, P] slice in one call when the clients share their step count, row by row
 otherwise; clients whose phases differ only in their learning rate share a chunk, each row
-stepped with its own rate.
+stepped with its own rate, and so do the per-parameter rates of a phase's ``lr_scales`` (one
+[C, P] multiplier, each row from its client's view).
 
 Each client sees exactly the batches it would alone, drawn from its own generator in the same
 order (augmentation included); at each step the clients whose batches have the same size run
@@ -53,8 +54,8 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .client import (ClientView, TrainResult, apply_download, autocast, finish_train_task, forward,
-                     initial_optimizer_state, local_result, phase_optimizer, phase_parameters, phase_schedule,
-                     trains_only, training_batch)
+                     initial_optimizer_state, local_result, phase_lr_scale, phase_optimizer, phase_parameters,
+                     phase_schedule, trains_only, training_batch)
 from .executors import Executor, ThreadedExecutor
 from .local import client_batches
 from .plan import Batch, Phase, state_names
@@ -282,6 +283,9 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
     for i, task in enumerate(tasks):
         if task.plan[index].begin is not None:
             _begin(fed, cohort, task, task.plan[index], views[i], names, params[i], buffers[i], int_buffers[i])
+    scales = [phase_lr_scale(cohort, task.plan[index], views[i]) for i, task in enumerate(tasks)]
+    lr_scale = None if all(s is None for s in scales) else torch.stack(
+        [torch.ones_like(params[i]) if s is None else s for i, s in enumerate(scales)])
     while active:
         batches, finished = {}, []
         for i in active:
@@ -296,7 +300,8 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             by_size.setdefault(int(batches[i][1].numel()), []).append(i)
         for members in by_size.values():
             _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers,
-                  members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast)
+                  members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast,
+                  lr_scale=lr_scale)
 
 
 def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params, buffers, int_buffers) -> None:
@@ -310,9 +315,10 @@ def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params,
 
 
 def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers, members,
-          batches, ranges, trained, loss_sum, samples, steps_taken, fed_autocast=None) -> None:
+          batches, ranges, trained, loss_sum, samples, steps_taken, fed_autocast=None, lr_scale=None) -> None:
     """One optimizer step of the clients ``members`` (their batches have one size); ``lrs``:
-    [C] each client's learning rate where they differ (None: the optimizer's for all)."""
+    [C] each client's learning rate where they differ (None: the optimizer's for all);
+    ``lr_scale``: [C, P] each client's per-parameter multipliers of it (None: none)."""
     idx = torch.tensor(members, device=params.device)
     whole = members == list(range(len(tasks)))
     layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
@@ -377,12 +383,14 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
         if whole and bool((steps == steps[0]).all()):
             shared = {name: value for name, value in state.items() if name != "steps"}
             shared["steps"] = steps[0].clone()
-            optimizer.step(params, grads, shared, ranges=ranges, lr=None if lrs is None else lrs[:, None])
+            optimizer.step(params, grads, shared, ranges=ranges, lr=None if lrs is None else lrs[:, None],
+                           lr_scale=lr_scale)
             steps += 1
         else:
             for i in members:
                 row_state = {name: value[i] for name, value in state.items()}
-                optimizer.step(params[i], grads[i], row_state, ranges=ranges, lr=None if lrs is None else lrs[i:i + 1])
+                optimizer.step(params[i], grads[i], row_state, ranges=ranges, lr=None if lrs is None else lrs[i:i + 1],
+                               lr_scale=None if lr_scale is None else lr_scale[i])
         for k, i in enumerate(members):
             phase = tasks[i].plan[index]
             if phase.after_step is not None:

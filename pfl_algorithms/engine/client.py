@@ -25,7 +25,7 @@ from .groups import BUFFERS
 from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate, gather_rows
 from .messages import Message
 from .optim import make_optimizer
-from .plan import Batch, Phase, state_names
+from .plan import Batch, Phase, check_lr_scales, state_names
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,13 @@ class ClientView:
     def grad(self, name: str) -> Tensor:
         """The gradient of group ``name`` (a flat view; terms add to it in place)."""
         return self.grads[self._cohort.span(name)]
+
+    def segments(self, name: str) -> tuple:
+        """The parameter tensors of group ``name`` in its flat view, in order: each an ``Entry``
+        (``name``, ``shape``, ``offset``, ``stop``) whose offsets count from the group's start,
+        so ``view.group(name)[e.offset:e.stop].view(e.shape)`` is parameter ``e.name``.  The
+        names are what a phase's ``lr_scales`` accepts."""
+        return self._cohort.segments(name)
 
     def parameter(self, name: str) -> Tensor:
         """The client's parameter ``name`` (as in ``module.named_parameters()``), a view of its
@@ -309,6 +316,31 @@ def phase_optimizer(phase: Phase, settings):
     return make_optimizer(name, **values)
 
 
+def phase_lr_scale(cohort, phase: Phase, view: "ClientView") -> Optional[Tensor]:
+    """The phase's ``lr_scales`` for ``view``'s client as one multiplier per parameter value
+    ([P], ones where none is given; a parameter's own entry over its group's), None when the
+    phase gives none; ValueError for a name that is neither a group nor a parameter."""
+    scales = phase.lr_scales
+    if scales is None:
+        return None
+    if callable(scales):
+        scales = dict(scales(view))
+        check_lr_scales(scales)
+    out = torch.ones_like(view.params)
+    groups = [name for name in scales if name in cohort.groups.members]
+    unknown = [name for name in scales if name not in cohort.groups.members and name not in cohort.layout.by_name]
+    if unknown:
+        raise ValueError(f"a phase's lr_scales names {unknown}, which are neither parameter groups nor parameters "
+                         f"of client {view.client}'s architecture {cohort.name!r}")
+    for name in groups:
+        out[cohort.span(name)] = scales[name]
+    for name, scale in scales.items():
+        if name not in cohort.groups.members:
+            entry = cohort.layout.by_name[name]
+            out[entry.offset:entry.stop] = scale
+    return out
+
+
 def phase_schedule(phase: Phase, schedule: LocalSchedule) -> LocalSchedule:
     """The run's schedule with the phase's length and batch size where it gives them; with a
     custom gradient, ``steps`` counts its steps of ``batches_per_step`` batches."""
@@ -377,6 +409,7 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
     with trains_only(module, names):
         if phase.begin is not None:
             phase.begin(view)
+        lr_scale = phase_lr_scale(cohort, phase, view)
         for index in client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator):
             x, y = training_batch(fed, data, index, generator, augment)
             batches.append((x, y))
@@ -399,7 +432,7 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
                 value = term(view)
                 if value is not None:
                     extra = extra + value
-            optimizer.step(work.params, work.grads, state, ranges=ranges)
+            optimizer.step(work.params, work.grads, state, ranges=ranges, lr_scale=lr_scale)
             if phase.after_step is not None:
                 phase.after_step(view)
             n = sum(int(b[1].numel()) for b in batches)

@@ -19,7 +19,7 @@ from pfl_kernels.nn import fuse_relu_max_pool
 
 from .bank import ClientBank
 from .groups import Groups
-from .layout import FlatLayout
+from .layout import Entry, FlatLayout
 from .working import WorkingModel
 
 
@@ -134,6 +134,18 @@ class Cohort:
     def span(self, group: str) -> slice:
         """The range of ``group`` in a parameter row."""
         return self.layout.span(self.groups.members[group])
+
+    def segments(self, group: str) -> tuple[Entry, ...]:
+        """The parameter tensors of ``group`` in its flat vector, in layout order: each an
+        :class:`~pfl_algorithms.engine.layout.Entry` (name, shape, offset) whose offset counts
+        from the group's start, so ``flat_group[e.offset:e.stop].view(e.shape)`` is tensor
+        ``e.name``.  KeyError for a group this architecture lacks."""
+        if group not in self.groups.members:
+            raise KeyError(f"{group!r} is no parameter group of architecture {self.name!r} "
+                           f"(groups: {', '.join(self.groups.order)})")
+        start = self.span(group).start
+        return tuple(Entry(name, self.layout.by_name[name].shape, self.layout.by_name[name].offset - start)
+                     for name in sorted(self.groups.members[group], key=lambda n: self.layout.by_name[n].offset))
 
     def shared_span(self) -> slice:
         """The range of every shared group together (they come first in a row)."""

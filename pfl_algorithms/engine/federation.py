@@ -133,6 +133,14 @@ class Server:
             raise ValueError(f"no client has the role {role!r} in this scenario (roles: {there})")
         return torch.tensor(self._fed.roles[role], dtype=torch.int64)
 
+    def segments(self, group: str) -> tuple:
+        """The parameter tensors of ``group`` in its flat vector (``ClientView.segments``): of the
+        first cohort holding it (a shared group has the same shapes in every cohort)."""
+        cohort = next((c for c in self._fed.cohorts if group in c.groups.members), None)
+        if cohort is None:
+            raise KeyError(f"{group!r} is no parameter group of any client")
+        return cohort.segments(group)
+
     def initial_model(self, groups: Optional[Sequence[str]] = None) -> dict[str, torch.Tensor]:
         """Copies of the initial values of ``groups`` (None: every shared group) and of the shared
         groups' floating buffers (``buffers``, if any): the first cohort holding each, first client."""

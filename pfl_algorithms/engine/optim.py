@@ -8,7 +8,15 @@ the batched executor steps stacked rows [C, P] sharing a step count in one call)
 rounds without a per-client ``torch.optim`` object.  ``ranges`` restrict a step to parameter
 groups (a phase that trains only the head, only α, ...); the rest is left untouched.  ``lr``, a
 [C, 1] tensor, gives stacked rows learning rates of their own (clients whose phases differ only
-in their learning rate step together).
+in their learning rate step together).  ``lr_scale``, a tensor over the whole vector ([P], or
+[C, P] for stacked rows), multiplies the learning rate element by element: each parameter
+tensor then steps at its own rate, as a torch.optim parameter group with lr × scale would
+(pFedMB's lr / ‖α_l‖² per layer).  The scale multiplies the step, after momentum, Adam's
+normalization and weight decay are applied, so it holds under every rule (a scaled gradient
+would be normalized away by Adam).
+
+These optimizers serve server-side updates too (``pfl_algorithms.api`` exports them): FedGen's
+generator and pFedHN's hypernetwork step their flat parameter vectors with them.
 """
 from __future__ import annotations
 
@@ -21,14 +29,20 @@ import torch
 Ranges = Optional[Sequence[tuple[int, int]]]
 
 
-def _pieces(ranges: Ranges, *tensors: torch.Tensor):
+def _pieces(ranges: Ranges, *tensors: Optional[torch.Tensor]):
     """The tensors restricted to each range of their last dimension (or whole, when ranges is
-    None): flat vectors [P], or the stacked rows [C, P] of the batched executor."""
+    None): flat vectors [P], or the stacked rows [C, P] of the batched executor; None stays None."""
     if ranges is None:
         yield tensors
         return
     for start, stop in ranges:
-        yield tuple(t[..., start:stop] for t in tensors)
+        yield tuple(None if t is None else t[..., start:stop] for t in tensors)
+
+
+def _check_scale(params: torch.Tensor, lr_scale: Optional[torch.Tensor]) -> None:
+    if lr_scale is not None and lr_scale.shape[-1] != params.shape[-1]:
+        raise ValueError(f"lr_scale must cover the whole vector ({params.shape[-1]} entries in its last dim), "
+                         f"got {list(lr_scale.shape)}")
 
 
 @dataclass(frozen=True)
@@ -57,12 +71,15 @@ class SGD:
 
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
-             *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None) -> None:
+             *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None,
+             lr_scale: Optional[torch.Tensor] = None) -> None:
         """One step of ``params`` [P] (or rows [C, P]) given ``grads`` (may be overwritten);
-        ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``."""
+        ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``; ``lr_scale`` [P] or
+        [C, P]: a multiplier of the rate per element (module docstring)."""
+        _check_scale(params, lr_scale)
         first = int(state["steps"]) == 0  # torch.optim starts the buffer at the first gradient
         buffers = (state["momentum_buffer"],) if self.momentum != 0.0 else ()
-        for p, g, *buf in _pieces(ranges, params, grads, *buffers):
+        for p, g, scale, *buf in _pieces(ranges, params, grads, lr_scale, *buffers):
             if self.weight_decay != 0.0:
                 g.add_(p, alpha=self.weight_decay)
             if self.momentum != 0.0:
@@ -75,6 +92,8 @@ class SGD:
                     g.add_(b, alpha=self.momentum)
                 else:
                     g = b
+            if scale is not None:
+                g = g * scale
             if lr is None:
                 p.add_(g, alpha=-self.lr)
             else:
@@ -105,27 +124,31 @@ class Adam:
 
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
-             *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None) -> None:
+             *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None,
+             lr_scale: Optional[torch.Tensor] = None) -> None:
         """One step of ``params`` [P] (or rows [C, P]) given ``grads`` (may be overwritten);
-        ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``."""
+        ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``; ``lr_scale`` [P] or
+        [C, P]: a multiplier of the rate per element (module docstring)."""
+        _check_scale(params, lr_scale)
         lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
         step = int(state["steps"]) + 1
         bias1 = 1.0 - beta1 ** step
         bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-        for p, g, m, v in _pieces(ranges, params, grads, state["exp_avg"], state["exp_avg_sq"]):
+        for p, g, scale, m, v in _pieces(ranges, params, grads, lr_scale, state["exp_avg"], state["exp_avg_sq"]):
             if self.weight_decay != 0.0:
                 if self.decoupled:
-                    p.mul_(1.0 - lr * self.weight_decay)
+                    p.mul_(1.0 - (lr * self.weight_decay if scale is None else scale * (lr * self.weight_decay)))
                 else:
                     g.add_(p, alpha=self.weight_decay)
             m.lerp_(g, 1.0 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
+            update = m if scale is None else m * scale
             if isinstance(lr, torch.Tensor):
-                p.addcdiv_(m * (lr / bias1), denom, value=-1.0)
+                p.addcdiv_(update * (lr / bias1), denom, value=-1.0)
             else:
-                p.addcdiv_(m, denom, value=-lr / bias1)
+                p.addcdiv_(update, denom, value=-lr / bias1)
         state["steps"] += 1
 
 

@@ -22,11 +22,18 @@ Hooks an algorithm can give a phase:
   FedFomo's first-order combination of the downloaded models.
 * ``after_step``: ``after_step(view) -> None`` runs after each optimizer step (it may change
   ``view.params`` in place): pFedMB's projection of α back onto the simplex.
+* ``lr_scales``: learning rates per group or per parameter tensor, as multipliers of the
+  phase's lr: a mapping ``name -> scale`` whose names are groups (every tensor of the group)
+  or parameters (one tensor, as ``ClientView.segments`` names them; a parameter's own entry
+  wins over its group's), or ``lr_scales(view) -> mapping``, called once per client after
+  ``begin``, for rates that depend on the client's state (pFedMB's lr / ‖α_l‖² per layer).
+  The optimizer applies them as its own per-parameter rate (``engine.optim``'s ``lr_scale``),
+  so they hold under SGD, momentum and Adam alike, where scaling gradients would not.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import Tensor, nn
 
@@ -57,6 +64,7 @@ GradTerm = Callable[[Any], Optional[Tensor]]
 CustomGradient = Callable[[Any, list], Tensor]
 Begin = Callable[[Any], None]
 AfterStep = Callable[[Any], None]
+LrScales = Union[Mapping[str, float], Callable[[Any], Mapping[str, float]]]
 
 
 def _positive_or_none(name: str, value, *, allow_zero: bool) -> None:
@@ -76,13 +84,15 @@ class Phase:
         epochs / steps: how long (at most one of them; both None: the run's schedule).
         batch_size: None: the run's.
         optimizer: 'sgd' | 'adam' | 'adamw', None: the run's.  lr: None: the run's.
-        lr_scale: multiplies that lr (pFedMB's branches: B times the run's lr).
+        lr_scale: multiplies that lr (pFedMB's shared α: the run's lr / L).
+        lr_scales: multipliers of that lr per group or parameter tensor (module docstring).
         optimizer_settings: other settings of the optimizer (momentum, weight_decay, betas,
             ...), replacing the run's where given; with another optimizer than the run's,
             the run's settings are not used.
         state: the name of this phase's optimizer state (None: the phase's position in its
             plan, so phases never share state unless they name the same one).
-        loss_terms, grad_terms, gradient, batches_per_step, begin, after_step: module docstring.
+        loss_terms, grad_terms, gradient, batches_per_step, begin, after_step, lr_scales: module
+            docstring.
     """
 
     groups: Optional[tuple[str, ...]] = None
@@ -100,6 +110,7 @@ class Phase:
     batches_per_step: int = 1
     begin: Optional[Begin] = None
     after_step: Optional[AfterStep] = None
+    lr_scales: Optional[LrScales] = None
 
     def __post_init__(self):
         if isinstance(self.groups, str):
@@ -118,8 +129,23 @@ class Phase:
             raise ValueError(f"Phase lr must be a number >= 0 or None, got {self.lr!r}")
         if not (isinstance(self.lr_scale, (int, float)) and self.lr_scale > 0):
             raise ValueError(f"Phase lr_scale must be a number > 0, got {self.lr_scale!r}")
+        if isinstance(self.lr_scales, Mapping):
+            object.__setattr__(self, "lr_scales", dict(self.lr_scales))
+            check_lr_scales(self.lr_scales)
+        elif self.lr_scales is not None and not callable(self.lr_scales):
+            raise ValueError(f"Phase lr_scales must be a mapping, a function of the client's view or None, "
+                             f"got {self.lr_scales!r}")
         if self.batches_per_step != 1 and self.gradient is None:
             raise ValueError("batches_per_step needs a custom gradient (one batch per step otherwise)")
+
+
+def check_lr_scales(scales: Mapping[str, float]) -> None:
+    """ValueError unless every scale of a phase's ``lr_scales`` is a number > 0 named by a string
+    (a NaN passes: computed from a diverged client's state, it makes that client non-finite, and
+    the engine drops it as it drops any diverged client)."""
+    for name, scale in scales.items():
+        if not isinstance(name, str) or isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+            raise ValueError(f"Phase lr_scales maps group or parameter names to numbers > 0, got {name!r}: {scale!r}")
 
 
 def state_names(plan) -> list[str]:

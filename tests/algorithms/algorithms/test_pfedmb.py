@@ -2,6 +2,7 @@
 travels, and digits through the CLI with kill -9 / --resume."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -25,21 +26,18 @@ def federation(**settings):
     return algo, make_federation(algo)
 
 
-def test_segments_follow_the_engines_layout():
-    """The algorithm's view of each group's row is where the engine put each tensor."""
+def test_each_branched_tensor_is_weighed_by_its_layers_alpha():
+    """The α row of every branched tensor, from where the engine put each α tensor."""
     for shared in (False, True):
         algo, fed = federation(shared_alpha=shared)
         cohort = fed.cohorts[0]
-        for group, segments in algo._segments.items():
-            start = cohort.span(group).start
-            members = cohort.groups.members[group]
-            assert [(cohort.layout.by_name[n].offset - start, math.prod(cohort.layout.by_name[n].shape))
-                    for n in members] == [(s.start, s.numel) for s in segments]
         # TinyNet: body Linear and head Linear, both branched; α one per layer, or one shared.
         assert cohort.groups.members[ALPHA] == (("body.0.alpha_param",) if shared else
                                                  ("body.0.alpha_param", "head.alpha_param"))
-        assert [s.slot for s in algo._segments["branches"]] == [0, 0]
-        assert [s.slot for s in algo._segments["head"]] == [0, 0] if shared else [1, 1]
+        assert algo._alpha_slots(cohort.segments(ALPHA)) == {
+            "body.0.branch_weight": 0, "body.0.branch_bias": 0,
+            "head.branch_weight": 0 if shared else 1, "head.branch_bias": 0 if shared else 1}
+        assert algo._weight_groups == ("branches", "head")
 
 
 def random_uploads(algo, fed, senders=(0, 2), *, zero_branch=None, gen_seed=1):
@@ -203,36 +201,61 @@ def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
 
 
 
-def test_branches_step_as_the_dense_layer_unless_weight_lr_is_given():
-    """Default η_W: the run's lr with each layer's branch gradients times 1/‖α_l‖² (B under
-    uniform α), so the combined weight moves as dense SGD at lr; weight_lr: one plain rate."""
-    from types import SimpleNamespace
+OPTIMIZERS = [("sgd", {}, torch.optim.SGD), ("sgd", {"momentum": 0.9}, torch.optim.SGD),
+              ("adam", {}, torch.optim.Adam)]
 
+
+@pytest.mark.parametrize("executor", ["threaded", "batched"])
+@pytest.mark.parametrize("optimizer,settings,reference", OPTIMIZERS)
+def test_branches_step_at_lr_over_alpha_norm_under_every_optimizer(optimizer, settings, reference, executor):
+    """Default η_W: each layer's branches step at the run's lr / ‖α_l‖² (client 0's α of the
+    round), the rest at the lr, as torch.optim's per-parameter rates: three steps of the W phase
+    equal torch.optim with those parameter groups, under SGD, momentum and Adam (a scaled
+    gradient, Adam would normalize away)."""
+    from dataclasses import replace
+
+    from pfl_algorithms.engine.client import phase_schedule
+    from pfl_algorithms.engine.local import client_batches
+
+    lr = 0.01 if optimizer == "adam" else 0.1
+    algo = PFedMB(branches=B)
+    fed = make_federation(algo, batch_size=8, optimizer=optimizer, optimizer_settings={"lr": lr, **settings},
+                          executor=executor)
+    weight_phase = replace(algo.plan(0)[1], steps=3)
+    algo.plan = lambda client: (weight_phase,)
+    cohort = fed.cohorts[0]
+    logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.5, 0.5]], dtype=torch.float64)  # the two layers' α logits
+    cohort.params.row(0)[cohort.span(ALPHA)] = logits.flatten()
+    start = cohort.params.row(0).clone()
+    for group, value in algo.configure(0, torch.tensor([0])).tensors.items():
+        start[cohort.span(group)] = value
+    twin = copy.deepcopy(cohort.module)
+    for name, value in cohort.layout.views(start).items():
+        dict(twin.named_parameters())[name].data.copy_(value)
+    factor = (1.0 / torch.softmax(logits, -1).square().sum(-1)).tolist()
+    layer_of = {"body.0.branch_weight": 0, "body.0.branch_bias": 0, "head.branch_weight": 1, "head.branch_bias": 1}
+    groups = [{"params": [p], "lr": lr * (factor[layer_of[n]] if n in layer_of else 1.0)}
+              for n, p in twin.named_parameters() if not n.endswith("alpha_param")]
+    assert len(groups) == 4
+    torch_optimizer = reference(groups, **settings)
+    generator = fed.generator("train", 0, 0)
+    for batch in client_batches(fed.clients[0].train, phase_schedule(weight_phase, fed.settings.schedule), generator):
+        torch_optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(twin(fed.inputs[batch]), fed.labels[batch]).backward()
+        torch_optimizer.step()
+    run_round(fed, algo, 0)
+    want = torch.cat([dict(twin.named_parameters())[e.name].detach().reshape(-1) for e in cohort.layout.entries])
+    torch.testing.assert_close(cohort.params.row(0), want, **TOL)
+
+
+def test_weight_lr_is_one_plain_rate_for_every_layer():
     from pfl_algorithms.engine.client import phase_optimizer
     algo, fed = federation()
     _, weight_phase = algo.plan(0)
-    assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(0.1)
-    cohort = fed.cohorts[0]
-    logits = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.5, 0.5]], dtype=torch.float64)  # two layers' α logits
-    groups = {g: cohort.params.row(0)[cohort.span(g)].clone() for g in cohort.groups.order}
-    groups[ALPHA] = logits.flatten()
-    grads = {g: torch.randn_like(t) for g, t in groups.items()}
-    before = {g: t.clone() for g, t in grads.items()}
-    view = SimpleNamespace(group=groups.__getitem__, grad=grads.__getitem__)
-    assert weight_phase.grad_terms[0](view) is None
-    factor = 1.0 / torch.softmax(logits, -1).square().sum(-1)
-    seen = set()
-    for group in algo._weight_groups:
-        for seg in algo._segments[group]:
-            want = before[group][seg.start:seg.start + seg.numel]
-            if seg.slot is not None:
-                want = want * factor[seg.slot]
-                seen.add(seg.slot)
-            torch.testing.assert_close(grads[group][seg.start:seg.start + seg.numel], want, **TOL)
-    assert seen == {0, 1}
+    assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(0.1) and weight_phase.lr_scales
     algo, fed = federation(weight_lr=0.02)
     _, weight_phase = algo.plan(0)
-    assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(0.02) and not weight_phase.grad_terms
+    assert phase_optimizer(weight_phase, fed.settings).lr == pytest.approx(0.02) and weight_phase.lr_scales is None
 
 
 def test_a_shared_alpha_steps_at_the_run_lr_over_the_layers_sharing_it_unless_alpha_lr_is_given():

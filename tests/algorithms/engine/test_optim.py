@@ -22,14 +22,20 @@ def run_torch(module, optimizer, batches):
         optimizer.step()
 
 
-def run_flat(module, rule, batches):
+def run_flat(module, rule, batches, *, scales=None):
+    """``scales``: parameter name -> multiplier of the rate (the optimizer's ``lr_scale``)."""
     work = WorkingModel(module)
     state = {name: torch.zeros_like(work.params) for name in rule.state_names()}
     state["steps"] = torch.zeros((), dtype=torch.int64)
+    lr_scale = None
+    if scales is not None:
+        lr_scale = torch.ones_like(work.params)
+        for entry in work.layout.entries:
+            lr_scale[entry.offset:entry.stop] = scales[entry.name]
     for x, y in batches:
         work.zero_grad()
         nn.functional.cross_entropy(work.module(x), y).backward()
-        rule.step(work.params, work.grads, state)
+        rule.step(work.params, work.grads, state, lr_scale=lr_scale)
     return work
 
 
@@ -56,6 +62,50 @@ def test_flat_optimizer_matches_torch_optim(name, settings, reference):
     for (name_a, a), (name_b, b) in zip(work.module.state_dict().items(), twin.state_dict().items()):
         assert name_a == name_b
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name_a)
+
+
+@pytest.mark.parametrize("name,settings,reference", CASES)
+def test_lr_scale_is_torch_optims_per_parameter_lr(name, settings, reference):
+    """lr_scale: each tensor steps as a torch.optim parameter group of its own at lr × its scale
+    (momentum, weight decay and Adam's moments included).  No BatchNorm: the gradient of a bias
+    before one is rounding noise, whose sign Adam turns into whole steps."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(27, 4)).double()
+    twin = copy.deepcopy(module)
+    batches = [(torch.randn(5, 2, 5, 5, dtype=torch.float64), torch.randint(0, 4, (5,))) for _ in range(6)]
+    scales = {n: 0.25 + 0.75 * i for i, (n, _) in enumerate(module.named_parameters())}
+    groups = [{"params": [p], "lr": settings["lr"] * scales[n]} for n, p in twin.named_parameters()]
+    run_torch(twin, reference(groups, **settings), batches)
+    work = run_flat(module, make_optimizer(name, **settings), batches, scales=scales)
+    for (name_a, a), (name_b, b) in zip(work.module.state_dict().items(), twin.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name_a)
+
+
+@pytest.mark.parametrize("name,settings", [("sgd", dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+                                           ("adamw", dict(lr=1e-2, weight_decay=1e-1))])
+def test_stacked_rows_with_rates_and_scales_of_their_own_step_as_each_row_alone(name, settings):
+    gen = torch.Generator().manual_seed(0)
+    params = torch.randn(3, 10, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(3, 10, generator=gen, dtype=torch.float64) for _ in range(3)]
+    scale = torch.rand(3, 10, generator=gen, dtype=torch.float64) + 0.5
+    lr = torch.tensor([[0.1], [0.2], [0.3]], dtype=torch.float64)
+    rule, ranges = make_optimizer(name, **settings), [(1, 4), (6, 9)]
+    stacked = params.clone()
+    state = {v: torch.zeros_like(stacked) for v in rule.state_names()}
+    state["steps"] = torch.zeros((), dtype=torch.int64)
+    for g in grads:
+        rule.step(stacked, g.clone(), state, ranges=ranges, lr=lr, lr_scale=scale)
+    for i in range(3):
+        row = params[i].clone()
+        row_state = {v: torch.zeros_like(row) for v in rule.state_names()}
+        row_state["steps"] = torch.zeros((), dtype=torch.int64)
+        for g in grads:
+            rule.step(row, g[i].clone(), row_state, ranges=ranges, lr=lr[i], lr_scale=scale[i])
+        torch.testing.assert_close(stacked[i], row, rtol=0, atol=0)
+    untouched = [0, 4, 5, 9]
+    torch.testing.assert_close(stacked[:, untouched], params[:, untouched], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lr_scale"):
+        rule.step(stacked, grads[0].clone(), state, lr_scale=scale[:, :4])
 
 
 def test_ranges_leave_the_rest_untouched():

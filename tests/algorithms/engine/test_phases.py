@@ -84,3 +84,75 @@ def test_phase_arguments_are_checked():
     fed = make_federation(algo)
     with pytest.raises(ValueError, match="tail"):
         run_round(fed, algo, 0)
+
+
+OPTIMIZERS = [("sgd", {}, torch.optim.SGD), ("sgd", {"momentum": 0.9}, torch.optim.SGD),
+              ("adam", {}, torch.optim.Adam)]
+
+
+@pytest.mark.parametrize("executor", ["threaded", "batched"])
+@pytest.mark.parametrize("given", ["mapping", "function"])
+@pytest.mark.parametrize("optimizer,settings,reference", OPTIMIZERS)
+def test_lr_scales_are_per_group_and_per_parameter_rates(optimizer, settings, reference, given, executor):
+    """A phase's lr_scales by group (body × 2) and by parameter (head.weight × 0.25, over its
+    group's default 1): client 0's 3 steps equal torch.optim with those parameter groups."""
+    scales = {"body": 2.0, "head.weight": 0.25}
+    seen = []
+
+    def scales_of(view):
+        seen.append([entry.name for entry in view.segments("head")])
+        return scales
+
+    class Scaled(Local):
+        PLAN = (Phase(steps=3, optimizer=optimizer, lr=0.05, optimizer_settings=settings,
+                      lr_scales=scales if given == "mapping" else scales_of),)
+
+        def plan(self, client):
+            return self.PLAN
+
+    algo = Scaled()
+    fed = make_federation(algo, batch_size=8, executor=executor)
+    cohort = fed.cohorts[0]
+    twin = copy.deepcopy(cohort.module)
+    rate = {n: 0.05 * (2.0 if n.startswith("body.") else 0.25 if n == "head.weight" else 1.0)
+            for n, _ in twin.named_parameters()}
+    torch_optimizer = reference([{"params": [p], "lr": rate[n]} for n, p in twin.named_parameters()], **settings)
+    generator = fed.generator("train", 0, 0)
+    for batch in client_batches(fed.clients[0].train, phase_schedule(algo.PLAN[0], fed.settings.schedule), generator):
+        torch_optimizer.zero_grad()
+        F.cross_entropy(twin(fed.inputs[batch]), fed.labels[batch]).backward()
+        torch_optimizer.step()
+    run_round(fed, algo, 0)
+    want = torch.cat([p.detach().reshape(-1) for p in twin.parameters()])
+    torch.testing.assert_close(cohort.params.row(0), want, rtol=1e-12, atol=1e-12)
+    if given == "function":  # once per client and phase, with the group's tensors named
+        assert seen == [["head.weight", "head.bias"]] * 3
+
+
+def test_segments_name_each_tensor_of_a_group_where_the_layout_put_it():
+    algo = Local()
+    fed = make_federation(algo)
+    cohort = fed.cohorts[0]
+    for group in cohort.groups.order:
+        start = cohort.span(group).start
+        entries = cohort.segments(group)
+        assert [e.name for e in entries] == list(cohort.groups.members[group])
+        for e in entries:
+            entry = cohort.layout.by_name[e.name]
+            assert e.offset == entry.offset - start and e.shape == entry.shape
+        assert algo.server.segments(group) == entries
+
+
+def test_lr_scales_are_checked():
+    for bad in ({"body": 0.0}, {"body": -1.0}, {"body": "2"}, {"body": True}, 3.0):
+        with pytest.raises(ValueError, match="lr_scales"):
+            Phase(lr_scales=bad)
+
+    class Unknown(Local):
+        def plan(self, client):
+            return (Phase(lr_scales={"tail": 2.0}),)
+
+    algo = Unknown()
+    fed = make_federation(algo)
+    with pytest.raises(ValueError, match="tail"):
+        run_round(fed, algo, 0)
