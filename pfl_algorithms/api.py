@@ -32,6 +32,10 @@ client side (run by an executor, wherever the client is)
                       extras asks the engine for the client's class-mean embeddings, computed
                       for all senders of a cohort at once (Fed-CMA)
 
+Optimizers for server-side state (a generator, a hypernetwork): ``SGD`` and ``Adam`` (``AdamW``:
+``Adam(decoupled=True)``), ``make_optimizer`` by name, torch.optim's rules over tensors whose
+state is a plain dict of tensors (checkpointable as it is): the engine's own client optimizers.
+
 Model converters a ``prepare_model`` may apply: ``pfl_kernels.nn`` (``factorize``, ``multibranch``)
 and, from here, ``fedpara`` (FedPara's low-rank Hadamard layers, ``FEDPARA_LAYERS``).
 
@@ -49,6 +53,7 @@ from .engine.client import ClientView, Evaluation
 from .engine.cohort import StateSpec
 from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import ClassMeans, Message, Sparse
+from .engine.optim import SGD, Adam, make_optimizer
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
 from .models.base import head_parameter_names
@@ -56,10 +61,10 @@ from .models.fedpara import FEDPARA_LAYERS, fedpara
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
                            check_options, field_hints)
 
-__all__ = ["ALGORITHMS", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClassMeans", "ClientView", "Evaluation", "Fraction",
+__all__ = ["ALGORITHMS", "Adam", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClassMeans", "ClientView", "Evaluation", "Fraction",
            "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
-           "PositiveFloat", "PositiveInt", "Range", "Sparse", "StateSpec", "Uploads", "algorithm_class", "fedpara",
-           "head_parameter_names"]
+           "PositiveFloat", "PositiveInt", "Range", "SGD", "Sparse", "StateSpec", "Uploads", "algorithm_class", "fedpara",
+           "head_parameter_names", "make_optimizer"]
 
 ALGORITHMS: dict[str, type] = {}
 

@@ -71,8 +71,8 @@ from typing import Annotated, Optional
 import torch
 from torch.nn import functional as F
 
-from ..api import (Algorithm, Capabilities, Message, NonNegativeFloat, OneOf, Phase, PositiveFloat, PositiveInt,
-                   Range)
+from ..api import (Adam, Algorithm, Capabilities, Message, NonNegativeFloat, OneOf, Phase, PositiveFloat,
+                   PositiveInt, Range)
 
 BN_MOMENTUM, BN_EPS = 0.1, 1e-5  # nn.BatchNorm1d's defaults, as the code's generator has them
 MIN_REGULARIZER = 1e-4  # the floor of the code's exp_lr_scheduler
@@ -208,18 +208,11 @@ def generator_loss(heads: torch.Tensor, average_head: torch.Tensor, weights: tor
     return loss, {"teacher": teacher.detach(), "student": student.detach(), "diversity": diversity.detach()}
 
 
-def adam_step(param: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, weight_decay: float) -> None:
-    """One step of torch's Adam (L2 weight decay, bias-corrected moments) on ``param`` in place;
-    ``state`` holds ``exp_avg``, ``exp_avg_sq`` and ``step`` (an int), updated in place."""
-    beta1, beta2 = ADAM_BETAS
-    grad = grad + weight_decay * param
-    state["step"] += 1
-    state["exp_avg"].lerp_(grad, 1 - beta1)
-    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    correction1 = 1 - beta1 ** state["step"]
-    correction2 = 1 - beta2 ** state["step"]
-    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(correction2)).add_(ADAM_EPS)
-    param.addcdiv_(state["exp_avg"], denom, value=-lr / correction1)
+def generator_optimizer(settings, round_: int) -> Adam:
+    """The generator's optimizer in round ``round_``: torch's Adam (L2 weight decay, bias-corrected
+    moments; the engine's, stepping the flat generator) at ``generator_lr`` × decay^round."""
+    return Adam(lr=settings.generator_lr * settings.generator_lr_decay ** round_, betas=ADAM_BETAS, eps=ADAM_EPS,
+                weight_decay=settings.weight_decay)
 
 
 def decayed(initial: float, round_: int, decay: float) -> float:
@@ -306,7 +299,7 @@ class FedGen(Algorithm):
         self.shapes = generator_shapes(s.noise_dim, classes, s.hidden_dim, embedding_size(self.head.numel(), classes))
         params, stats = init_generator(self.shapes, server.generator(-1), self.head.dtype)
         self.params, self.stats = params.to(self.head.device), stats.to(self.head.device)
-        self.adam = {"exp_avg": torch.zeros_like(self.params), "exp_avg_sq": torch.zeros_like(self.params), "step": 0}
+        self.adam = {"exp_avg": torch.zeros_like(self.params), "exp_avg_sq": torch.zeros_like(self.params), "steps": 0}
         self.losses: dict = {}
 
     def configure(self, round_, clients):
@@ -340,7 +333,7 @@ class FedGen(Algorithm):
         if not labels.numel():
             return
         random = self.server.generator(round_)
-        lr = s.generator_lr * s.generator_lr_decay ** round_
+        optimizer = generator_optimizer(s, round_)
         totals = {"teacher": 0.0, "student": 0.0, "diversity": 0.0}
         for _ in range(s.generator_steps):
             y = labels[torch.randint(len(labels), (s.generator_batch_size,), generator=random)].to(self.params.device)
@@ -350,7 +343,7 @@ class FedGen(Algorithm):
             output = generate(params, self.stats, self.shapes, y, noise, training=True)
             loss, parts = generator_loss(heads, self.head, weights.to(self.params.device), y, noise, output, s)
             (grad,) = torch.autograd.grad(loss, params)
-            adam_step(self.params, grad, self.adam, lr, s.weight_decay)
+            optimizer.step(self.params, grad, self.adam)
             for key, value in parts.items():
                 totals[key] += float(value) / s.generator_steps
         self.losses = totals
@@ -373,6 +366,6 @@ class FedGen(Algorithm):
         self.params = state["generator"].clone()
         self.stats = state["generator_stats"].clone()
         adam = state["adam"]
-        self.adam = {"exp_avg": adam["exp_avg"].clone(), "exp_avg_sq": adam["exp_avg_sq"].clone(),
-                     "step": int(adam["step"])}
+        steps = adam["steps"] if "steps" in adam else adam["step"]  # "step": checkpoints before the engine's Adam
+        self.adam = {"exp_avg": adam["exp_avg"].clone(), "exp_avg_sq": adam["exp_avg_sq"].clone(), "steps": int(steps)}
         self.losses = dict(state["losses"])

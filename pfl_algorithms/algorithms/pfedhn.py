@@ -56,7 +56,7 @@ from typing import Annotated, Mapping, Optional
 import torch
 from torch.nn import functional as F
 
-from ..api import (BUFFERS, Algorithm, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase, PositiveFloat,
+from ..api import (BUFFERS, SGD, Algorithm, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase, PositiveFloat,
                    PositiveInt)
 from .fedper import FedPer
 
@@ -175,13 +175,13 @@ class PFedHN(Algorithm):
                                       server.generator(-1), dtype))
 
     def _build(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Make ``params`` the hypernetwork (leaf tensors) with a fresh server optimizer."""
+        """Make ``params`` the hypernetwork (leaf tensors) with a fresh server SGD per tensor."""
         self.params = {name: t.clone().requires_grad_(True) for name, t in params.items()}
         s = self.settings
-        self.optimizer = torch.optim.SGD(
-            [{"params": [p for n, p in self.params.items() if n != EMBEDDINGS]},
-             {"params": [self.params[EMBEDDINGS]], "lr": s.embed_lr if s.embed_lr is not None else s.server_lr}],
-            lr=s.server_lr, momentum=s.server_momentum, weight_decay=s.server_weight_decay)
+        embed_lr = s.embed_lr if s.embed_lr is not None else s.server_lr
+        self.optimizers = {name: SGD(lr=embed_lr if name == EMBEDDINGS else s.server_lr, momentum=s.server_momentum,
+                                     weight_decay=s.server_weight_decay) for name in self.params}
+        self.optimizer_state = {n: {"momentum_buffer": torch.zeros_like(p), "steps": 0} for n, p in self.params.items()}
 
     @torch.no_grad()
     def generated(self, client: int) -> Message:
@@ -215,7 +215,8 @@ class PFedHN(Algorithm):
                 p.grad = step[name]
             if self.settings.server_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.settings.server_clip)
-            self.optimizer.step()
+            for name, p in self.params.items():
+                self.optimizers[name].step(p, p.grad, self.optimizer_state[name])
         for p in params:
             p.grad = None
 
@@ -224,14 +225,14 @@ class PFedHN(Algorithm):
         return self.generated(client)
 
     def state_dict(self) -> dict:
-        momentum = {name: self.optimizer.state[p]["momentum_buffer"].clone() for name, p in self.params.items()
-                    if self.optimizer.state[p].get("momentum_buffer") is not None}
+        momentum = {name: state["momentum_buffer"].clone() for name, state in self.optimizer_state.items()
+                    if self.settings.server_momentum and state["steps"]}
         return {"params": {name: p.detach().clone() for name, p in self.params.items()}, "momentum": momentum}
 
     def load_state_dict(self, state: dict) -> None:
         self._build(state["params"])
-        for name, buffer in state["momentum"].items():
-            self.optimizer.state[self.params[name]]["momentum_buffer"] = buffer.clone()
+        for name, buffer in state["momentum"].items():  # saved once its tensor has stepped
+            self.optimizer_state[name].update(momentum_buffer=buffer.clone(), steps=1)
 
 
 class PFedHNPC(PFedHN):

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pfl_algorithms.algorithms.fedgen import (FedGen, FedGenSettings, GenerativeRegularizer, adam_step, decayed,
+from pfl_algorithms.algorithms.fedgen import (FedGen, FedGenSettings, GenerativeRegularizer, decayed,
                                               diversity_loss, embedding_size, generate, generator_loss,
-                                              generator_shapes, head_logits, init_generator, label_weights)
+                                              generator_optimizer, generator_shapes, head_logits, init_generator,
+                                              label_weights)
 from pfl_algorithms.api import Batch
 from pfl_algorithms.engine.rounds import evaluate_all, run_round
 from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
@@ -134,20 +135,23 @@ def test_alpha_and_beta_decay_as_the_codes_exp_lr_scheduler():
     assert decayed(10.0, 5, 1.0) == 10.0
 
 
-def test_adam_step_is_torchs_adam_with_l2_weight_decay():
+def test_the_generators_optimizer_is_torchs_adam_with_l2_weight_decay_and_decayed_lr():
     g = torch.Generator().manual_seed(4)
     start = torch.randn(7, generator=g, dtype=torch.float64)
     grads = [torch.randn(7, generator=g, dtype=torch.float64) for _ in range(5)]
     mine = start.clone()
     state = {"exp_avg": torch.zeros(7, dtype=torch.float64), "exp_avg_sq": torch.zeros(7, dtype=torch.float64),
-             "step": 0}
+             "steps": 0}
+    settings = FedGenSettings(generator_lr=3e-2, weight_decay=1e-2)
+    rule = generator_optimizer(settings, 2)
     theirs = start.clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([theirs], lr=3e-2, weight_decay=1e-2, foreach=False)
+    optimizer = torch.optim.Adam([theirs], lr=3e-2 * settings.generator_lr_decay ** 2, weight_decay=1e-2,
+                                 foreach=False)
     for grad in grads:
-        adam_step(mine, grad, state, 3e-2, 1e-2)
+        rule.step(mine, grad.clone(), state)
         theirs.grad = grad.clone()
         optimizer.step()
-    assert state["step"] == 5
+    assert state["steps"] == 5
     torch.testing.assert_close(mine, theirs.detach(), **TOL)
 
 
@@ -232,7 +236,7 @@ def test_the_server_trains_the_generator_towards_the_senders_heads():
     first = dict(algo.losses)
     algo.train_generator(1, heads, counts)
     assert algo.losses["teacher"] < 0.5 * first["teacher"]
-    assert algo.adam["step"] == 300 and torch.isfinite(algo.params).all()
+    assert algo.adam["steps"] == 300 and torch.isfinite(algo.params).all()
 
 
 def test_evaluation_with_the_global_head_or_the_clients_own():
@@ -293,5 +297,5 @@ def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
     for tensor in (algorithm["head"], algorithm["generator"], algorithm["generator_stats"],
                    algorithm["adam"]["exp_avg"], algorithm["adam"]["exp_avg_sq"]):
         assert torch.isfinite(tensor).all()
-    assert algorithm["adam"]["step"] == ROUNDS * 50
+    assert algorithm["adam"]["steps"] == ROUNDS * 50
     assert all(m["bits_up"] == 4 * (64 * 10 + 10) * 32 for m in reference)  # the digits CNN's head only
