@@ -30,8 +30,11 @@ def native_metrics(config: RunConfig, tmp_path: Path) -> list[dict]:
 
 
 def as_json(history: list[dict]) -> list[dict]:
-    """A Flower run's history as its metrics.jsonl lines read back (int keys become strings)."""
-    return json.loads(json.dumps(history))
+    """A Flower run's history as its metrics.jsonl lines read back (int keys become strings,
+    NaN and infinities null, as every run file writes them)."""
+    from pfl_algorithms.atomic_io import json_text
+
+    return json.loads(json_text(history))
 
 
 def assert_same_run(native: list[dict], flower: list[dict]) -> None:
