@@ -128,12 +128,19 @@ def _metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# The digits CNN without normalization, as these tolerances were measured: GroupNorm (its default
+# since issue 33) runs under vmap through a batching rule that reassociates its reductions, and
+# three rounds amplify that to 8e-4 in a train loss (measured), which a looser bound would hide.
+PLAIN = ["--set", "norm=None"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, extra", [
-    ("fedavg", []), ("factorized-fl-beta", []), ("pfedmb", []),
+    ("fedavg", PLAIN), ("factorized-fl-beta", PLAIN), ("pfedmb", PLAIN),
     ("fedavg-classifier", ["--scenario", "dirichlet", "--set",
-                           "architectures=['digits-cnn(embedding_dim=32)', 'mlp(hidden=(64, 32))', 'fedgen-cnn']"]),
-    ("fedcma", ["--scenario", "dirichlet", "--set", "architectures=['digits-cnn(embedding_dim=32)', 'fedgen-cnn']"]),
+                           "architectures=['digits-cnn(embedding_dim=32, norm=None)', 'mlp(hidden=(64, 32))', 'fedgen-cnn']"]),
+    ("fedcma", ["--scenario", "dirichlet", "--set",
+                "architectures=['digits-cnn(embedding_dim=32, norm=None)', 'fedgen-cnn']"]),
 ])
 def test_float32_digits_runs_agree_up_to_reassociation(tmp_path, name, extra):
     """float32 on digits, 3 rounds (factorized and multi-branch layers through their ops' client
