@@ -35,6 +35,7 @@ def run(name, executor, *, chunk=None, models=None, architectures=None, clients=
     return records, fed.state_dict(), algo.state_dict()
 
 
+@pytest.mark.slow  # every algorithm, two whole rounds, three executor runs each
 @pytest.mark.parametrize("sizes", [(30, 41, 50), (40, 40, 40)], ids=["unequal", "equal"])
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_algorithm_batched_equals_sequential(name, sizes):

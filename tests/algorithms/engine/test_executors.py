@@ -24,6 +24,7 @@ def run(name, executor, workers):
     return records, fed.state_dict(), algo.state_dict()
 
 
+@pytest.mark.slow  # every algorithm, whole rounds on two executors
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_threaded_and_sequential_executors_agree_bitwise(name):
     sequential = run(name, "sequential", None)
