@@ -73,15 +73,23 @@ TESTBEDS = {
 INIT_VARIANTS = ("factorized-fl-alpha", "factorized-fl-beta", "simfed")
 
 
-def rows_of(algorithm: str) -> list[tuple[str, dict]]:
-    """The demo's (row label, algorithm settings) of an algorithm."""
+@dataclass(frozen=True)
+class Row:
+    """One row of a demo table: its label, the algorithm and settings it runs, and the name of
+    its run folders (``<folder>-seed<S>``)."""
+
+    label: str
+    algorithm: str
+    settings: dict
+    folder: str
+
+
+def rows_of(algorithm: str) -> list[Row]:
+    """The demo's rows of an algorithm (two, one per init, for ``INIT_VARIANTS``)."""
     if algorithm in INIT_VARIANTS:
-        return [(algorithm, {}), (f"{algorithm} (init=svd)", {"init": "svd"})]
-    return [(algorithm, {})]
-
-
-def _folder(label: str) -> str:
-    return label.replace(" (init=svd)", "-svd")
+        return [Row(algorithm, algorithm, {}, algorithm),
+                Row(f"{algorithm} (init=svd)", algorithm, {"init": "svd"}, f"{algorithm}-svd")]
+    return [Row(algorithm, algorithm, {}, algorithm)]
 
 
 # Optimizer settings a method's paper or released code gives, where they differ from the shared ones.
@@ -105,7 +113,7 @@ class Scenario:
     baselines: tuple
     shows: str  # the line under the table
     extra: tuple = ()  # methods that also run here as baselines
-    members: list = field(default_factory=list)  # (row label, algorithm settings), filled by run_demo
+    members: list = field(default_factory=list)  # algorithm names, then their Rows (filled by run_demo)
 
 
 def scenarios() -> dict:
@@ -188,11 +196,11 @@ def run_demo(*, out: Path, rounds: int, seeds: int, algorithms=None, dataset: st
         for table in tables.values():
             table.members.extend(a for a in table.extra if a not in table.members and (not algorithms or a in algorithms))
             table.members[:] = [row for algorithm in table.members for row in rows_of(algorithm)]
-            for label, settings in table.members:
+            for row in table.members:
                 for seed in range(seeds):
-                    config = demo_config(testbed, label.split(" ")[0], table.key, rounds=rounds, seed=seed,
-                                         data_root=data_root, algorithm_settings=settings)
-                    run_dir = out / table.key / f"{_folder(label)}-seed{seed}"
+                    config = demo_config(testbed, row.algorithm, table.key, rounds=rounds, seed=seed,
+                                         data_root=data_root, algorithm_settings=row.settings)
+                    run_dir = out / table.key / f"{row.folder}-seed{seed}"
                     if run_or_keep(config, run_dir, progress=progress):
                         print(f"{run_dir}: finished earlier, kept")
     report = format_report(tables, testbed, out, rounds=rounds, seeds=seeds)
@@ -230,10 +238,10 @@ def _cell(values: list[float]) -> str:
 def scenario_rows(table: Scenario, out: Path, seeds: int) -> list[dict]:
     """The table's rows, best first: algorithm, accuracy per seed (%), Gb per run, baseline flag."""
     rows = []
-    for label, _ in table.members:
-        summaries = [_summary(out / table.key / f"{_folder(label)}-seed{s}") for s in range(seeds)]
+    for row in table.members:
+        summaries = [_summary(out / table.key / f"{row.folder}-seed{s}") for s in range(seeds)]
         accuracy = [100 * s[table.metric] for s in summaries if s.get(table.metric) is not None]
-        rows.append({"algorithm": label, "accuracy": accuracy, "baseline": label in table.baselines,
+        rows.append({"algorithm": row.label, "accuracy": accuracy, "baseline": row.label in table.baselines,
                      "gb": statistics.fmean(s["comm_gb"]["up"] + s["comm_gb"]["down"] for s in summaries),
                      "wall_s": statistics.fmean(s["train_wall_s_total"] for s in summaries)})
     rows.sort(key=lambda r: -statistics.fmean(r["accuracy"]) if r["accuracy"] else math.inf)
@@ -290,12 +298,12 @@ def write_plot(table: Scenario, out: Path, seeds: int) -> Optional[Path]:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
-    for label, _ in table.members:
-        histories = [_history(out / table.key / f"{_folder(label)}-seed{s}", table.metric) for s in range(seeds)]
+    for row in table.members:
+        histories = [_history(out / table.key / f"{row.folder}-seed{s}", table.metric) for s in range(seeds)]
         rounds = [r for r, _ in histories[0]]
         mean = [statistics.fmean(h[i][1] for h in histories) for i in range(len(rounds))]
-        ax.plot(rounds, mean, "--" if label in table.baselines else "-", label=label,
-                linewidth=2 if label in table.baselines else 1.2)
+        baseline = row.label in table.baselines
+        ax.plot(rounds, mean, "--" if baseline else "-", label=row.label, linewidth=2 if baseline else 1.2)
     ax.set_xlabel("round")
     ax.set_ylabel("target accuracy (%)" if table.metric.startswith("target_") else "mean client accuracy (%)")
     ax.set_title(table.title, fontsize=10)
