@@ -271,9 +271,34 @@ def _cmd_run(args) -> int:
     if config.executor == "distributed" and os.environ.get("RANK", "0") != "0":
         return 0  # a torchrun job's other ranks ran silently; rank 0 reports
     acc = summary["final_mean_accuracy"]
-    print(f"{config.algorithm}: final mean accuracy {'-' if acc is None else f'{100 * acc:.2f}%'}, "
+    if summary["rounds"] == config.rounds:
+        for line in _evaluation_warnings(config, summary):
+            print(f"pfl: warning: {line}", file=sys.stderr)
+    print(f"{config.algorithm}: final mean accuracy {'n/a' if acc is None else f'{100 * acc:.2f}%'}, "
           f"communication {summary['comm_gb']['up'] + summary['comm_gb']['down']:.4f} Gb; run directory {out}")
     return 0
+
+
+def _evaluation_warnings(config, summary: dict) -> list[str]:
+    """Why the final accuracy is not the mean over every client: clients whose evaluation
+    diverged (a non-finite loss: NaN accuracy, never scored) or that had nothing to evaluate."""
+    diverged = list(summary.get("final_diverged_clients") or [])
+    accuracy = summary.get("final_client_accuracy") or {}
+    empty = sorted(int(c) for c, a in accuracy.items() if a is None and int(c) not in diverged)
+    lines = []
+    if diverged:
+        rest = len(accuracy) - len(diverged) - len(empty)
+        lines.append(f"{config.algorithm}: the model diverged for {len(diverged)} of {len(accuracy)} client(s) "
+                     f"(a non-finite evaluation loss in the final round: client(s) "
+                     f"{', '.join(map(str, diverged[:10]))}{', ...' if len(diverged) > 10 else ''}); their accuracy "
+                     "is NaN, never scored, so " + ("there is no mean accuracy" if not rest else
+                                                   f"the mean accuracy is over the other {rest} client(s)")
+                     + " (a smaller learning rate may help)")
+    if empty:
+        lines.append(f"{config.algorithm}: {len(empty)} of {len(accuracy)} client(s) had no test samples to "
+                     f"evaluate (client(s) {', '.join(map(str, empty[:10]))}{', ...' if len(empty) > 10 else ''}); "
+                     "they are left out of the mean accuracy")
+    return lines
 
 
 def _cmd_list(args) -> int:

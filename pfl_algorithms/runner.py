@@ -336,6 +336,9 @@ def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: f
         "final_mean_accuracy": final["mean_accuracy"] if final else None,
         "best_mean_accuracy": best,
         "final_client_accuracy": final["accuracy"] if final else None,
+        # The clients whose evaluation diverged in the final round (a non-finite loss): their
+        # accuracy is NaN, left out of the mean.
+        "final_diverged_clients": list(final.get("diverged", [])) if final else [],
         "comm_gb": fed.comm.gigabits(),
         "wall_s_this_run": wall_s,
         "train_wall_s_total": sum(m["wall_s"] for m in history),

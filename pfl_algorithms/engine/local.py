@@ -7,6 +7,7 @@ is in ``client.py`` (phases of a plan).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -92,7 +93,10 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor, *,
              label_map: Optional[torch.Tensor] = None, batch_size: int = 512) -> tuple[float, float, int]:
-    """(accuracy, mean loss, samples) of ``module`` on ``indices``, in eval mode, without autograd."""
+    """(accuracy, mean loss, samples) of ``module`` on ``indices``, in eval mode, without autograd.
+
+    A non-finite loss (a diverged model: NaN or infinite logits) gives NaN accuracy, not the
+    accuracy of the argmax of NaN logits: a diverged model is never scored."""
     was_training = module.training
     module.eval()
     correct = torch.zeros((), dtype=torch.int64, device=inputs.device)
@@ -109,4 +113,7 @@ def evaluate(module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, indi
     n = indices.numel()
     if n == 0:
         return float("nan"), float("nan"), 0
-    return float(correct) / n, float(loss) / n, n
+    mean_loss = float(loss) / n
+    if not math.isfinite(mean_loss):
+        return float("nan"), mean_loss, n
+    return float(correct) / n, mean_loss, n

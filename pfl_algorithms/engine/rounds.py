@@ -24,6 +24,7 @@ them to its nodes and drives the same two steps, so there is one round loop.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
@@ -217,12 +218,15 @@ def evaluation_tasks(fed: Federation, algorithm, split: str = "test") -> list[Ev
 
 def evaluation_summary(results: list[EvalResult], split: str = "test") -> dict:
     """The ``eval`` of a round's record from its evaluation ``results`` (a client that could not
-    be evaluated has NaN accuracy and loss): per client, and the mean accuracy over clients."""
-    acc = {r.client: r.accuracy for r in results}
+    be evaluated has NaN accuracy and loss): per client, the mean accuracy over the clients
+    evaluated, and ``diverged``: the clients whose model diverged (samples to evaluate, but a
+    non-finite loss), whose accuracy is NaN (never the argmax of NaN logits) and not in the mean."""
+    diverged = sorted(r.client for r in results if r.samples > 0 and not math.isfinite(r.loss))
+    acc = {r.client: math.nan if r.client in diverged else r.accuracy for r in results}
     loss = {r.client: r.loss for r in results}
     valid = [a for a in acc.values() if a == a]
     return {"split": split, "accuracy": acc, "loss": loss,
-            "mean_accuracy": sum(valid) / len(valid) if valid else float("nan")}
+            "mean_accuracy": sum(valid) / len(valid) if valid else float("nan"), "diverged": diverged}
 
 
 def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:
