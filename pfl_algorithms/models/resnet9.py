@@ -3,6 +3,9 @@
 conv 3→64 k3 p1; conv 64→128 k5 s2 p2; residual(two 128→128 k3); conv 128→256 k3 p1;
 maxpool 2; residual(two 256→256 k3); conv 256→256 k3 p0; adaptive max pool 1; flatten;
 linear 256→classes.  Every conv is conv (no bias) + BatchNorm + ReLU.
+
+``width`` narrows it for CPU-scale runs: the widths 64, 128, 256 become width, 2·width,
+4·width (the paper's network is width 64).
 """
 from __future__ import annotations
 
@@ -33,19 +36,23 @@ class Residual(nn.Module):
 
 
 class ResNet9(BodyHeadModel):
-    """ResNet-9 with a 256-d embedding; needs inputs of at least 11x11 (the p0 conv needs 3x3)."""
+    """ResNet-9 with a 4·width-d embedding (256 at the paper's width 64); needs inputs of at
+    least 11x11 (the p0 conv needs 3x3)."""
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int):
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, width: int = 64):
         channels, _, _ = image_shape("resnet9", input_shape, 11)
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"resnet9 option width must be a positive integer, got {width!r}")
+        w1, w2, w4 = width, 2 * width, 4 * width
         body = nn.Sequential(
-            conv_bn_relu(channels, 64),
-            conv_bn_relu(64, 128, kernel=5, stride=2, padding=2),
-            Residual(128),
-            conv_bn_relu(128, 256),
+            conv_bn_relu(channels, w1),
+            conv_bn_relu(w1, w2, kernel=5, stride=2, padding=2),
+            Residual(w2),
+            conv_bn_relu(w2, w4),
             nn.MaxPool2d(2),
-            Residual(256),
-            conv_bn_relu(256, 256, padding=0),
+            Residual(w4),
+            conv_bn_relu(w4, w4, padding=0),
             nn.AdaptiveMaxPool2d(1),
             nn.Flatten(),
         )
-        super().__init__(body, 256, check_num_classes(num_classes))
+        super().__init__(body, w4, check_num_classes(num_classes))

@@ -52,6 +52,16 @@ def test_resnet9_parameter_count_by_hand():
     assert not any(m.bias is not None for m in model.modules() if isinstance(m, nn.Conv2d))
 
 
+def test_resnet9_width_narrows_every_layer():
+    model = build_model("resnet9", input_shape=(1, 28, 28), num_classes=10, width=8)
+    convs = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert convs == [8, 16, 16, 16, 32, 32, 32, 32] and model.embedding_dim == 32
+    assert model(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="width must be a positive integer"):
+            build_model("resnet9", input_shape=(1, 28, 28), num_classes=10, width=bad)
+
+
 def test_input_shapes_follow_the_data():
     assert build_model("resnet9", input_shape=(1, 28, 28), num_classes=10)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     lenet = build_model("lenet5", input_shape=(1, 28, 28), num_classes=10)
