@@ -18,18 +18,22 @@ travels is W1 with the biases and BatchNorm parameters: on our ResNet-9 at γ = 
 pFedPara at 7.4 against FedAvg's 20.39 (36.3 %), which our count matches within 2 % at γ = 0.8
 (35.8 %; tests/algorithms/algorithms/test_pfedpara_afl.py).
 Clients are evaluated with the global W1 (and shared groups) and their own W2.
+``init`` draws the factors: 'variance' (ours: W1, W2 with the replaced weight's variance) or
+'he' (the authors' He-normal per factor; ``pfl_algorithms.models.fedpara``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from ..api import FEDPARA_LAYERS, Fraction, GroupRule, fedpara
+from ..api import FEDPARA_LAYERS, Fraction, GroupRule, OneOf, fedpara
 from .fedavg import FedAvg
 
 
 @dataclass(frozen=True)
 class PFedParaSettings:
     ratio: Fraction = 0.5  # γ: the rank between r_min (0) and the parameter-count bound r_max (1)
+    init: Annotated[str, OneOf(("variance", "he"))] = "variance"  # the factors' draw (module docstring)
 
 
 class PFedPara(FedAvg):
@@ -40,7 +44,7 @@ class PFedPara(FedAvg):
     Settings = PFedParaSettings
 
     def prepare_model(self, model):
-        return fedpara(model, self.settings.ratio)
+        return fedpara(model, self.settings.ratio, self.settings.init)
 
     def group_rules(self):
         return (GroupRule("w1", modules=FEDPARA_LAYERS, attributes=("x1", "y1", "t1"), outside_head=True),

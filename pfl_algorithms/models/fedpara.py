@@ -16,9 +16,15 @@ r_min = min(⌈√out⌉, ⌈√in⌉) and r_max the largest R whose two factori
 parameters than the original (2R(in + out) ≤ in·out for a Linear; 2(R²·kh·kw + R(in + out)) ≤
 in·out·kh·kw for a Conv2d).  Biases are kept as they are (shared, with the body).
 
-Initialization (a choice of ours; the authors draw each factor from He-normal): every factor
-is normal with one std chosen so that W1 and W2 each have the variance of the weight the layer
-replaces; W2 + 1 is then close to 1 and the layer starts near its unconverted scale.
+Initialization, ``init``:
+
+* ``'variance'`` (ours, the default): every factor is normal with one std chosen so that W1 and
+  W2 each have the variance of the weight the layer replaces; W2 + 1 is then close to 1 and the
+  layer starts near its unconverted scale.
+* ``'he'`` (the authors' code, as the Flower baseline carries it): every factor drawn
+  He-normal, ``kaiming_normal_(mode='fan_out', nonlinearity='relu')`` on the authors' layouts,
+  i.e. std √(2/fan) with fan = out (X) and in (Y) for a Linear, and R (X, Y) and R·kh·kw (T)
+  for a convolution.  The weights it gives are far larger than a dense layer's.
 """
 from __future__ import annotations
 
@@ -39,6 +45,14 @@ def fedpara_rank(fan_out: int, fan_in: int, kernel: int = 1, ratio: float = 0.5)
         b, c = fan_out + fan_in, fan_out * fan_in * kernel / 2
         r_max = math.floor((-b + math.sqrt(b * b + 4 * kernel * c)) / (2 * kernel))
     return max(1, math.ceil((1 - ratio) * r_min + ratio * r_max))
+
+
+INITS = ("variance", "he")
+
+
+def _he_normal_(tensor: torch.Tensor, fan: int) -> None:
+    """He-normal for ReLU with fan ``fan``: N(0, 2 / fan)."""
+    nn.init.normal_(tensor, 0.0, math.sqrt(2.0 / fan))
 
 
 def _normal_(tensors, target_var: float, order: int) -> None:
@@ -67,10 +81,16 @@ class FedParaLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
         self.reset_parameters(1.0 / (3 * in_features))  # nn.Linear's default weight variance
 
-    def reset_parameters(self, weight_var: float) -> None:
+    def reset_parameters(self, weight_var: float, init: str = "variance") -> None:
+        """Draw the factors (module docstring, ``init``); ``weight_var`` is the variance each
+        of W1, W2 gets under ``'variance'``."""
         with torch.no_grad():
-            _normal_((self.x1, self.y1), weight_var, 2)
-            _normal_((self.x2, self.y2), weight_var, 2)
+            for x, y in ((self.x1, self.y1), (self.x2, self.y2)):
+                if init == "he":  # the authors' X (in×R) and Y (out×R), fan_out = their rows
+                    _he_normal_(x, self.out_features)
+                    _he_normal_(y, self.in_features)
+                else:
+                    _normal_((x, y), weight_var, 2)
 
     def full_weight(self) -> torch.Tensor:
         """W1 ⊙ (W2 + 1): [out, in]."""
@@ -104,10 +124,17 @@ class FedParaConv2d(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_channels, **kw)) if bias else None
         self.reset_parameters(1.0 / (3 * in_channels * kh * kw_))  # nn.Conv2d's default weight variance
 
-    def reset_parameters(self, weight_var: float) -> None:
+    def reset_parameters(self, weight_var: float, init: str = "variance") -> None:
+        """Draw the factors (module docstring, ``init``); ``weight_var`` is the variance each
+        of W1, W2 gets under ``'variance'``."""
         with torch.no_grad():
-            _normal_((self.t1, self.x1, self.y1), weight_var, 3)
-            _normal_((self.t2, self.x2, self.y2), weight_var, 3)
+            for t, x, y in ((self.t1, self.x1, self.y1), (self.t2, self.x2, self.y2)):
+                if init == "he":  # the authors' T (R×R×kh×kw), X (R×out), Y (R×in): fan_out = dim 0
+                    _he_normal_(t, self.rank * self.kernel_size[0] * self.kernel_size[1])
+                    _he_normal_(x, self.rank)
+                    _he_normal_(y, self.rank)
+                else:
+                    _normal_((t, x, y), weight_var, 3)
 
     def full_weight(self) -> torch.Tensor:
         """W1 ⊙ (W2 + 1): [out, in, kh, kw]."""
@@ -126,7 +153,7 @@ class FedParaConv2d(nn.Module):
 FEDPARA_LAYERS = (FedParaLinear, FedParaConv2d)
 
 
-def _converted(layer: nn.Module, ratio: float) -> nn.Module:
+def _converted(layer: nn.Module, ratio: float, init: str) -> nn.Module:
     weight = layer.weight
     kw = {"device": weight.device, "dtype": weight.dtype}
     bias = layer.bias is not None
@@ -141,7 +168,7 @@ def _converted(layer: nn.Module, ratio: float) -> nn.Module:
         new = FedParaConv2d(layer.in_channels, layer.out_channels, layer.kernel_size,
                             fedpara_rank(layer.out_channels, layer.in_channels, kh * kw_, ratio), bias,
                             stride=layer.stride, padding=layer.padding, dilation=layer.dilation, **kw)
-    new.reset_parameters(float(weight.detach().double().var()) if weight.numel() > 1 else 1.0)
+    new.reset_parameters(float(weight.detach().double().var()) if weight.numel() > 1 else 1.0, init)
     if bias:
         with torch.no_grad():
             new.bias.copy_(layer.bias)
@@ -149,20 +176,23 @@ def _converted(layer: nn.Module, ratio: float) -> nn.Module:
     return new
 
 
-def fedpara(model: nn.Module, ratio: float = 0.5) -> nn.Module:
+def fedpara(model: nn.Module, ratio: float = 0.5, init: str = "variance") -> nn.Module:
     """Replace every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` (in place) by its FedPara
-    layer of ratio γ = ``ratio``; biases are copied, everything else is untouched.  Returns
-    ``model``.  Draws the factors from torch's global RNG.
+    layer of ratio γ = ``ratio``, factors drawn by ``init`` ('variance' or 'he', module
+    docstring); biases are copied, everything else is untouched.  Returns ``model``.  Draws
+    the factors from torch's global RNG.
 
     Raises:
-        ValueError: a ratio outside [0, 1], or a Conv2d with groups, string padding or a
-            padding mode other than zeros.
+        ValueError: a ratio outside [0, 1], an unknown ``init``, or a Conv2d with groups,
+            string padding or a padding mode other than zeros.
     """
     if not 0 <= ratio <= 1:
         raise ValueError(f"the FedPara ratio must be in [0, 1], got {ratio}")
+    if init not in INITS:
+        raise ValueError(f"the FedPara init must be one of {INITS}, got {init!r}")
     for name, child in list(model.named_children()):
         if isinstance(child, (nn.Linear, nn.Conv2d)):
-            setattr(model, name, _converted(child, ratio))
+            setattr(model, name, _converted(child, ratio, init))
         else:
-            fedpara(child, ratio)
+            fedpara(child, ratio, init)
     return model

@@ -99,6 +99,25 @@ def test_converter_replaces_every_layer_and_keeps_biases():
         fedpara(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)))
 
 
+def test_he_init_draws_each_factor_with_the_authors_fan():
+    # The authors' layouts: Linear X (in×R), Y (out×R); conv T (R×R×kh×kw), X (R×out), Y (R×in),
+    # each kaiming_normal_(mode='fan_out', nonlinearity='relu'): std √(2 / dim 0 · receptive field).
+    torch.manual_seed(0)
+    model = fedpara(nn.Sequential(nn.Conv2d(48, 96, 3), nn.Flatten(), nn.Linear(300, 400)), 0.5, init="he")
+    conv, linear = model[0], model[2]
+    r, k = conv.rank, 9
+    for tensor, fan in ((conv.t1, r * k), (conv.x1, r), (conv.y2, r), (linear.x1, 400), (linear.y2, 300)):
+        assert tensor.std().item() == pytest.approx(math.sqrt(2 / fan), rel=0.1)
+    variance = fedpara(nn.Sequential(nn.Linear(300, 400)), 0.5)[0]  # ours: W1 with nn.Linear's variance
+    w1 = variance.x1 @ variance.y1.T
+    assert w1.var().item() == pytest.approx(1 / 900, rel=0.15)
+    with pytest.raises(ValueError, match="init must be one of"):
+        fedpara(nn.Sequential(nn.Linear(3, 4)), 0.5, init="xavier")
+    assert PFedPara(init="he").settings.init == "he"
+    with pytest.raises(ValueError, match="init"):
+        PFedPara(init="kaiming")
+
+
 @pytest.mark.parametrize("keep_head_local", [False, True])
 def test_only_w1_and_the_shared_groups_travel(keep_head_local):
     algo = PFedPara()
