@@ -147,10 +147,6 @@ class Cohort:
         return tuple(Entry(name, self.layout.by_name[name].shape, self.layout.by_name[name].offset - start)
                      for name in sorted(self.groups.members[group], key=lambda n: self.layout.by_name[n].offset))
 
-    def shared_span(self) -> slice:
-        """The range of every shared group together (they come first in a row)."""
-        return self.layout.span([n for g in self.groups.shared for n in self.groups.members[g]])
-
     def shared_buffer_span(self) -> slice:
         """The range of the floating buffers that belong to shared groups."""
         names = [n for n, g in self.buffer_group.items() if g not in self.groups.local]
