@@ -17,7 +17,7 @@ declarations
   ``capabilities``    what it needs and allows (:class:`Capabilities`)
   ``group_rules``     parameter groups beyond the model's ``body`` and ``head``
   ``local_groups``    the groups that never leave a client
-  ``client_state``    extra per-client state kept in banks (pFedMe's personal model, ...)
+  ``client_state``    per-client state kept across rounds in banks (pFedMe's personal model, ...)
   ``check_config``    conflicts between its settings and the run's
 server side
   ``setup(server)``   create server state (``server.initial_model()`` is the initial model)
@@ -28,9 +28,26 @@ server side
   ``state_dict``      server state for checkpoints
 client side (run by an executor, wherever the client is)
   ``plan(client)``    the phases of local training
-  ``upload(view)``    what the client sends back (None: nothing); a :class:`ClassMeans` in its
-                      extras asks the engine for the client's class-mean embeddings, computed
-                      for all senders of a cohort at once (Fed-CMA)
+  ``upload(view)``    what the client sends back (None: nothing); a :class:`Statistic` request in
+                      its extras is answered after training by the executor, for all senders of
+                      a cohort at once (Fed-CMA's :class:`ClassMeans`; a Statistic subclass
+                      computes its kind from :class:`Senders`)
+
+Client state, on the :class:`ClientView` every client hook gets (a loss term: ``batch.view``),
+so that no hook reads what another left behind: ``view.state(name)`` across rounds (declared by
+``client_state``, checkpointed); within a round's task, ``view.cached(name, compute)`` (computed
+once, by whichever hook asks first) and ``view.report(name, value)`` (sent with the upload).
+For example::
+
+    def plan(self, client):
+        def term(batch):  # a loss term
+            x, y = batch.view.cached("fixed", lambda: fixed_batch(batch.view))
+            ...
+        return (Phase(loss_terms=(term,)),)
+
+    def upload(self, view):
+        x, y = view.cached("fixed", lambda: fixed_batch(view))  # the same tensors, not redrawn
+        return Message({"head": view.group("head").clone()}, {"means": ClassMeans(x, y, 10)})
 
 Optimizers for server-side state (a generator, a hypernetwork): ``SGD`` and ``Adam`` (``AdamW``:
 ``Adam(decoupled=True)``), ``make_optimizer`` by name, torch.optim's rules over tensors whose
@@ -51,8 +68,9 @@ import torch
 
 from .engine.client import ClientView, Evaluation
 from .engine.cohort import StateSpec
+from .engine.cohort_stats import Senders
 from .engine.groups import BUFFERS, GroupRule
-from .engine.messages import ClassMeans, Message, Sparse
+from .engine.messages import Message, Sparse, Statistic
 from .engine.optim import SGD, Adam, make_optimizer
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
@@ -60,11 +78,12 @@ from .models.base import head_parameter_names
 from .models.fedpara import FEDPARA_LAYERS, fedpara
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
                            check_options, field_hints)
+from .statistics import ClassMeans
 
 __all__ = ["ALGORITHMS", "Adam", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClassMeans", "ClientView", "Evaluation", "Fraction",
            "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
-           "PositiveFloat", "PositiveInt", "Range", "SGD", "Sparse", "StateSpec", "Uploads", "algorithm_class", "fedpara",
-           "head_parameter_names", "make_optimizer"]
+           "PositiveFloat", "PositiveInt", "Range", "SGD", "Senders", "Sparse", "StateSpec", "Statistic", "Uploads",
+           "algorithm_class", "fedpara", "head_parameter_names", "make_optimizer"]
 
 ALGORITHMS: dict[str, type] = {}
 
@@ -152,7 +171,8 @@ class Algorithm:
         return {"head"} if keep_head_local else set()
 
     def client_state(self) -> Mapping[str, StateSpec]:
-        """Extra per-client state, by name (kept in banks, checkpointed)."""
+        """Per-client state kept across rounds, by name (in banks, checkpointed; a client hook
+        reads and writes it as ``view.state(name)``)."""
         return {}
 
     @classmethod

@@ -10,8 +10,8 @@ with p_i = n_i / N its share of all samples, p_i^k = n_i^k / Σ_j n_j^k its shar
 and B_i^k a minibatch of b_i^k samples of class k chosen once, at the start, and used in every
 round.  The client keeps its own v_i (the penalty pulls it towards v̄; it is never replaced).
 After training it sends v_i and e_i^k = (1/b_i^k)·Σ_{x ∈ B_i^k} g_i(u_i, x) with the counts b_i^k
-(a ``ClassMeans`` request: the engine runs ``pfl.class_means`` for all senders of a cohort at
-once).  No extractor weight leaves the client.
+(a :class:`ClassMeans` statistic: the executor answers all senders of a cohort with one
+``pfl.class_means``).  No extractor weight leaves the client.
 
 The server's global classifier v̄ and class means e^k follow the moving averages of Eq. 7,
 η the run's client learning rate:
@@ -107,10 +107,6 @@ class FedCMA(Algorithm):
 
     @classmethod
     def check_config(cls, config) -> None:
-        """λ1·η and λ2·η must be in (0, 1] (Eq. 7), η the run's learning rate."""
-        settings = config.algorithm_settings
-        for name in ("lam1", "lam2"):
-            _check_rate(name, settings.get(name, getattr(FedCMASettings, name)), config.lr)
         if config.head_local():
             raise ValueError(f"fedcma shares the classifier, but the scenario {config.scenario!r} keeps it local "
                              "(--keep-head-local true or a permuted scenario); run it with --keep-head-local false")
@@ -125,8 +121,11 @@ class FedCMA(Algorithm):
         return {"body"}  # the feature extractor never leaves a client
 
     def setup(self, server) -> None:
-        for name in ("lam1", "lam2"):
-            _check_rate(name, getattr(self.settings, name), server.lr)
+        for name in ("lam1", "lam2"):  # Eq. 7's rates λη in (0, 1], η the run's learning rate
+            lam = getattr(self.settings, name)
+            if not 0 < lam * server.lr <= 1:
+                raise ValueError(f"fedcma: {name}·lr = {lam}·{server.lr} = {lam * server.lr:g} must be in (0, 1] "
+                                 f"(Eq. 7's moving average); lower {name} or the learning rate")
         self.p, self.p_k = client_shares(server.class_counts())
         self.v_bar: Optional[Tensor] = None  # set by the first aggregation (module docstring)
         self.means: Optional[Tensor] = None
@@ -142,39 +141,34 @@ class FedCMA(Algorithm):
         return messages
 
     def plan(self, client):
-        fixed = {}  # this task's download and fixed batch, set when the phase begins on the client
+        return (Phase(loss_terms=(self.align,), grad_terms=(self.consensus,)),)
 
-        def begin(view):
-            fixed["received"] = view.download.extras
-            fixed["x"], fixed["y"] = self._fixed_batch(view)
-            fixed["counts"] = torch.bincount(fixed["y"], minlength=view.download.extras["p_k"].numel())
+    def align(self, batch):
+        """Eq. 5's alignment term on the fixed batch (nothing before the first means)."""
+        view, received = batch.view, batch.view.download.extras
+        if "means" not in received:
+            return batch.logits.new_zeros(())
+        x, y = view.cached("fixed_batch", lambda: self._fixed_batch(view))
+        return alignment_loss(_embed(batch.module, x), y, received["means"], received["has_mean"], received["p_k"],
+                              torch.bincount(y, minlength=received["p_k"].numel()), self.settings.lam2)
 
-        def align(batch):
-            received = fixed["received"]
-            if "means" not in received:
-                return batch.logits.new_zeros(())
-            return alignment_loss(_embed(batch.module, fixed["x"]), fixed["y"], received["means"], received["has_mean"],
-                                  received["p_k"], fixed["counts"], self.settings.lam2)
-
-        def consensus(view):
-            received = view.download.extras
-            if "v_bar" not in received:
-                return None
-            v_bar = received["v_bar"]
-            return proximal_term(self.settings.lam1 * received["p"], lambda _: {"head": v_bar})(view)
-
-        return (Phase(begin=begin, loss_terms=(align,), grad_terms=(consensus,)),)
+    def consensus(self, view):
+        """The gradient of (λ1/2)·p_i·‖v_i − v̄‖² (nothing before the first v̄)."""
+        received = view.download.extras
+        if "v_bar" not in received:
+            return None
+        return proximal_term(self.settings.lam1 * received["p"], lambda _: {"head": received["v_bar"]})(view)
 
     def _fixed_batch(self, view) -> tuple[Tensor, Tensor]:
         """The client's B_i = ∪_k B_i^k as (inputs, labels): drawn from its run-long stream, so the
-        same in every round and after a resume."""
+        same in every round and after a resume (once per task: ``view.cached``)."""
         indices = view.indices("train")
         chosen = per_class_batch(view.labels_of(indices), self.settings.per_class_batch, view.generator(-1))
         return view.examples(indices[chosen.to(indices.device)])
 
     def upload(self, view):
         """v_i and the class means of the fixed batch with their counts b_i^k."""
-        x, y = self._fixed_batch(view)
+        x, y = view.cached("fixed_batch", lambda: self._fixed_batch(view))
         means = ClassMeans(x, y, view.download.extras["p_k"].numel())  # (means, counts), computed per cohort
         return Message({"head": view.group("head").clone()}, {"class_means": means}, view.num_examples)
 
@@ -210,9 +204,3 @@ def _embed(module, inputs: Tensor) -> Tensor:
     """g_i(u_i, x) with gradient: the model's ``embed`` (the registry's models), else its ``body``."""
     embed = getattr(module, "embed", None)
     return embed(inputs) if callable(embed) else module.body(inputs)
-
-
-def _check_rate(name: str, lam: float, lr: float) -> None:
-    if not 0 < lam * lr <= 1:
-        raise ValueError(f"fedcma: {name}·lr = {lam}·{lr} = {lam * lr:g} must be in (0, 1] (Eq. 7's moving "
-                         f"average); lower {name} or the learning rate")

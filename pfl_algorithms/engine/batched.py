@@ -53,9 +53,10 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import (ClientView, TrainResult, apply_download, autocast, finish_train_task, forward,
+from .client import (ClientView, TaskValues, TrainResult, apply_download, autocast, finish_train_task, forward,
                      initial_optimizer_state, local_result, phase_lr_scale, phase_optimizer, phase_parameters,
                      phase_schedule, trains_only, training_batch)
+from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
 from .local import client_batches
 from .plan import Batch, Phase, state_names
@@ -188,7 +189,7 @@ class BatchedExecutor(Executor):
 
     def run_train(self, fed, algorithm, tasks, run_one) -> list:
         """The round's training tasks: batched where they can be, the others through ``run_one``
-        on the threaded executor; results in task order."""
+        on the threaded executor; results in task order, their statistics answered."""
         results: dict[int, TrainResult] = {}
         others = []
         groups: dict[tuple, list] = {}
@@ -216,12 +217,15 @@ class BatchedExecutor(Executor):
         if others:
             for (position, _), result in zip(others, self.fallback.run([t for _, t in others], run_one)):
                 results[position] = result
-        return [results[i] for i in range(len(tasks))]
+        ordered = [results[i] for i in range(len(tasks))]
+        answer_statistics(fed, ordered)
+        return ordered
 
 
 def _row_view(fed, cohort, task, extra, params, grads, buffers) -> ClientView:
-    """A ClientView of ``task``'s client whose flat vectors are its rows of the stacked tensors."""
-    view = ClientView(fed, cohort, task.client, task.round, task.download, extra)
+    """A ClientView of ``task``'s client whose flat vectors are its rows of the stacked tensors
+    (its task's values, which every other view of the task shares)."""
+    view = ClientView(fed, cohort, task.client, task.round, task.download, extra, TaskValues())
     view.params, view.grads, view.buffers = params, grads, buffers
     return view
 
@@ -256,7 +260,7 @@ def train_chunk(fed, algorithm, cohort, tasks) -> list[TrainResult]:
         # Each client ends as on the other executors: its new rows in the working model, the
         # upload asked of a normal ClientView, then stored (``finish_train_task``).
         cohort.work.load(params[i], buffers[i], int_buffers[i])
-        view = ClientView(fed, cohort, task.client, task.round, task.download, extras[i])
+        view = ClientView(fed, cohort, task.client, task.round, task.download, extras[i], views[i]._values)
         view.step = views[i].step  # the last phase's steps, as the upload sees them alone
         local = local_result(loss_sum[i], samples[i], steps_taken[i], params[i])
         own_states = {name: {vector: value[i] for vector, value in state.items()} for name, state in states.items()}
@@ -310,7 +314,8 @@ def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params,
     work = cohort.work
     work.load(params, buffers, int_buffers)
     with trains_only(work.module, names):
-        phase.begin(ClientView(fed, cohort, task.client, task.round, task.download, row_view._extra))
+        phase.begin(ClientView(fed, cohort, task.client, task.round, task.download, row_view._extra,
+                               row_view._values))
     work.store(params, buffers, int_buffers)
 
 
@@ -353,7 +358,7 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
     terms = [tasks[i].plan[index].loss_terms for i in members]
     if any(terms):
         per_client = torch.stack([_with_loss_terms(per_client[k], terms[k], module, leaves, parts, k, x, y, logits,
-                                                   embeddings) for k in range(len(members))])
+                                                   embeddings, views[i]) for k, i in enumerate(members)])
     with torch.no_grad():  # after the loss terms, whose forwards may move BatchNorm statistics too
         for name, view in buffer_views.items():
             view.copy_(parts[name])
@@ -402,13 +407,15 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
             views[i].step += 1
 
 
-def _with_loss_terms(loss, terms, module, leaves, parts, k, x, y, logits, embeddings):
+def _with_loss_terms(loss, terms, module, leaves, parts, k, x, y, logits, embeddings, view):
     """Row ``k``'s loss plus its loss terms, each given the row's :class:`Batch` (its model a
-    :class:`ClientModule` on its rows), added in order as the other executors add them."""
+    :class:`ClientModule` on its rows, its client's ``view``), added in order as the other
+    executors add them."""
     if not terms:
         return loss
     tensors = {**{name: leaf[k] for name, leaf in leaves.items()}, **{name: part[k] for name, part in parts.items()}}
-    batch = Batch(x[k], y[k], logits[k], None if embeddings is None else embeddings[k], ClientModule(module, tensors))
+    batch = Batch(x[k], y[k], logits[k], None if embeddings is None else embeddings[k], ClientModule(module, tensors),
+                  view)
     for term in terms:
         loss = loss + term(batch)
     return loss

@@ -9,13 +9,21 @@ fine-tunes it if the evaluation has a plan, and evaluates; it never writes state
 
 A :class:`ClientView` is how the algorithm's client-side hooks (its upload, loss terms,
 gradient terms and custom gradients) see the client: its parameters and gradients by group,
-its extra state, what it received, and forward/backward helpers.
+its state, what it received, and forward/backward helpers.  A client's state has two lifetimes,
+and no hook reads what another hook left anywhere else:
+
+* across rounds: the ``client_state`` an algorithm declares, ``view.state(name)`` (bank rows,
+  checkpointed with the run, kept only when the task stays finite);
+* within a round's task: ``view.cached(name, compute)``, computed once by whichever hook asks
+  first (Fed-CMA's fixed batch), and ``view.report(name, value)``, a value a hook sends with the
+  task's upload (FedDAF's α and θ, found when its phase begins).  Every view of one task (the
+  batched executor makes several) shares them.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +52,15 @@ class Evaluation:
     download: Optional[Message] = None
     plan: tuple[Phase, ...] = ()
     params: str = "params"
+
+
+@dataclass
+class TaskValues:
+    """What the hooks of one client task share (module docstring): values computed once
+    (``ClientView.cached``) and values reported with its upload (``ClientView.report``)."""
+
+    cached: dict = field(default_factory=dict)
+    reported: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -106,12 +123,14 @@ class ClientView:
         step: optimizer steps taken so far in the current phase.
     """
 
-    def __init__(self, fed, cohort, client: int, round_: int, download: Optional[Message], extra: dict):
+    def __init__(self, fed, cohort, client: int, round_: int, download: Optional[Message], extra: dict,
+                 values: Optional[TaskValues] = None):
         work = cohort.work
         self.client, self.round, self.download = client, round_, download
         self.module, self.params, self.grads, self.buffers = work.module, work.params, work.grads, work.buffers
         self.step = 0
         self._fed, self._cohort, self._work, self._extra = fed, cohort, work, extra
+        self._values = TaskValues() if values is None else values
         data = fed.clients[client]
         self._inputs, self._labels, self._label_map = fed.inputs, fed.labels, data.label_map
         self.num_examples = int(data.train.numel())
@@ -175,8 +194,25 @@ class ClientView:
         return [] if self.download is None else [n for n in self.download.tensors if n != BUFFERS]
 
     def state(self, name: str) -> Tensor:
-        """The client's extra state ``name`` (a working copy, kept if the task stays finite)."""
+        """The client's state ``name`` kept across rounds, as the algorithm's ``client_state``
+        declares it: a working copy, stored (and checkpointed) if the task stays finite."""
         return self._extra[name]
+
+    def cached(self, name: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, computed once in this task by whichever hook asks for ``name`` first,
+        then the same value for every hook of the task; never stored or sent.  For a value of
+        the client that does not depend on its model as training moves it (Fed-CMA's fixed
+        per-class batch), so that no hook depends on another having run first."""
+        if name not in self._values.cached:
+            self._values.cached[name] = compute()
+        return self._values.cached[name]
+
+    def report(self, name: str, value: Any) -> None:
+        """Send ``value`` (what a message's extras carry) with this task's upload, as its extra
+        ``name`` and counted with it: a value a hook finds that the server needs (FedDAF's α and
+        θ, found when the target's phase begins), which the upload hook then need not read back.
+        A task whose upload is None sends a message of its reports alone."""
+        self._values.reported[name] = value
 
     def message(self, groups: Sequence[str], *, extras: Optional[dict] = None) -> Message:
         """A message with copies of ``groups`` and, if any, the floating buffers of the shared
@@ -421,7 +457,7 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
                     logits, embeddings = forward(module, x)
                 loss = F.cross_entropy(logits.float() if fed.settings.autocast else logits, y)
                 if phase.loss_terms:
-                    batch = Batch(x, y, logits, embeddings, module)
+                    batch = Batch(x, y, logits, embeddings, module, view)
                     for term in phase.loss_terms:
                         loss = loss + term(batch)
                 loss.backward()
@@ -504,12 +540,17 @@ def run_train_task(fed, algorithm, task: TrainTask) -> TrainResult:
 
 def finish_train_task(fed, algorithm, view: ClientView, result: LocalResult, states: dict) -> TrainResult:
     """The end of a training task whose working model holds the client's new state (``view``):
-    nothing when it is not finite; else the algorithm's upload, then the rows stored (parameters,
-    buffers, extra state and, when kept, the optimizer ``states``: name -> vectors and steps)."""
+    nothing when it is not finite; else the algorithm's upload with the task's reported values,
+    then the rows stored (parameters, buffers, extra state and, when kept, the optimizer
+    ``states``: name -> vectors and steps)."""
     if not result.finite:
         return TrainResult(view.client, result)
     cohort, row = view._cohort, view._cohort.row(view.client)
     upload = algorithm.upload(view)
+    reported = view._values.reported
+    if reported:
+        upload = (Message(extras=dict(reported), num_examples=view.num_examples) if upload is None
+                  else replace(upload, extras={**upload.extras, **reported}))
     view._work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
     for name, value in view._extra.items():
         cohort.extra[name].row(row).copy_(value)

@@ -31,7 +31,6 @@ from typing import Optional
 
 import torch
 
-from .cohort_stats import resolve_class_means
 from .executors import Executor, ThreadedExecutor
 
 # torchrun's environment; a process group is joined when WORLD_SIZE is set.
@@ -163,14 +162,9 @@ class DistributedExecutor(Executor):
 
     def run_train(self, fed, algorithm, tasks, run_one) -> list:
         """The round's training tasks: each rank trains its own clients and answers their
-        class-mean requests from their rows (authoritative only there), then every rank gets
+        statistics requests from their rows (authoritative only there), then every rank gets
         every TrainResult, in task order."""
-        def train_own(own):
-            results = self.local.run(own, run_one)
-            resolve_class_means(fed, results)
-            return results
-
-        return self._sharded(tasks, train_own)
+        return self._sharded(tasks, lambda own: self.local.run_train(fed, algorithm, own, run_one))
 
     def sync_state(self, fed) -> None:
         """Copy every client's rows (parameters, buffers, integer buffers, extra state, kept

@@ -16,7 +16,8 @@ bit; small models also use cores better one client per core than one op per core
   (``engine.distributed``).
 
 The round loop hands its training tasks to ``run_train(fed, algorithm, tasks, run_one)``, which
-runs each through ``run`` unless the executor trains clients its own way.  A task is a pure description (client,
+runs each through ``run`` unless the executor trains clients its own way, and answers the
+post-training statistics their uploads ask for (``engine.cohort_stats``).  A task is a pure description (client,
 round, download, plan), so it can be shipped or stacked.  ``engine.executor_factory.make_executor``
 makes the executor a run names (a module of its own: ``batched`` and ``distributed`` import this one).
 """
@@ -30,6 +31,8 @@ from functools import partial
 from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
+
+from .cohort_stats import answer_statistics
 
 Task = TypeVar("Task")
 Result = TypeVar("Result")
@@ -61,9 +64,12 @@ class Executor(ABC):
         """``[run_one(task) for task in tasks]``, computed wherever this executor runs tasks."""
 
     def run_train(self, fed, algorithm, tasks: Sequence[Task], run_one: Callable[[Task], Result]) -> list[Result]:
-        """The round's training tasks, in task order: each through ``run_one`` here; an executor
-        that trains clients its own way (batched, distributed) overrides it."""
-        return self.run(tasks, run_one)
+        """The round's training tasks, in task order: each through ``run_one`` here, then the
+        statistics their uploads ask for answered (``engine.cohort_stats``); an executor that
+        trains clients its own way (batched, distributed) overrides it and answers them too."""
+        results = self.run(tasks, run_one)
+        answer_statistics(fed, results)
+        return results
 
     def close(self) -> None:
         """Release workers (the executor may be used again afterwards)."""

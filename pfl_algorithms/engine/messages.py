@@ -75,26 +75,18 @@ class Sparse:
 Payload = Union[Tensor, Sparse]
 
 
-@dataclass(frozen=True)
-class ClassMeans:
-    """A statistic an upload asks the engine for, in its extras: the client's class-mean
-    embeddings of ``inputs`` (its extractor's output, in eval mode) by ``labels`` in
-    [0, ``num_classes``), Fed-CMA's e_i^k.  The engine computes every such request of a round
-    for all senders of a cohort at once (``engine.cohort_stats``) and puts (means [C, d],
-    counts [C] int64) in its place before the upload is counted or aggregated."""
+class Statistic:
+    """A statistic an upload asks for in its extras, computed after training for all senders of
+    a cohort at once (``engine.cohort_stats``): Fed-CMA's class-mean embeddings.  A subclass holds
+    what the client asks about (its inputs) and defines ``compute(senders, requests)``, a
+    classmethod giving the answers of a cohort's requests of its kind, in order, from a
+    :class:`~pfl_algorithms.engine.cohort_stats.Senders` (the senders' models after training,
+    stacked).  The executor puts each answer in its request's place before the upload is
+    counted, aggregated or sent; a request itself travels nowhere and costs nothing."""
 
-    inputs: Tensor
-    labels: Tensor
-    num_classes: int
-
-    def __post_init__(self):
-        if not (isinstance(self.inputs, Tensor) and isinstance(self.labels, Tensor)):
-            raise TypeError("ClassMeans needs inputs and labels tensors")
-        if self.labels.dim() != 1 or self.inputs.shape[:1] != self.labels.shape:
-            raise ValueError(f"ClassMeans needs labels [N] for inputs [N, ...], got {list(self.labels.shape)} and "
-                             f"{list(self.inputs.shape)}")
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 1:
-            raise ValueError(f"ClassMeans num_classes must be an int >= 1, got {self.num_classes!r}")
+    @classmethod
+    def compute(cls, senders, requests: list) -> list:
+        raise NotImplementedError(f"{cls.__name__} must define compute(senders, requests)")
 
 
 def dtype_bits(dtype: torch.dtype) -> int:
@@ -142,9 +134,9 @@ class Message:
         for name, value in self.tensors.items():
             if not isinstance(value, (Tensor, Sparse)):
                 raise TypeError(f"message tensor {name!r} must be a tensor or Sparse, got {type(value).__name__}")
-        # Refuses what cannot be counted, when the message is made (a ClassMeans request is
-        # counted once the engine has replaced it by its result).
-        payload_bits({k: v for k, v in self.extras.items() if not isinstance(v, ClassMeans)})
+        # Refuses what cannot be counted, when the message is made (a Statistic request is
+        # counted once the engine has replaced it by its answer).
+        payload_bits({k: v for k, v in self.extras.items() if not isinstance(v, Statistic)})
 
     def dense(self, name: str) -> Tensor:
         """Tensor ``name`` as the receiver sees it (a Sparse payload with its dropped entries 0)."""

@@ -50,6 +50,8 @@ class Batch:
         module: the client's working model; on the batched executor, a
             :class:`~pfl_algorithms.engine.batched.ClientModule` running the template on the
             client's rows (call it, its submodules or its methods, as a term calls a model).
+        view: the client's :class:`~pfl_algorithms.engine.client.ClientView` (what it
+            received, its state, ``cached`` values); None where a test builds a batch alone.
     """
 
     inputs: Tensor
@@ -57,6 +59,7 @@ class Batch:
     logits: Tensor
     embeddings: Optional[Tensor]
     module: nn.Module
+    view: Any = None
 
 
 LossTerm = Callable[[Batch], Tensor]

@@ -34,7 +34,6 @@ from torch import nn
 
 from .client import (EvalResult, EvalTask, Evaluation, TrainResult, TrainTask, phase_optimizer, run_eval_task,
                      run_train_task)
-from .cohort_stats import resolve_class_means
 from .federation import EngineSettings, Federation, Server
 from .messages import Message
 from .plan import Phase, state_names
@@ -126,12 +125,10 @@ def prepare_kept_state(fed: Federation, tasks: list[TrainTask]) -> None:
 
 
 def train_on_executor(fed: Federation, algorithm, tasks: list[TrainTask]) -> list[TrainResult]:
-    """The training tasks of a round run by ``fed``'s executor, in task order, their uploads'
-    class-mean requests answered (per cohort at once)."""
+    """The training tasks of a round run by ``fed``'s executor, in task order, the statistics
+    their uploads ask for answered (by the executor, per cohort at once)."""
     prepare_kept_state(fed, tasks)
-    results = fed.executor.run_train(fed, algorithm, tasks, lambda task: run_train_task(fed, algorithm, task))
-    resolve_class_means(fed, results)
-    return results
+    return fed.executor.run_train(fed, algorithm, tasks, lambda task: run_train_task(fed, algorithm, task))
 
 
 def evaluates_after(fed: Federation, round_: int) -> bool:

@@ -9,10 +9,10 @@ rounds and are loaded into the rows before each task, so a process serving sever
 actors in simulation) never mixes their states.
 
 A training message carries the round, the client and the download; the node runs the
-algorithm's local plan (``run_train_task``, as every executor does), answers the upload's
-class-mean request from its own rows, and replies with the upload and its training metrics (a
-client whose update is not finite replies ``finite = 0`` and no upload, and keeps its previous
-state).  An evaluation message carries the evaluation download and which state to evaluate;
+algorithm's local plan (``run_train_task``, as every executor does), answers the statistics its
+upload asks for from its own rows (``answer_statistics``), and replies with the upload and its
+training metrics (a client whose update is not finite replies ``finite = 0`` and no upload, and
+keeps its previous state).  An evaluation message carries the evaluation download and which state to evaluate;
 the node adds the algorithm's evaluation plan and the run's fine-tuning and evaluates.
 
 The client-side hooks (``plan``, ``upload``, ``evaluation``'s plan) run on the node's own
@@ -30,7 +30,7 @@ import torch
 
 from ..config import RunConfig, check, config_from
 from ..engine.client import EvalTask, TrainTask, all_finite, run_eval_task, run_train_task
-from ..engine.cohort_stats import resolve_class_means
+from ..engine.cohort_stats import answer_statistics
 from ..engine.executors import one_intra_op_thread
 from ..engine.rounds import evaluation_task, prepare_kept_state
 from . import records
@@ -178,7 +178,7 @@ def train(session, message, context, faults: Optional[Faults] = None):
             first = next(iter(result.upload.tensors))
             poisoned = dict(result.upload.tensors, **{first: torch.full_like(result.upload.dense(first), float("nan"))})
             result.upload = replace(result.upload, tensors=poisoned)
-        resolve_class_means(fed, [result])  # from this client's stored rows, before anything is sent
+        answer_statistics(fed, [result])  # from this client's stored rows, before anything is sent
     finite = result.finite and (result.upload is None or _finite(result.upload))
     content = RecordDict({TRAIN_METRICS: MetricRecord({"loss": result.local.loss, "samples": result.local.samples,
                                                        "steps": result.local.steps, "finite": int(finite)})})

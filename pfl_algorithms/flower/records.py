@@ -14,7 +14,7 @@ Decoding rebuilds the same message: dense tensors bitwise, a Sparse payload as a
 the same threshold and index bits whose kept entries are those sent, so
 ``decode(encode(m)).bits() == m.bits()`` and the ledger counts a Flower run's records as a
 native run counts its messages (``engine.messages``: a Sparse payload costs its kept entries,
-indices as its ``index_bits`` say).  A :class:`ClassMeans` request cannot travel: the client
+indices as its ``index_bits`` say).  A :class:`Statistic` request cannot travel: the client
 answers it before sending (``flower.client``).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from ..engine.messages import ClassMeans, Message, Sparse
+from ..engine.messages import Message, Sparse, Statistic
 
 # numpy has no bfloat16: such tensors travel as their int16 bit patterns.
 _BIT_PATTERNS = {torch.bfloat16: torch.int16}
@@ -86,7 +86,7 @@ def encode(message: Message, prefix: str) -> dict:
     """The records of ``message`` under ``prefix`` (module docstring), by record name.
 
     Raises:
-        TypeError: the extras hold a :class:`ClassMeans` request (answer it first) or a value
+        TypeError: the extras hold a :class:`Statistic` request (answer it first) or a value
             no message can carry.
     """
     from flwr.common import ConfigRecord, MetricRecord
@@ -100,8 +100,8 @@ def encode(message: Message, prefix: str) -> dict:
         layout["tensors"].append(spec)
 
     def structure(value):
-        if isinstance(value, ClassMeans):
-            raise TypeError("a ClassMeans request cannot be sent: the client resolves it before its upload")
+        if isinstance(value, Statistic):
+            raise TypeError(f"a {type(value).__name__} request cannot be sent: the client answers it before its upload")
         if isinstance(value, (torch.Tensor, Sparse)):
             spec = {"tensor": sum(1 for k in records if k.startswith(f"{prefix}.extra."))}
             records[f"{prefix}.extra.{spec['tensor']}"] = _payload_record(value, spec)

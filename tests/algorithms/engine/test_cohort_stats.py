@@ -1,5 +1,6 @@
-"""Class-mean requests in uploads, answered per cohort at once: the same as each client
-computing class_means of its own extractor's embeddings alone, counted once answered."""
+"""Post-training statistics (a class-mean request) in uploads, answered per cohort at once by
+every executor: the same as each client computing class_means of its own extractor's
+embeddings alone, counted once answered."""
 from __future__ import annotations
 
 import pytest

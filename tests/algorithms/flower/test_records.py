@@ -6,7 +6,8 @@ pytest.importorskip("flwr")
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 
-from pfl_algorithms.engine.messages import ClassMeans, Message, Sparse  # noqa: E402
+from pfl_algorithms.api import ClassMeans  # noqa: E402
+from pfl_algorithms.engine.messages import Message, Sparse  # noqa: E402
 from pfl_algorithms.flower.records import decode, encode  # noqa: E402
 
 
