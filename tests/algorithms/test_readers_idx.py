@@ -169,3 +169,101 @@ def test_torchvision_gives_the_same_tensors(tmp_path, monkeypatch, gz):
     through = [load_dataset("mnist", root=tmp_path), load_dataset("emnist", root=tmp_path, split="letters")]
     for a, b in zip(direct, through):
         assert_same_dataset(a, b)
+
+
+# ---- hostile files: memory bombs and sizes that wrap ---------------------------------------
+
+def _peak_bytes(function) -> tuple[int, Exception]:
+    """(peak bytes Python and numpy allocated while ``function`` ran, what it raised)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        function()
+    except Exception as error:  # noqa: BLE001  returned for the test to check
+        raised = error
+    else:
+        raised = None
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak, raised
+
+
+def _gzip_bomb(path, header: bytes, zeros: int):
+    """A .gz of ``header`` then ``zeros`` zero bytes, written a MiB at a time (about 1 KB per MB)."""
+    import zlib
+
+    deflate, chunk = zlib.compressobj(9, zlib.DEFLATED, 31), bytes(1 << 20)
+    with open(path, "wb") as f:
+        f.write(deflate.compress(header))
+        for _ in range(zeros >> 20):
+            f.write(deflate.compress(chunk))
+        f.write(deflate.flush())
+    return path
+
+
+def test_a_gzip_bomb_is_refused_before_it_is_decompressed(tmp_path):
+    """A 250 KB .gz whose header declares 2**31 28x28 images (and whose stream expands to
+    256 MB) is refused from its header: peak memory stays far below the stream's size."""
+    raw = tmp_path / "MNIST" / "raw"
+    write_idx_pairs(raw, ("train", "t10k"), (3, 2), 10, np.random.default_rng(7), gz=True)
+    path = raw / "train-images-idx3-ubyte.gz"
+    header = bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in (2**31, 28, 28))
+    _gzip_bomb(path, header, 256 << 20)
+    assert path.stat().st_size < 300_000
+    peak, error = _peak_bytes(lambda: load_dataset("mnist", root=tmp_path))
+    assert peak < 200 << 20, f"peak {peak / 2**20:.0f} MiB"
+    assert isinstance(error, ValueError) and "\n" not in str(error), error
+    assert str(path) in str(error) and "cannot hold more than" in str(error)
+
+
+def test_gzip_streams_of_the_wrong_length_are_refused(tmp_path):
+    header = bytes([0, 0, 8, 1]) + (1000).to_bytes(4, "big")
+    short = tmp_path / "short.gz"
+    short.write_bytes(gzip.compress(header + bytes(999)))
+    with pytest.raises(ValueError, match=r"short.gz: the header gives dimensions \[1000\] \(1008 bytes\) but the "
+                                         r"file holds 1007 bytes \(truncated\)"):
+        read_idx(short)
+    long = tmp_path / "long.gz"
+    long.write_bytes(gzip.compress(header + bytes(1001)))
+    with pytest.raises(ValueError, match=r"long.gz: .* \(1008 bytes\) but the file holds more \(trailing bytes\)"):
+        read_idx(long)
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(gzip.compress(header + bytes(1000))[:-12])
+    with pytest.raises(ValueError, match="cut.gz: not a readable gzip file"):
+        read_idx(cut)
+    exact = tmp_path / "exact.gz"
+    exact.write_bytes(gzip.compress(header + bytes(range(250)) * 4))
+    assert read_idx(exact).tolist() == list(range(250)) * 4
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_dimensions_whose_product_wraps_int64_are_refused_naming_the_file(tmp_path, gz):
+    """2**22 * 2**21 * 2**21 = 2**64 is 0 in int64: the header alone would pass a wrapped size check."""
+    raw = tmp_path / "MNIST" / "raw"
+    write_idx_pairs(raw, ("train", "t10k"), (3, 2), 10, np.random.default_rng(8))
+    header = bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in (2**22, 2**21, 2**21))
+    path = raw / "train-images-idx3-ubyte"
+    if gz:
+        path.unlink()
+        path = raw / "train-images-idx3-ubyte.gz"
+        path.write_bytes(gzip.compress(header))
+    else:
+        path.write_bytes(header)
+    with pytest.raises(ValueError, match=r"dimensions \[4194304, 2097152, 2097152\] \(18446744073709551632 bytes\)") \
+            as error:
+        load_dataset("mnist", root=tmp_path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="18446744073709551632 bytes"):
+        read_idx(path)
+
+
+def test_big_endian_types_are_swapped_to_native(tmp_path):
+    values = np.array([[1.5, -2.25], [1e300, -0.0]], dtype=">f8")
+    path = tmp_path / "d"
+    path.write_bytes(bytes([0, 0, 0x0E, 2]) + b"".join(n.to_bytes(4, "big") for n in (2, 2)) + values.tobytes())
+    read = read_idx(path)
+    assert read.dtype == np.float64 and read.dtype.isnative and read.tolist() == values.tolist()
+    with pytest.raises(ValueError, match="d: expected 3-dimensional uint8 data, got 2-dimensional float64"):
+        read_idx(path, ndim=3, dtype=np.dtype(np.uint8))

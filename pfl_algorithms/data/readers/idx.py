@@ -18,11 +18,13 @@ EMNIST ``letters`` labels are 1..26 in the files (torchvision keeps them, naming
 from __future__ import annotations
 
 import gzip
+import math
 import string
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -60,39 +62,83 @@ MNIST_CLASSES = ("0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 -
                  "8 - eight", "9 - nine")  # torchvision's names
 
 
-def read_idx(path: Path) -> np.ndarray:
+# deflate's largest ratio is 1032:1 (a 258-byte match per 2 bits or so): a .gz of n bytes
+# cannot hold more than this many times n.  A header declaring more is refused before anything
+# is decompressed or allocated.
+_GZIP_MAX_RATIO = 1032
+_CHUNK = 1 << 20  # bytes decompressed at a time
+
+
+def read_idx(path: Path, ndim: Optional[int] = None, dtype: Optional[np.dtype] = None) -> np.ndarray:
     """The array stored in the IDX file ``path`` (gzip-compressed when the name ends in .gz),
     in native byte order.
 
+    The header is read first and the data size it declares (computed in Python integers, so
+    no product of dimensions wraps) is checked before any data is read: against the file's
+    size for a plain file, against the most a gzip stream of the file's size can expand to
+    for a .gz (so a small hostile .gz cannot make the reader allocate gigabytes).  Then
+    exactly the declared bytes are read, streamed into the array; fewer (truncated) or more
+    (trailing bytes) is refused.  ``ndim``/``dtype``: what the caller expects, checked
+    against the header before the data is read.
+
     Raises:
-        ValueError: naming the file, for a bad magic number, a truncated header, or a size
-            that differs from what the header's dimensions need.
+        ValueError: one line naming the file, for a bad magic number, a truncated header, a
+            dimension or type other than expected, or a size that differs from what the
+            header's dimensions need.
     """
     path = Path(path)
     try:
-        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError, zlib.error) as error:
-        raise ValueError(f"{path}: not a readable gzip file ({error})") from error
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES or data[3] == 0:
-        raise ValueError(f"{path}: not an IDX file: magic number {data[:4].hex() or 'missing'}, expected 0000 then "
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as stream:
+            return _read_idx_stream(path, stream, ndim, dtype)
+    except (OSError, EOFError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path}: not a readable gzip file ({error})" if path.suffix == ".gz"
+                         else f"{path}: unreadable ({error})") from None
+
+
+def _read_idx_stream(path: Path, stream, ndim: Optional[int], dtype: Optional[np.dtype]) -> np.ndarray:
+    magic = stream.read(4)
+    if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_TYPES or magic[3] == 0:
+        raise ValueError(f"{path}: not an IDX file: magic number {magic.hex() or 'missing'}, expected 0000 then "
                          f"a type code ({', '.join(f'{t:02x}' for t in _IDX_TYPES)}) and the number of dimensions")
-    dtype, ndim = _IDX_TYPES[data[2]], data[3]
-    header = 4 + 4 * ndim
-    if len(data) < header:
-        raise ValueError(f"{path}: truncated IDX header ({len(data)} bytes, {ndim} dimensions need {header})")
-    dims = struct.unpack(f">{ndim}I", data[4:header])
-    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    if len(data) != expected:
+    stored, dims_count = _IDX_TYPES[magic[2]], magic[3]
+    header = 4 + 4 * dims_count
+    raw_dims = stream.read(4 * dims_count)
+    if len(raw_dims) < 4 * dims_count:
+        raise ValueError(f"{path}: truncated IDX header ({4 + len(raw_dims)} bytes, {dims_count} dimensions need "
+                         f"{header})")
+    dims = struct.unpack(f">{dims_count}I", raw_dims)
+    if (ndim is not None and dims_count != ndim) or (dtype is not None and stored.newbyteorder("=") != dtype):
+        raise ValueError(f"{path}: expected {ndim}-dimensional {np.dtype(dtype or stored.newbyteorder('='))} data, "
+                         f"got {dims_count}-dimensional {stored.newbyteorder('=')}")
+    count = math.prod(dims)  # Python integers: never wraps
+    expected = header + count * stored.itemsize
+    disk = path.stat().st_size
+    if path.suffix == ".gz":
+        if expected > _GZIP_MAX_RATIO * disk:
+            raise ValueError(f"{path}: the header gives dimensions {list(dims)} ({expected} bytes) but a gzip file "
+                             f"of {disk} bytes cannot hold more than {_GZIP_MAX_RATIO * disk}; refusing to read it")
+    elif expected != disk:
         raise ValueError(f"{path}: the header gives dimensions {list(dims)} ({expected} bytes) but the file "
-                         f"holds {len(data)} bytes")
-    return np.frombuffer(data, dtype=dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
+                         f"holds {disk} bytes")
+    array = np.empty(count, dtype=stored)
+    view = memoryview(array.view(np.uint8))
+    filled = 0
+    while filled < len(view):
+        got = stream.readinto(view[filled:filled + _CHUNK])
+        if not got:
+            raise ValueError(f"{path}: the header gives dimensions {list(dims)} ({expected} bytes) but the file "
+                             f"holds {header + filled} bytes (truncated)")
+        filled += got
+    if stream.read(1):
+        raise ValueError(f"{path}: the header gives dimensions {list(dims)} ({expected} bytes) but the file "
+                         f"holds more (trailing bytes)")
+    if not stored.isnative:
+        array = array.byteswap(inplace=True).view(stored.newbyteorder("="))
+    return array.reshape(dims)
 
 
 def _read_typed(path: Path, ndim: int) -> np.ndarray:
-    array = read_idx(path)
-    if array.dtype != np.uint8 or array.ndim != ndim:
-        raise ValueError(f"{path}: expected {ndim}-dimensional uint8 data, got {array.ndim}-dimensional {array.dtype}")
-    return array
+    return read_idx(path, ndim=ndim, dtype=np.dtype(np.uint8))
 
 
 @dataclass(frozen=True)
