@@ -169,3 +169,66 @@ class _Reduce:
 
     def __reduce__(self):
         return self.fn, self.args
+
+
+def _shared_references(width: int, depth: int):
+    """A list of ``width`` references to one list of ``width`` references to ... (``depth``
+    levels) of a 0: pickled in a few KB (the memo shares every level), width**depth as an array."""
+    value = 0
+    for _ in range(depth):
+        value = [value] * width
+    return value
+
+
+@pytest.mark.parametrize("labels", ["as_long_as_data", "nested_labels"])
+def test_a_pickle_of_shared_references_is_refused_without_expanding_it(tmp_path, labels):
+    """342**3 = 40M labels (320 MB as int64) from an 8 KB pickle: refused fast, peak far below."""
+    import time
+    import tracemalloc
+
+    write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(9))
+    bomb = _shared_references(342, 3)
+    value = bomb if labels == "as_long_as_data" else [bomb[0], bomb[1]]  # 342 rows, or 2 rows of lists
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    path.write_bytes(pickle.dumps({"data": ZEROS, "labels": value}, protocol=2))
+    assert path.stat().st_size < 10_000
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(ValueError) as error:
+            load_dataset("cifar10", root=tmp_path)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 200 << 20, f"peak {peak / 2**20:.0f} MiB"
+    assert time.perf_counter() - start < 5
+    message = str(error.value)
+    assert str(path) in message and "\n" not in message
+    assert ("2 images but 342 'labels'" if labels == "as_long_as_data" else
+            "'labels'[0] must be an integer, got list") in message
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"a": 1}, "'labels' must be a list of integers, got dict"),
+    (np.zeros(2, dtype=object), "'labels' must hold integers, got an array of object"),
+    (np.zeros(3, dtype=np.int64), "2 images but 3 'labels'"),
+    ([0, 2**70], "'labels' holds an integer beyond int64"),
+    ([0, "1"], r"'labels'\[1\] must be an integer, got str"),
+])
+def test_label_columns_are_checked_before_conversion(tmp_path, value, message):
+    write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(10))
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    path.write_bytes(pickle.dumps({"data": ZEROS, "labels": value}, protocol=2))
+    with pytest.raises(ValueError, match=message) as error:
+        load_dataset("cifar10", root=tmp_path)
+    assert str(path) in str(error.value)
+
+
+def test_label_arrays_and_names_lists(tmp_path):
+    written = write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(11))
+    folder = tmp_path / "cifar-10-batches-py"
+    (folder / "test_batch").write_bytes(pickle.dumps({"data": ZEROS, "labels": np.array([[3], [7]], np.uint8)}))
+    assert load_dataset("cifar10", root=tmp_path).labels[-2:].tolist() == [3, 7]
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": written["names"][:9] + [[0] * 3]}))
+    with pytest.raises(ValueError, match=r"batches.meta: 'label_names'\[9\] must be a string, got list"):
+        load_dataset("cifar10", root=tmp_path)

@@ -9,8 +9,10 @@ Each batch is a Python 2 pickle of a dict: ``data`` [n, 3072] uint8 (the red, gr
 ``coarse_label_names``.  Like torchvision they are unpickled with ``encoding="latin1"``; keys
 written as bytes are accepted too.  The unpickler only builds numpy arrays, numpy scalars
 (labels written as ``np.int64`` values) and plain Python values, so a tampered file cannot
-run code.  CIFAR-100's coarse labels are read from the
-pickles on both paths (torchvision's class ignores them).
+run code; and a label column's type, length and items are checked before it is converted,
+so a pickle of shared references (a few KB that ``np.asarray`` would expand to gigabytes) is
+refused without being expanded.  CIFAR-100's coarse labels are read from the pickles on both
+paths (torchvision's class ignores them).
 """
 from __future__ import annotations
 
@@ -81,15 +83,42 @@ def _batch(path: Path, label_keys) -> tuple[np.ndarray, list]:
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         shape = getattr(data, "shape", None)
         raise ValueError(f"{path}: 'data' must be an [n, 3072] uint8 array, got {type(data).__name__} {shape}")
-    labels = [np.asarray(entry[k], dtype=np.int64).reshape(-1) for k in label_keys]
-    for key, values in zip(label_keys, labels):
-        if len(values) != len(data):
-            raise ValueError(f"{path}: {len(data)} images but {len(values)} {key!r}")
-    return data, labels
+    return data, [_label_column(path, key, entry[key], len(data)) for key in label_keys]
+
+
+def _label_column(path: Path, key: str, value, n: int) -> np.ndarray:
+    """``value`` as n int64 labels, after checking its type, length and items without
+    converting it: a list of lists built from shared references pickles in a few bytes but
+    would make ``np.asarray`` allocate the product of their lengths."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise ValueError(f"{path}: {key!r} must hold integers, got an array of {value.dtype}")
+        size = value.size
+    elif isinstance(value, (list, tuple)):
+        size = len(value)
+    else:
+        raise ValueError(f"{path}: {key!r} must be a list of integers, got {type(value).__name__}")
+    if size != n:
+        raise ValueError(f"{path}: {n} images but {size} {key!r}")
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1).astype(np.int64)
+    for i, item in enumerate(value):
+        if not isinstance(item, (int, np.integer)):
+            raise ValueError(f"{path}: {key!r}[{i}] must be an integer, got {type(item).__name__}")
+    try:
+        return np.asarray(value, dtype=np.int64)
+    except OverflowError:
+        raise ValueError(f"{path}: {key!r} holds an integer beyond int64") from None
 
 
 def _names(path: Path, key: str) -> tuple:
-    return tuple(_text(n) for n in load_pickle(path, (key,))[key])
+    names = load_pickle(path, (key,))[key]
+    if not isinstance(names, (list, tuple)):
+        raise ValueError(f"{path}: {key!r} must be a list of strings, got {type(names).__name__}")
+    for i, name in enumerate(names):
+        if not isinstance(name, (str, bytes)):
+            raise ValueError(f"{path}: {key!r}[{i}] must be a string, got {type(name).__name__}")
+    return tuple(_text(n) for n in names)
 
 
 @dataclass(frozen=True)
