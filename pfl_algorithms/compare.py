@@ -16,6 +16,7 @@ import math
 import warnings
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 from .algorithms import ALGORITHMS
 from .config import NOT_IN_IDENTITY, RunConfig, with_defaults
@@ -34,10 +35,12 @@ class DuplicateSeedWarning(UserWarning):
     """Two run directories hold the same experiment with the same seed."""
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def _mean_std(values: list[float]) -> tuple[float, Optional[float]]:
+    """(mean, sample std); the std is None for one value (one seed has no spread, not 0)."""
     mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-    return mean, math.sqrt(var)
+    if len(values) == 1:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def find_summaries(paths: list[str]) -> list[dict]:
@@ -156,7 +159,8 @@ def _flat(identity: dict) -> dict:
 
 
 def comparison_rows(summaries: list[dict]) -> list[dict]:
-    """One row per experiment (see the module docstring): accuracy mean ± std over seeds, Gb;
+    """One row per experiment (see the module docstring): accuracy mean ± std over seeds (the
+    std None for one seed), Gb;
     in the fda scenario also the target client's best accuracy over rounds (FedDAF's metric).
     ``settings`` holds what tells a row apart from rows of the same algorithm, scenario,
     dataset and model (empty when no other row shares them)."""
@@ -184,6 +188,8 @@ def comparison_rows(summaries: list[dict]) -> list[dict]:
             "settings": settings[key],
             "seeds": sorted(r["config"]["seed"] for r in runs),
             "runs": [r["_path"] for r in runs],
+            # How many runs have no final accuracy (diverged, or nothing to evaluate): not in the mean.
+            "final_missing": len(runs) - len(final),
             "final_accuracy": _mean_std(final) if final else None,
             "best_accuracy": _mean_std(best) if best else None,
             "target_best_accuracy": _mean_std(target) if target else None,
@@ -218,8 +224,15 @@ def format_settings(settings: dict) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The rows as an aligned text table (a ``settings`` column where rows need one)."""
-    def pm(pair, digits=2):
-        return "-" if pair is None else f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+    def pm(pair, digits=2):  # a mean alone where one run gives no spread
+        if pair is None:
+            return "-"
+        return f"{pair[0]:.{digits}f}" if pair[1] is None else f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
+
+    def final(row):  # with how many runs, where some have no final accuracy (diverged)
+        missing = row.get("final_missing", 0)
+        text = "n/a" if row["final_accuracy"] is None and missing else pm(row["final_accuracy"])
+        return text + (f" ({len(row['seeds']) - missing}/{len(row['seeds'])} runs)" if missing else "")
 
     with_target = any(r.get("target_best_accuracy") is not None for r in rows)
     with_settings = any(r.get("settings") for r in rows)
@@ -228,7 +241,7 @@ def format_table(rows: list[dict]) -> str:
               "train time (s)"]
     body = [[r["algorithm"], r["scenario"], r["dataset"], r["model"],
              *([format_settings(r.get("settings") or {}) or "-"] if with_settings else []), str(len(r["seeds"])),
-             pm(r["final_accuracy"]), pm(r["best_accuracy"]),
+             final(r), pm(r["best_accuracy"]),
              *([pm(r.get("target_best_accuracy"))] if with_target else []), pm(r["comm_gb"], 4), pm(r["wall_s"], 1)]
             for r in rows]
     widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]

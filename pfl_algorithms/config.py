@@ -256,6 +256,7 @@ def check(config: RunConfig) -> RunConfig:
     _check_scenario_values(config)
     _check_architectures(config)
     _check_validation_split(config)
+    _check_samples_per_client(config)
     _check_roles(config)
     if config.augment is not None:
         from .data.augment import make_augmentation
@@ -297,6 +298,31 @@ def _check_validation_split(config: RunConfig) -> None:
     if check_split(split, "scenario.split")[1] <= 0:
         raise ValueError(f"scenario.split={tuple(split)} leaves no validation split, but {config.algorithm!r} "
                          "reads each client's validation split: give it a fraction > 0")
+
+
+def _check_samples_per_client(config: RunConfig) -> None:
+    """A ``samples_per_client`` so small that the split leaves a client's train, validation or
+    test split empty (a test split: nothing to measure accuracy on) is refused, naming the
+    minimum (3 for the default split); a scenario's official test set is not split."""
+    from .data.scenarios import check_split, split_sizes
+
+    n = config.samples_per_client
+    options = {**SCENARIOS[config.scenario].defaults, **config.scenario_options}
+    if n is None or options.get("official_split"):
+        return
+    split = check_split(options["split"], "scenario.split")
+
+    def empty(k: int) -> list[str]:
+        return [name for name, fraction, size in zip(("train", "validation", "test"), split, split_sizes(k, split))
+                if fraction > 0 and size == 0]
+
+    missing = empty(n)
+    if missing:
+        minimum = next(k for k in range(n + 1, n + 100) if not empty(k))
+        raise ValueError(f"--samples-per-client {n} is too small: scenario.split {tuple(split)} leaves each client's "
+                         f"{' and '.join(missing)} split empty"
+                         + (" (no test samples: no accuracy to measure)" if "test" in missing else "")
+                         + f"; the minimum is {minimum}")
 
 
 def _check_architectures(config: RunConfig) -> None:

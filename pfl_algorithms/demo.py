@@ -226,13 +226,16 @@ def _history(run_dir: Path, metric: str) -> list[tuple[int, float]]:
     return rows
 
 
-def _cell(values: list[float]) -> str:
-    """A mean, with its spread only where there are several seeds."""
+def _cell(values: list[float], runs: int = 0) -> str:
+    """A mean, with its spread only where there are several seeds, and how many of the
+    ``runs`` seeds it is over where some have no accuracy (diverged: never scored)."""
     if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+        text = "-" if not runs else "n/a"
+    elif len(values) == 1:
+        text = f"{values[0]:.2f}"
+    else:
+        text = f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+    return text + (f" ({len(values)}/{runs} seeds)" if len(values) < runs else "")
 
 
 def scenario_rows(table: Scenario, out: Path, seeds: int) -> list[dict]:
@@ -241,7 +244,8 @@ def scenario_rows(table: Scenario, out: Path, seeds: int) -> list[dict]:
     for row in table.members:
         summaries = [_summary(out / table.key / f"{row.folder}-seed{s}") for s in range(seeds)]
         accuracy = [100 * s[table.metric] for s in summaries if s.get(table.metric) is not None]
-        rows.append({"algorithm": row.label, "accuracy": accuracy, "baseline": row.label in table.baselines,
+        rows.append({"algorithm": row.label, "accuracy": accuracy, "runs": len(summaries),
+                     "baseline": row.label in table.baselines,
                      "gb": statistics.fmean(s["comm_gb"]["up"] + s["comm_gb"]["down"] for s in summaries),
                      "wall_s": statistics.fmean(s["train_wall_s_total"] for s in summaries)})
     rows.sort(key=lambda r: -statistics.fmean(r["accuracy"]) if r["accuracy"] else math.inf)
@@ -259,7 +263,7 @@ def format_table(table: Scenario, rows: list[dict]) -> str:
         mean = statistics.fmean(row["accuracy"]) if row["accuracy"] else None
         gap = "-" if mean is None or base is None or row is reference else f"{mean - base:+.2f}"
         name = row["algorithm"] + (" (baseline)" if row["baseline"] else "")
-        lines.append([str(rank), name, _cell(row["accuracy"]), gap, f"{row['gb']:.4f}", f"{row['wall_s']:.1f}"])
+        lines.append([str(rank), name, _cell(row["accuracy"], row.get("runs", 0)), gap, f"{row['gb']:.4f}", f"{row['wall_s']:.1f}"])
     widths = [max(len(x) for x in column) for column in zip(header, *lines)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from .algorithms import make_algorithm
-from .config import NOT_IN_IDENTITY, RunConfig, check, with_defaults
+from .config import NOT_IN_IDENTITY, RunConfig, check, load_config_file, with_defaults
 from .data.run_data import load_run_data
 from .engine.distributed import broadcast_from_leader, process_group, world
 from .engine.executors import choose_executor
@@ -210,7 +210,8 @@ def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
     field the saved config lacks (added since) counts at its default."""
     previous = RunDirectory(out)
     if previous.is_run() and previous.summary.exists():
-        now, then = json_value(config.as_dict()), with_defaults(json.loads(previous.config.read_text()))
+        # load_config_file: a missing or truncated config.json is one line naming it
+        now, then = json_value(config.as_dict()), with_defaults(load_config_file(previous.config))
         differences = setting_differences(*({k: v for k, v in c.items() if k not in NOT_IN_IDENTITY or k == "seed"}
                                             for c in (now, then)), ("now", "then"))
         if differences:

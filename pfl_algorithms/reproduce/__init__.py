@@ -19,11 +19,14 @@ def reproduce(paper: str, *, scale: str = "cpu", seeds: Optional[int] = None, ou
     seeds (default 5; ``quick``: 3), the same seeds 0..seeds-1 for every method, into ``out``
     (default ``runs/reproduce-<paper>-<scale>[-quick]``), keeping finished runs and resuming
     stopped ones, then write ``out/report.md`` and ``out/report.json``; returns the report's
-    path.  ``quick``: the CPU scale's quick columns at 10 rounds.  ``dry_run``: check every
+    path.  ``out`` must be new, empty or this reproduction's own folder (``folder.py``: its
+    ``reproduce.json`` names the paper, scale and variant): anything else is refused, and the
+    report never replaces a file this command did not write.  ``quick``: the CPU scale's quick columns at 10 rounds.  ``dry_run``: check every
     run's config and return the plan as text, training nothing."""
     from ..data.datasets import reuse_loaded_datasets
     from ..runner import run_or_keep
     from .campaign import describe, plan
+    from .folder import claim_folder
     from .papers import DEFAULT_SEEDS, QUICK_SEEDS
     from .report import write_report
 
@@ -38,6 +41,8 @@ def reproduce(paper: str, *, scale: str = "cpu", seeds: Optional[int] = None, ou
     spec = PAPERS[paper]
     out = Path(out) if out is not None else Path("runs") / f"reproduce-{paper}-{scale}{'-quick' if quick else ''}"
     runs = plan(spec, scale, seeds, out, data_root=data_root, device=device, quick=quick)
+    # A non-empty --out must be this reproduction's own folder; reproduce.json marks it, first.
+    claim_folder(spec, scale, out, quick=quick, write=not dry_run)
     if dry_run:
         return describe(spec, scale, seeds, out, runs, quick=quick)
     with reuse_loaded_datasets():  # each dataset read once per campaign, not once per run

@@ -19,6 +19,7 @@ from typing import Optional
 
 from ..atomic_io import atomic_write_bytes
 from .campaign import PlannedRun, budget_lines, settings_of, slug
+from .folder import claim_files
 from .papers import Claim, Paper
 
 INTERVAL_METHOD = "paired Student-t, 95%, two-sided, n-1 degrees of freedom over seed pairs"
@@ -59,14 +60,56 @@ def judge(claim: Claim, a: dict, b: dict) -> dict:
     return result
 
 
+PLOT_NAMES = ("accuracy_vs_round", "accuracy_vs_bits")  # per setting: plots/<setting>_<name>.png
 METRIC_TEXT = {"final_mean_accuracy": "final-round mean personalized test accuracy over clients",
                "target_best_accuracy": "the target client's best test accuracy over rounds"}
 
 
-def _mean_std(values: list[float]) -> Optional[tuple[float, float]]:
+def _mean_std(values: list[float]) -> Optional[tuple[float, Optional[float]]]:
+    """(mean, sample std) over seeds; the std is None for one seed (no spread, not 0)."""
     if not values:
         return None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def _unreadable(run: PlannedRun, path: Path, error: Exception) -> ValueError:
+    return ValueError(f"{path}: not readable ({type(error).__name__}: {error}); delete the run folder {run.out} to "
+                      f"run it again")
+
+
+def _summary(run: PlannedRun, *keys: str) -> dict:
+    """A finished run's summary.json, with ``keys``; one line naming the file otherwise."""
+    path = run.out / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict):
+            raise ValueError(f"a JSON object expected, got {type(summary).__name__}")
+        missing = [k for k in keys if k not in summary]
+        if missing:
+            raise ValueError(f"no key {missing[0]!r}")
+    except (OSError, ValueError) as error:
+        raise _unreadable(run, path, error) from None
+    return summary
+
+
+def _metrics(run: PlannedRun) -> list[dict]:
+    """A finished run's metrics.jsonl, one record per line; one line naming the file and the
+    line otherwise."""
+    path = run.out / "metrics.jsonl"
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, ValueError) as error:
+        raise _unreadable(run, path, error) from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON object expected, got {type(record).__name__}")
+        except ValueError as error:
+            raise _unreadable(run, path, ValueError(f"line {number}: {error}")) from None
+        records.append(record)
+    return records
 
 
 def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]:
@@ -74,15 +117,18 @@ def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]
     the clients' mean, or the target client's for a paper that reports the target's."""
     target = None
     if metric.startswith("target_"):
-        target = str(json.loads((run.out / "summary.json").read_text())["target_client"])
+        target = str(_summary(run, "target_client")["target_client"])
     rows = []
-    for line in (run.out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in _metrics(run):
         if "eval" in record:
-            accuracy = record["eval"]["mean_accuracy"] if target is None else record["eval"]["accuracy"][target]
-            # null: nothing evaluated (NaN, a gap in the plot)
-            percent = math.nan if accuracy is None else 100 * accuracy
-            rows.append((record["round"] + 1, percent, record["comm_gb"]["up"] + record["comm_gb"]["down"]))
+            try:
+                accuracy = record["eval"]["mean_accuracy"] if target is None else record["eval"]["accuracy"][target]
+                # null: nothing evaluated or diverged (NaN, a gap in the plot)
+                percent = math.nan if accuracy is None else 100 * accuracy
+                rows.append((record["round"] + 1, percent, record["comm_gb"]["up"] + record["comm_gb"]["down"]))
+            except (KeyError, TypeError) as error:
+                raise _unreadable(run, run.out / "metrics.jsonl",
+                                  ValueError(f"round {record.get('round')!r}: no {error}")) from None
     return rows
 
 
@@ -93,7 +139,7 @@ def cell_results(runs: list[PlannedRun], metric: str = "final_mean_accuracy") ->
     gigabytes sent up and down, the unit of the papers' cost columns)."""
     cells: dict = {}
     for run in runs:
-        summary = json.loads((run.out / "summary.json").read_text())
+        summary = _summary(run, metric, "comm_gb")
         cell = cells.setdefault((run.method.label, run.setting.label), {"accuracy": [], "gb": [], "per_seed": {}})
         if summary[metric] is not None:
             cell["accuracy"].append(100 * summary[metric])
@@ -169,7 +215,7 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path, 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for setting in settings_of(paper, scale, quick):
-        figures = {name: plt.subplots(figsize=(6, 4)) for name in ("accuracy_vs_round", "accuracy_vs_bits")}
+        figures = {name: plt.subplots(figsize=(6, 4)) for name in PLOT_NAMES}
         for method in paper.methods:
             histories = [_history(r, paper.metric) for r in runs if r.method is method and r.setting is setting]
             length = min((len(h) for h in histories), default=0)
@@ -207,19 +253,23 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
              f"Reproduced with `{command}`: scale `{scale}`{' (quick)' if quick else ''}, {seeds} seed(s) per cell "
              f"(seeds 0-{seeds - 1}, the same for every method), {len(runs)} runs.",
              f"The paper's {paper.table}. Accuracy: " + METRIC_TEXT.get(paper.metric, paper.metric)
-             + " (%), mean ± std over seeds." + (" In brackets: the paper's number, where its text "
-                                                       "is legible." if beside else ""), ""]
+             + " (%), mean ± std over seeds" + (" (one seed: the mean alone, no spread)" if seeds == 1 else "")
+             + "." + (" In brackets: the paper's number, where its text is legible." if beside else ""), ""]
     header = ["Method", *(s.label for s in settings)]
     # The rows with a cell at this scale (Fed-CMA's pFedHN rows belong to a paper-scale table).
     methods = [m for m in paper.methods if any(s.runs(m) for s in settings)]
-    rows = []
+    rows, short = [], False
     for method in methods:
         row = [method.label]
         for setting in settings:
             if not setting.runs(method):
                 row.append("·")
                 continue
-            text = _pm(cells.get((method.label, setting.label), {}).get("accuracy"))
+            cell = cells.get((method.label, setting.label), {})
+            text = _pm(cell.get("accuracy"))
+            if len(cell.get("per_seed", {})) < cell.get("seeds", 0):  # some diverged or had nothing to evaluate
+                short = True
+                text = (text if cell.get("accuracy") else "n/a") + f" ({len(cell['per_seed'])}/{cell['seeds']} seeds)"
             theirs = paper.paper_numbers.get((method.label, setting.label))
             if beside and theirs is not None:
                 text += f" ({_pm(theirs)})"
@@ -227,6 +277,8 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
         rows.append(row)
     partial = any(not s.runs(m) for s in settings for m in methods)
     lines += ["## Accuracy (%)", "", *(["`·`: the column's table has no such row."] if partial else []),
+              *(["`(k/n seeds)`: the mean is over the k seeds with an accuracy; the others' model diverged (a "
+                 "non-finite loss: never scored) or they had nothing to evaluate."] if short else []),
               *_table(header, rows), ""]
     rows = []
     for method in methods:
@@ -254,6 +306,10 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
                   *claims, ""]
     if paper.notes:
         lines += ["## Notes", "", *(f"- {note}" for note in paper.notes), ""]
+    # Every file of the report is listed in reproduce.json before it is written; one there that
+    # this command did not write is refused, never replaced (folder.py).
+    claim_files(out, [out / "report.md", out / "report.json",
+                      *(out / "plots" / f"{slug(s.label)}_{name}.png" for s in settings for name in PLOT_NAMES)])
     plots = write_plots(paper, scale, runs, out / "plots", quick)
     lines += ["## Plots", "", *(f"![{p}]({p})" if p.endswith(".png") else p for p in plots), ""]
     lines += ["## Runs", "", "Every run directory is kept: `pfl compare` reads them, `--resume` continues them.", "",

@@ -53,6 +53,12 @@ RUN = ["run", "fedavg", "--quiet", "--rounds", "1"]
     (["--dataset", "emnist", "--set", "dataset.split=nope"], "dataset.split must be one of 'byclass'"),
     (["--keep-head-local", "maybe"], "argument --keep-head-local: expected true or false, got 'maybe'"),
     (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+    (["--samples-per-client", "1"], "--samples-per-client 1 is too small: scenario.split (0.8, 0.1, 0.1) leaves "
+                                    "each client's validation and test split empty (no test samples: no accuracy to "
+                                    "measure); the minimum is 3"),
+    (["--samples-per-client", "1", "--set", "split=[0.5, 0, 0.5]"],
+     "--samples-per-client 1 is too small: scenario.split (0.5, 0.0, 0.5) leaves each client's train split empty; "
+     "the minimum is 2"),
 ])
 def test_bad_values_are_one_line_naming_the_key(argv, expected, capsys, tmp_path):
     line = one_line_error(capsys, [*RUN, *argv, "--out", str(tmp_path / "r")])

@@ -38,8 +38,11 @@ def test_unrelated_seed_0_runs_are_not_pooled(tmp_path, capsys):
     assert main(["compare", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert "settings" in table[0]
-    assert "clients=4, lr=0.1, rounds=5" in table[2] and "40.00 ± 0.00" in table[2]
-    assert "clients=8, lr=0.2, rounds=3" in table[3] and "80.00 ± 0.00" in table[3]
+    # One seed: the mean alone, no "± 0.00" (issue 32 item 7).
+    assert "clients=4, lr=0.1, rounds=5" in table[2] and " 40.00 " in table[2]
+    assert "clients=8, lr=0.2, rounds=3" in table[3] and " 80.00 " in table[3]
+    assert not any("±" in line for line in table)
+    assert rows[0]["final_accuracy"] == (40.0, None)
 
 
 def test_options_and_algorithm_settings_tell_rows_apart(tmp_path):
@@ -108,3 +111,22 @@ def test_a_folder_without_runs_is_an_error_naming_it(tmp_path):
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     with pytest.raises(ValueError, match="empty holds no finished run"):
         find_summaries([str(tmp_path / "empty")])
+
+
+def test_a_run_without_a_final_accuracy_is_counted_not_scored(tmp_path, capsys):
+    """A diverged run (final accuracy null) is left out of the mean, and the table says of how
+    many runs the mean is; all diverged: n/a."""
+    write_run(tmp_path / "a" / "s0", 0.4)
+    write_run(tmp_path / "a" / "s1", None, seed=1)
+    write_run(tmp_path / "b" / "s0", None, lr=0.5)
+    assert main(["compare", str(tmp_path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert " 40.00 (1/2 runs) " in table[2] and " n/a (0/1 runs) " in table[3]
+
+
+def test_a_truncated_summary_is_named(tmp_path):
+    write_run(tmp_path / "a", 0.4)
+    text = (tmp_path / "a" / "summary.json").read_text()
+    (tmp_path / "a" / "summary.json").write_text(text[:40])
+    with pytest.raises(ValueError, match=f"{tmp_path / 'a' / 'summary.json'}: not a readable summary.json"):
+        find_summaries([str(tmp_path)])

@@ -61,3 +61,13 @@ def test_pfl_runs_defaults_learn(tmp_path):
     assert done.returncode == 0, done.stderr
     accuracy = float(done.stdout.split("final mean accuracy ")[1].split("%")[0])
     assert accuracy > 40.0, done.stdout
+
+
+def test_a_demo_cell_shows_no_spread_for_one_seed_and_counts_missing_seeds():
+    """One seed: the mean alone (never "± 0.00"); seeds without an accuracy (diverged) are
+    counted, not scored (issue 32 items 6 and 7)."""
+    from pfl_algorithms.demo import _cell
+
+    assert _cell([40.0], 1) == "40.00"
+    assert _cell([40.0, 60.0], 2).startswith("50.00 ± 14.14")
+    assert _cell([40.0], 2) == "40.00 (1/2 seeds)" and _cell([], 1) == "n/a (0/1 seeds)"

@@ -240,7 +240,7 @@ def test_feddaf_grid_k_sweep_and_the_targets_metric(tmp_path):
              for r, a in ((0, 0.25), (1, 0.5))]
     (run.out / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
     cells = cell_results([run], paper.metric)
-    assert cells[("FedDAF", "Scarcity 0.5, noise 0.9")]["accuracy"] == (50.0, 0.0)
+    assert cells[("FedDAF", "Scarcity 0.5, noise 0.9")]["accuracy"] == (50.0, None)  # one seed: no spread
     assert [h[1] for h in _history(run, paper.metric)] == [25.0, 50.0]
 
 
@@ -405,3 +405,103 @@ def test_the_report_json_holds_cells_and_claim_verdicts(tiny, tmp_path):
     assert claim["verdict"] in ("holds", "does not hold", "inconclusive") and claim["seeds"] == [0, 1]
     assert claim["interval_method"].startswith("paired Student-t")
     assert f"**{claim['verdict']}**" in report and "## Budget" in report
+
+
+def _tree(folder) -> dict:
+    """Every file below ``folder`` with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_users_folder_is_refused_and_left_untouched(tiny, tmp_path, capsys, monkeypatch):
+    """--out holding the user's report.md (issue 32 item 4): refused in one line naming the
+    folder before any run starts; every file byte-equal and nothing added."""
+    out = tmp_path / "mine"
+    (out / "plots").mkdir(parents=True)
+    (out / "report.md").write_text("# my own report\n")
+    (out / "plots" / "iid_accuracy_vs_round.png").write_bytes(b"my plot")
+    before = _tree(out)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a run started in the user's folder")
+
+    monkeypatch.setattr(runner, "run", no_training)
+    for extra in ([], ["--dry-run"]):
+        assert main(["reproduce", "tiny", "--seeds", "1", "--out", str(out), "--quiet", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(out) in err[0] and "is not empty" in err[0] and "choose a new or empty --out" \
+            in err[0], err
+    assert _tree(out) == before
+
+
+def test_the_folder_of_another_reproduction_is_refused(tiny, tmp_path, capsys):
+    from pfl_algorithms.reproduce.folder import claim_folder
+
+    out = tmp_path / "rep"
+    claim_folder(tiny, "cpu", out)
+    assert json.loads((out / "reproduce.json").read_text())["paper"] == "tiny"
+    assert main(["reproduce", "tiny", "--quick", "--seeds", "1", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"pfl: error: --out {out} is the folder of `pfl reproduce tiny --scale cpu`, not of "
+                   f"`pfl reproduce tiny --scale cpu --quick`; choose another --out")
+    assert sorted(p.name for p in out.iterdir()) == ["reproduce.json"]
+
+
+def test_the_report_never_replaces_a_file_it_did_not_write(tiny, tmp_path):
+    """A report.md the user put into our folder is refused by name, never replaced; a file the
+    marker lists (written by us) may be replaced."""
+    from pfl_algorithms.reproduce.folder import claim_files, claim_folder
+
+    out = tmp_path / "rep"
+    claim_folder(tiny, "cpu", out)
+    (out / "report.md").write_text("the user's\n")
+    with pytest.raises(ValueError, match=f"{out / 'report.md'} was not written by `pfl reproduce`; refusing"):
+        claim_files(out, [out / "report.json", out / "report.md"])
+    assert (out / "report.md").read_text() == "the user's\n" and not (out / "report.json").exists()
+    assert json.loads((out / "reproduce.json").read_text())["written"] == []
+    (out / "report.md").unlink()
+    claim_files(out, [out / "report.md"])
+    (out / "report.md").write_text("ours\n")
+    claim_files(out, [out / "report.md"])  # ours: listed, so it may be replaced
+    assert json.loads((out / "reproduce.json").read_text())["written"] == ["report.md"]
+
+
+def test_a_killed_reproduction_resumes_its_own_folder(tiny, tmp_path, monkeypatch):
+    """Killed during its first run (after the marker was written), a reproduction resumes its
+    own folder: the stopped run continues, the others run, the report is written."""
+    out = tmp_path / "rep"
+    original = runner.run
+
+    def killed(config, out_, **kwargs):
+        original(config, out_, **{**kwargs, "stop_after": 1})
+        raise KeyboardInterrupt  # as a kill -9 after round 1: the run directory holds a checkpoint
+
+    monkeypatch.setattr(runner, "run", killed)
+    with pytest.raises(KeyboardInterrupt):
+        reproduce("tiny", seeds=1, out=out, progress=False)
+    assert (out / "reproduce.json").is_file()
+    monkeypatch.setattr(runner, "run", original)
+    report = reproduce("tiny", seeds=1, out=out, progress=False)
+    first = plan(tiny, "cpu", 1, out)[0]
+    assert [json.loads(line)["round"] for line in (first.out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert report.is_file() and sorted(json.loads((out / "reproduce.json").read_text())["written"])[:2] == [
+        "plots/iid_accuracy_vs_bits.png", "plots/iid_accuracy_vs_round.png"]
+
+
+def test_one_seed_has_no_spread_and_a_truncated_summary_is_named(tiny, tmp_path, capsys):
+    """--seeds 1: the tables show the mean alone, never "± 0.00" (issue 32 item 7).  A
+    summary.json cut short by a crash is one line naming the file and saying what to do, not
+    json's "Expecting value: line 3 column 25"."""
+    out = tmp_path / "rep"
+    report = reproduce("tiny", seeds=1, out=out, progress=False).read_text()
+    assert "± 0.00" not in report and "±" not in report.split("## Communication")[0].split("| Method |")[1]
+    runs = plan(tiny, "cpu", 1, out)
+    fedavg = json.loads((next(r for r in runs if r.method.label == "FedAvg").out / "summary.json").read_text())
+    row = next(line for line in report.splitlines() if line.startswith("| FedAvg |"))
+    assert row.split(" | ")[1] == f"{100 * fedavg['final_mean_accuracy']:.2f}"
+    assert json.loads((out / "report.json").read_text())["cells"][0]["accuracy_std"] is None
+    summary = runs[1].out / "summary.json"
+    summary.write_text(summary.read_text()[:60])
+    assert main(["reproduce", "tiny", "--seeds", "1", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"pfl: error: {summary}: not readable (JSONDecodeError: "), err
+    assert err[0].endswith(f"delete the run folder {runs[1].out} to run it again")
