@@ -72,3 +72,102 @@ def test_errors(tmp_path):
     next((tmp_path / "PACS" / "cartoon" / "horse").glob("img0.*")).unlink()
     with pytest.raises(FileNotFoundError, match=r"no image \(.jpg, .jpeg, .png, .bmp\) in .*cartoon/horse"):
         load_dataset("pacs", root=tmp_path, domains=["cartoon"])
+
+
+# ---- hostile and broken files: decompression bombs and truncated images --------------------
+
+def _png(width, height, raw: bytes, colour=2, depth=8, interlace=0) -> bytes:
+    """A PNG with the given header whose one IDAT chunk is ``raw`` compressed (raw: the filter
+    byte and pixels of each row, as the format stores them)."""
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, interlace)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def _write_pacs_with(tmp_path, content: bytes):
+    write_image_folder(tmp_path, "PACS", ("photo",), ("dog",), 2, np.random.default_rng(3))
+    path = tmp_path / "PACS" / "photo" / "dog" / "img9.png"
+    path.write_bytes(content)
+    return path
+
+
+def _one_line_naming(error, path) -> str:
+    message = str(error.value)
+    assert str(path) in message and "\n" not in message, message
+    return message
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL warns above its limit, then we refuse
+def test_a_png_declaring_30000_by_30000_pixels_is_one_line(tmp_path):
+    path = _write_pacs_with(tmp_path, _png(30000, 30000, bytes(30000 * 3 + 1)))
+    with pytest.raises(ValueError) as error:
+        load_dataset("pacs", root=tmp_path, domains=["photo"], image_size=8)
+    assert "30000x30000" in _one_line_naming(error, path) or "900000000 pixels" in str(error.value)
+    # Between this reader's limit and PIL's (twice as high): refused from the header, never decoded.
+    path.write_bytes(_png(10000, 10000, bytes(10000 * 3 + 1)))
+    with pytest.raises(ValueError, match="declares 10000x10000 pixels, more than the 89478485") as error:
+        load_dataset("pacs", root=tmp_path, domains=["photo"], image_size=8)
+    _one_line_naming(error, path)
+
+
+@pytest.mark.parametrize("cut", ["file_cut_in_its_image_data", "stream_ends_after_half_the_rows"])
+def test_a_truncated_png_is_refused(tmp_path, cut):
+    rng = np.random.default_rng(4)
+    pixels = rng.integers(0, 256, size=(40, 40, 3), dtype=np.uint8)
+    rows = b"".join(b"\x00" + row.tobytes() for row in pixels)
+    whole = _png(40, 40, rows)
+    content = whole[:len(whole) // 2] if cut == "file_cut_in_its_image_data" else _png(40, 40, rows[:len(rows) // 2])
+    path = _write_pacs_with(tmp_path, content)
+    with pytest.raises(ValueError, match="truncated") as error:
+        load_dataset("pacs", root=tmp_path, domains=["photo"], image_size=8)
+    _one_line_naming(error, path)
+    path.write_bytes(whole)
+    data = load_dataset("pacs", root=tmp_path, domains=["photo"], image_size=8)
+    assert len(data) == 3
+
+
+def test_truncated_images_stay_refused_when_pil_is_told_to_load_them(tmp_path, monkeypatch):
+    from PIL import ImageFile
+
+    path = _write_pacs_with(tmp_path, b"")
+    path.unlink()
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(ValueError, match="LOAD_TRUNCATED_IMAGES is True") as error:
+        load_dataset("pacs", root=tmp_path, domains=["photo"], image_size=8)
+    assert "\n" not in str(error.value) and "PACS/photo/dog/img" in str(error.value)
+
+
+def test_every_png_layout_passes_the_size_check(tmp_path):
+    """Palette, 1-bit, 16-bit, grey+alpha and interlaced PNGs decode as PIL decodes them."""
+    from pfl_algorithms.data.readers.image_folder import load_image
+
+    rng = np.random.default_rng(5)
+    rgb = rng.integers(0, 256, size=(13, 11, 3), dtype=np.uint8)
+    paths = []
+    for mode in ("P", "1", "I;16", "LA", "RGB"):
+        image = Image.fromarray(rgb).convert(mode) if mode != "I;16" else Image.fromarray(
+            rng.integers(0, 2**16, size=(13, 11), dtype=np.uint16))
+        paths.append(tmp_path / f"{mode.replace(';', '')}.png")
+        image.save(paths[-1])
+    # Adam7: pass p holds the pixels (y, x) with y = y0 + k*dy, x = x0 + j*dx, rows filter byte 0.
+    from pfl_algorithms.data.readers.image_folder import _ADAM7
+
+    raw = b""
+    for x0, y0, dx, dy in _ADAM7:
+        block = rgb[y0::dy, x0::dx]
+        if block.size:
+            raw += b"".join(b"\x00" + row.tobytes() for row in block)
+    paths.append(tmp_path / "interlaced.png")
+    paths[-1].write_bytes(_png(11, 13, raw, interlace=1))
+    for path in paths:
+        assert np.array_equal(load_image(path, 5), _decoded([path], 5)[0]), path.name
+    with Image.open(paths[-1]) as image:
+        assert np.array_equal(np.asarray(image.convert("RGB")), rgb)
+    paths[-1].write_bytes(_png(11, 13, raw[:-10], interlace=1))
+    with pytest.raises(ValueError, match=r"holds 445 of the 455 bytes its 11x13 pixels need"):
+        load_image(paths[-1], 5)

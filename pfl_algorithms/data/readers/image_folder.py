@@ -15,6 +15,8 @@ These datasets have no official test split, so ``test_mask`` is None.
 from __future__ import annotations
 
 import os
+import struct
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,22 +71,94 @@ def list_images(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
 
 
+# The most pixels an image may declare: PIL's default ``Image.MAX_IMAGE_PIXELS`` (about 256 MB
+# decoded as RGB), checked from the header before anything is decoded.  (PIL only warns up to
+# twice that, and raises its DecompressionBombError, a traceback, beyond.)
+MAX_IMAGE_PIXELS = 89_478_485
+# Adam7's passes: (first column, first row, column step, row step).
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type
+
+
 def load_image(path: Path, image_size: int) -> np.ndarray:
     """One image as [3, image_size, image_size] uint8: RGB, PIL bilinear resize.
 
+    The size the header declares is checked before the image is decoded (at most
+    ``MAX_IMAGE_PIXELS``), and the whole image is decoded: a truncated file is refused, never
+    read with its missing rows filled in (a PNG whose image data ends early too, which PIL
+    accepts).  PIL's ``ImageFile.LOAD_TRUNCATED_IMAGES`` must therefore be False.
+
     Raises:
-        ImportError: Pillow is not installed.  ValueError: naming the file, when PIL cannot decode it.
+        ImportError: Pillow is not installed.  ValueError: one line naming the file, when PIL
+        cannot decode it, it is truncated, or it declares more than MAX_IMAGE_PIXELS pixels.
     """
     try:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image, ImageFile, UnidentifiedImageError
     except ImportError as error:
         raise ImportError("image-folder datasets need Pillow: pip install pillow") from error
+    if ImageFile.LOAD_TRUNCATED_IMAGES:
+        raise ValueError(f"{path}: not read, because PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True in this process "
+                         f"(truncated images would load with missing pixels); set it to False")
     try:
         with Image.open(path) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"{path}: the image declares {width}x{height} pixels, more than the "
+                                 f"{MAX_IMAGE_PIXELS} this reader decodes (a decompression bomb?); refusing it")
+            if image.format == "PNG":
+                _check_png_data(path)
+            image.load()  # the whole image: a truncated one raises OSError here
             rgb = image.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
-    except (UnidentifiedImageError, OSError, SyntaxError) as error:
-        raise ValueError(f"{path}: not a readable image ({error})") from error
+    except Image.DecompressionBombError as error:
+        raise ValueError(f"{path}: refusing to decode it ({error})") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, zlib.error) as error:
+        raise ValueError(f"{path}: not a readable image ({error})") from None
     return np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def _png_data_size(width: int, height: int, bits: int, interlaced: bool) -> int:
+    """The bytes a PNG's decompressed image data holds: per row of each (Adam7) pass, one filter
+    byte and the row's pixels rounded up to whole bytes."""
+    def size(w, h):
+        return h * (1 + (w * bits + 7) // 8) if w and h else 0
+
+    if not interlaced:
+        return size(width, height)
+    return sum(size(max(0, (width - x + dx - 1) // dx), max(0, (height - y + dy - 1) // dy))
+               for x, y, dx, dy in _ADAM7)
+
+
+def _check_png_data(path: Path) -> None:
+    """ValueError when the PNG's image data (its IDAT chunks, decompressed a MiB at a time)
+    holds fewer bytes than its header's size needs: a truncated file, or a stream that ends
+    early, whose missing rows PIL would leave black.  Chunks PIL checks itself are left to it."""
+    data = Path(path).read_bytes()
+    pos, header, stream = 8, None, zlib.decompressobj()
+    produced = 0
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = body
+        elif kind == b"IDAT" and header is not None:
+            while body and not stream.eof:
+                produced += len(stream.decompress(body, 1 << 20))
+                body = stream.unconsumed_tail
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    while not stream.eof:  # output zlib held back when the last call's limit was reached
+        more = len(stream.decompress(b"", 1 << 20))
+        if not more:
+            break
+        produced += more
+    if header is None or len(header) < 13 or header[9] not in _PNG_CHANNELS:
+        return  # PIL refuses these
+    width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", header[:13])
+    needed = _png_data_size(width, height, depth * _PNG_CHANNELS[colour], bool(interlace))
+    if produced < needed:
+        raise ValueError(f"{path}: truncated PNG: its image data holds {produced} of the {needed} bytes its "
+                         f"{width}x{height} pixels need; refusing it")
 
 
 def read_image_folder(root: Path, layout: ImageFolderLayout, *, domains=None, image_size: int = 64,
