@@ -1,4 +1,40 @@
-"""``python -m pfl_kernels``: print which implementation of each op is active."""
+"""``python -m pfl_kernels``: print which implementation of each op is active, then which
+path serves which shapes on CUDA where an op has more than one (issue 30, item 2)."""
+from __future__ import annotations
+
+import torch
+
 from ._backends import main
 
-main()
+
+def format_cuda_paths() -> str:
+    """The per-shape CUDA paths of ``weighted_average`` and the pairwise similarity ops, with
+    the thresholds in force (``ops.aggregate.cuda_path``, ``ops.similarity.cuda_pairwise_path``)."""
+    from .ops import aggregate, similarity
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    dense = aggregate.cuda_path(1, 1, 1, torch.float32, tf32)
+    pair = similarity.cuda_pairwise_path(similarity.GEMM_MIN_DIM, torch.float32, tf32)
+    gemm_dim = f"D >= {similarity.GEMM_MIN_DIM}"
+    rows = [
+        ("weighted_average", f"nonzero weights < {aggregate.SPARSE_DENSITY:g}*K*M", "triton (CSR gather)"),
+        ("weighted_average", "dense weights, float64", "gemm (cuBLAS dgemm)"),
+        ("weighted_average", "dense weights, float32/bfloat16/float16",
+         "gemm (torch.mm, NaN/Inf fix-up when params hold them)" if dense == "gemm"
+         else "triton (tl.dot kernel: TF32 is allowed, which the GEMM would use)"),
+        ("pairwise_cosine/sqdist", "float64", "reference (cuBLAS dgemm)"),
+        ("pairwise_cosine/sqdist", f"float32, {gemm_dim}",
+         "gemm (mm + norms, as torch.cdist)" if pair == "gemm"
+         else "triton (fused kernel: TF32 is allowed, which the GEMM would use)"),
+        ("pairwise_cosine/sqdist", f"float32, D < {similarity.GEMM_MIN_DIM}; bfloat16, float16",
+         "triton (fused kernel)"),
+    ]
+    width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    lines = ["", "CUDA paths per shape (issue 30):", f"{'op':<{width[0]}}  {'shapes':<{width[1]}}  path"]
+    lines += [f"{op:<{width[0]}}  {shapes:<{width[1]}}  {path}" for op, shapes, path in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
+    print(format_cuda_paths())

@@ -23,7 +23,10 @@
   A row with a NaN/Inf entry gives NaN in its row (and column), its own entry included.
 
 float64 inputs use the plain-PyTorch reference (cuBLAS dgemm), which is what a float64
-Triton dot would lower to at best.
+Triton dot would lower to at best.  float32 rows of D >= ``GEMM_MIN_DIM`` (65536) on CUDA take
+the norm-plus-GEMM form (``pfl_kernels.ops.similarity.gemm_pairwise_cosine`` / ``_sqdist``:
+cuBLAS, as ``torch.cdist`` does), where on an H200 the kernels ran at 0.07x-1.02x of eager
+(issue 30; the choice is ``cuda_pairwise_path``, documented there).
 
 ``similarity_weights``: one program per row holds the row in registers (rows up to
 ``_MAX_ROW`` = 16384 entries; longer rows use the reference).  The kept set is the
@@ -41,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import similarity as _ops  # noqa: F401  (defines the schemas implemented here)
+from ..ops import similarity as _ops  # (also defines the schemas implemented here)
 from . import register_cuda
 from ..ops.similarity import _check_pair, _check_weights_args, check_weights_values
 from ..reference import similarity as _ref
@@ -55,6 +58,9 @@ _BLOCK_D = 64
 _WAVES = 4  # split D until there are about this many programs per SM
 _MAX_PARTIAL_BYTES = 256 << 20  # cap on the float32 partials [SPLIT, K, M]
 _MAX_ROW = 16384  # similarity_weights: longer rows use the reference
+# Devices on which long float32 rows take the GEMM form (``ops.similarity.cuda_pairwise_path``);
+# the interpreter tests add "cpu" to check the routing.
+_GEMM_DEVICES = ("cuda",)
 MODE_COSINE = 0
 MODE_SQDIST = 1
 
@@ -217,6 +223,9 @@ def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
         return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
     k, m = shape
     d = x.shape[1]
+    if x.device.type in _GEMM_DEVICES and _ops.cuda_pairwise_path(
+            d, x.dtype, torch.backends.cuda.matmul.allow_tf32) == "gemm":
+        return _ops.gemm_pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ops.gemm_pairwise_sqdist(x, y)
     out = x.new_empty((k, m), dtype=torch.float32)
     if out.numel() == 0:
         return out

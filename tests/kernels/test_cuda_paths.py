@@ -1,0 +1,211 @@
+"""The faster path per shape on CUDA (issue 30, item 2), checked on the CPU: the routing rules
+(``cuda_path``, ``cuda_pairwise_path``) and the routed implementations, which are written for
+any device, against the float64 reference, NaN/Inf/extreme rows and empty shapes included.
+
+(``test_cuda_paths_triton.py`` checks that the Triton wrappers route to them.)
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pfl_kernels.ops import aggregate as agg
+from pfl_kernels.ops import similarity as sim
+from pfl_kernels.reference import aggregate as ref_agg
+from pfl_kernels.reference import similarity as ref_sim
+from tests.kernels.similarity_cases import assert_cosine_exact, assert_sqdist_exact, inputs
+from tests.tolerances import assert_close
+
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+
+
+# ---------------------------------------------------------------- routing
+
+def test_weighted_average_path():
+    # dense weights: the GEMM (the dense kernel lost 55x to torch.mm on an H200)
+    assert agg.cuda_path(100, 100, 100 * 100, F32, tf32=False) == "gemm"
+    assert agg.cuda_path(100, 100, 3000, BF16, tf32=False) == "gemm"  # density 0.3: not sparse
+    assert agg.cuda_path(100, 100, 2999, F32, tf32=False) == "sparse"
+    assert agg.cuda_path(100, 100, 500, F64, tf32=False) == "sparse"
+    # TF32 allowed: the ieee kernel keeps float32 accumulation; float64 is never TF32
+    assert agg.cuda_path(100, 100, 10_000, F32, tf32=True) == "dense"
+    assert agg.cuda_path(100, 100, 10_000, F64, tf32=True) == "gemm"
+    assert agg.cuda_path(4, 4, 0, F32, tf32=False, sparse_density=0.0) == "gemm"
+    assert agg.cuda_path(0, 0, 0, F32, tf32=False) == "gemm"
+
+
+def test_pairwise_path():
+    d = sim.GEMM_MIN_DIM
+    assert d == 65_536
+    assert sim.cuda_pairwise_path(d, F32, tf32=False) == "gemm"
+    assert sim.cuda_pairwise_path(10_000_000, F32, tf32=False) == "gemm"
+    assert sim.cuda_pairwise_path(d - 1, F32, tf32=False) == "triton"
+    assert sim.cuda_pairwise_path(d, F32, tf32=True) == "triton"
+    assert sim.cuda_pairwise_path(d, BF16, tf32=False) == "triton"
+    assert sim.cuda_pairwise_path(d, torch.float16, tf32=False) == "triton"
+    assert sim.cuda_pairwise_path(3, F64, tf32=False) == "reference"
+
+
+def test_python_m_pfl_kernels_says_which_path_serves_which_shapes():
+    from pfl_kernels.__main__ import format_cuda_paths
+
+    text = format_cuda_paths()
+    assert "weighted_average" in text and "gemm" in text and "65536" in text and "pairwise_cosine" in text
+
+
+# ---------------------------------------------------------------- weighted_average
+
+def bank(k, m, p, dtype=F32, density=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(k, m, generator=g, dtype=F64) + 0.1
+    if density < 1:
+        w = w * (torch.rand(k, m, generator=g, dtype=F64) < density)
+    w = (w / w.sum(1, keepdim=True).clamp_min(1e-12)).float()
+    params = torch.randn(m, p, generator=g, dtype=F64).to(dtype)
+    return w, params
+
+
+def want(w, params):
+    return ref_agg.weighted_average(w.to(F64), params.to(F64))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 7), (20, 17, 33), (100, 100, 257)], ids=str)
+def test_gemm_weighted_average_matches_the_reference(shape, dtype):
+    w, params = bank(*shape, dtype, density=0.6)
+    out = agg.gemm_weighted_average(w, params)
+    assert out.dtype == dtype and list(out.shape) == [shape[0], shape[2]] and out.is_contiguous()
+    assert_close(out, want(w, params), dtype)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("first_row_weights_it", [False, True])
+def test_a_non_finite_row_only_reaches_clients_that_weight_it(bad, first_row_weights_it):
+    k, m, p = 6, 5, 9
+    w, params = bank(k, m, p, seed=1)
+    params[2, 3] = bad
+    params[4] = bad  # a whole diverged client
+    w[:, 2] = 0
+    w[:, 4] = 0
+    w[[1, 3], 2] = 0.5
+    w[5, 4] = 0.25
+    if first_row_weights_it:
+        w[0, 2] = 0.5
+    expected = want(w, params)
+    got = agg.gemm_weighted_average(w, params)
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert (finite.all(1).tolist() == [not first_row_weights_it, False, True, False, True, False])
+    assert_close(got[finite], expected[finite], F32)
+
+
+def test_an_overflowing_sum_is_inf_as_in_the_reference():
+    w = torch.tensor([[1.0, 1.0], [0.5, 0.0]])
+    params = torch.tensor([[3e38, 1.0], [3e38, 2.0]])
+    got = agg.gemm_weighted_average(w, params)
+    expected = ref_agg.weighted_average(w, params)
+    assert torch.equal(got, expected) and torch.isinf(got[0, 0]) and got[1, 0] == 1.5e38
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 5), (3, 0, 5), (3, 4, 0), (0, 0, 0)], ids=str)
+def test_empty(shape):
+    w, params = bank(*shape)
+    got = agg.gemm_weighted_average(w, params)
+    assert list(got.shape) == [shape[0], shape[2]]
+    assert torch.equal(got, ref_agg.weighted_average(w, params))
+    out = torch.full((shape[0], shape[2]), 7.0)
+    assert agg.gemm_weighted_average(w, params, out) is out and torch.equal(out, got)
+
+
+def test_out_into_a_bank_slice():
+    w, params = bank(4, 6, 10)
+    big = torch.full((4, 16), -1.0)
+    out = big[:, 3:13]
+    assert agg.gemm_weighted_average(w, params, out) is out
+    assert_close(out, want(w, params), F32)
+    assert (big[:, :3] == -1).all() and (big[:, 13:] == -1).all()
+
+
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_out_overlapping_params_in_place(with_nan):
+    """bank <- W @ bank, also when a row of the bank is NaN (the fix-up re-reads params)."""
+    w, bank_ = bank(5, 5, 11, seed=2)
+    if with_nan:
+        bank_[1, 4] = math.nan
+        w[:, 1] = 0
+        w[3, 1] = 0.5
+    expected = want(w, bank_)
+    assert agg.gemm_weighted_average(w, bank_, bank_) is bank_
+    assert torch.equal(torch.isnan(bank_), torch.isnan(expected))
+    assert_close(bank_[~torch.isnan(expected)], expected[~torch.isnan(expected)], F32)
+
+
+def test_bfloat16_params_and_float64_weights():
+    w, params = bank(7, 9, 13, BF16)
+    got = agg.gemm_weighted_average(w.double(), params)
+    assert got.dtype == BF16
+    assert_close(got, want(w, params), BF16)
+
+
+# ---------------------------------------------------------------- pairwise similarity
+
+def rows(k, d, dtype=F32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(k, d, generator=g, dtype=F64) + 0.3).to(dtype)
+
+
+@pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
+def test_gemm_pairwise_matches_the_reference(dtype, with_y):
+    x = rows(7, 300, dtype)
+    y = rows(5, 300, dtype, seed=1) if with_y else None
+    c = sim.gemm_pairwise_cosine(x, y, 1e-8)
+    d = sim.gemm_pairwise_sqdist(x, y)
+    acc = ref_sim.acc_dtype(dtype)
+    assert c.dtype == acc and d.dtype == acc
+    tight = F64 if dtype == F64 else F32
+    assert_close(c, ref_sim.pairwise_cosine(x.to(F64), None if y is None else y.to(F64), 1e-8), tight)
+    # the expanded form's rounding is relative to the norms (see pairwise_sqdist's docstring)
+    d64 = ref_sim.pairwise_sqdist(x.to(F64), None if y is None else y.to(F64))
+    scale = x.double().square().sum(1).max()
+    assert ((d.double() - d64).abs() <= 1e-5 * scale).all()
+    if not with_y:
+        assert torch.equal(c, c.t()) and torch.equal(d, d.t()) and (d.diagonal() == 0).all()
+    # the same bits as the reference on ordinary rows where the product is the same (y None)
+    if not with_y and dtype == F32:
+        assert torch.equal(c, ref_sim.pairwise_cosine(x, None, 1e-8))
+        assert torch.equal(d, ref_sim.pairwise_sqdist(x, None))
+
+
+@pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
+def test_gemm_pairwise_of_extreme_rows(dtype, with_y):
+    """NaN, ±Inf, 1e19, 1e-30 and zero rows: the exact answer (the reference's fix-up)."""
+    x, y = inputs(dtype, with_y)
+    for eps in (1e-8, 1e-36 if dtype != F64 else 1e-300):
+        assert_cosine_exact(sim.gemm_pairwise_cosine(x, y, eps), x, y, eps, f"gemm eps={eps}")
+    assert_sqdist_exact(sim.gemm_pairwise_sqdist(x, y), x, y, "gemm")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 1e19, 1e-30, 0.0])
+def test_one_special_row_among_ordinary_ones_falls_back(bad):
+    x = rows(6, 40)
+    x[2] = bad if bad != 1e19 and bad != 1e-30 else x[2] * bad
+    for y in (None, rows(4, 40, seed=3)):
+        yy = None if y is None else y
+        c, d = sim.gemm_pairwise_cosine(x, yy, 1e-8), sim.gemm_pairwise_sqdist(x, yy)
+        want_c, want_d = ref_sim.pairwise_cosine(x, yy, 1e-8), ref_sim.pairwise_sqdist(x, yy)
+        assert torch.equal(torch.isnan(c), torch.isnan(want_c)) and torch.equal(torch.isnan(d), torch.isnan(want_d))
+        ok = ~torch.isnan(want_c)
+        assert torch.equal(c[ok], want_c[ok]) and torch.equal(d[ok], want_d[ok])
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)], ids=str)
+def test_gemm_pairwise_empty(shape):
+    x = torch.randn(*shape)
+    for y in (None, torch.randn(2, shape[1])):
+        assert torch.equal(sim.gemm_pairwise_cosine(x, y, 1e-8), ref_sim.pairwise_cosine(x, y, 1e-8))
+        assert torch.equal(sim.gemm_pairwise_sqdist(x, y), ref_sim.pairwise_sqdist(x, y))

@@ -1,0 +1,111 @@
+"""The Triton wrappers route each shape to its path (issue 30, item 2): dense weighted_average
+and long float32 pairwise rows to the GEMM forms, the rest to the kernels.  The routing applies
+to CUDA tensors; here the interpreter's CPU tensors are let in (``_GEMM_DEVICES``) and the
+pairwise threshold is lowered, so tiny shapes take it.
+
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/test_cuda_paths_triton.py -q -m triton_interpret
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels.triton_support import DEVICE, F64, MARKS, RUNNABLE, interpreter_only
+from tests.tolerances import assert_close
+
+pytestmark = [*MARKS, interpreter_only]
+
+if RUNNABLE:
+    from pfl_kernels.ops import similarity as sim_ops
+    from pfl_kernels.reference import aggregate as ref_agg
+    from pfl_kernels.reference import similarity as ref_sim
+    from pfl_kernels.triton import aggregate as ta
+    from pfl_kernels.triton import similarity as ts
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The Triton kernels launched (each still runs)."""
+    seen = []
+
+    def launch(kernel):
+        seen.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(ta, "_launch", launch)
+    monkeypatch.setattr(ts, "_launch", launch)
+    return seen
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    monkeypatch.setattr(ta, "_GEMM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(ts, "_GEMM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(sim_ops, "GEMM_MIN_DIM", 64)
+
+
+def weights(k, m, density):
+    g = torch.Generator().manual_seed(0)
+    w = (torch.rand(k, m, generator=g) + 0.1) * (torch.rand(k, m, generator=g) < density)
+    return w.to(DEVICE)
+
+
+@pytest.fixture(params=[False, True], ids=["tf32-off", "tf32-on"])
+def tf32(request):
+    """torch's float32 matmul setting (TF32 off is torch's default), restored after the test."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = request.param
+    yield request.param
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_dense_weighted_average_takes_the_gemm(routed, launches, tf32):
+    params = torch.randn(6, 40, dtype=torch.float32, device=DEVICE)
+    params[3, 5] = math.nan
+    w = weights(5, 6, 1.0)
+    w[:, 3] = 0
+    w[2, 3] = 0.5
+    out = ta.weighted_average_triton(w, params)
+    expected = ref_agg.weighted_average(w.double(), params.double())
+    assert torch.equal(torch.isnan(out), torch.isnan(expected)) and int(torch.isnan(out).sum()) == 1
+    assert_close(out[~torch.isnan(out)], expected[~torch.isnan(expected)], torch.float32)
+    assert launches == ([ta._dense_kernel] if tf32 else [])
+
+
+def test_sparse_weighted_average_keeps_its_kernel(routed, launches):
+    params = torch.randn(20, 33, dtype=torch.float32, device=DEVICE)
+    w = weights(10, 20, 0.1)
+    out = ta.weighted_average_triton(w, params)
+    assert launches == [ta._sparse_kernel]
+    assert_close(out, ref_agg.weighted_average(w.double(), params.double()), torch.float32)
+
+
+def test_the_out_overload_in_place_through_the_gemm(routed, launches):
+    bank = torch.randn(5, 24, dtype=torch.float32, device=DEVICE)
+    w = weights(5, 5, 1.0)
+    expected = ref_agg.weighted_average(w.double(), bank.double())
+    assert ta.weighted_average_out_triton(w, bank, out=bank) is bank
+    assert launches == []
+    assert_close(bank, expected, torch.float32)
+
+
+@pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
+@pytest.mark.parametrize("d,path", [(64, "gemm"), (63, "triton")])
+def test_pairwise_routes_by_length(routed, launches, d, path, with_y):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, d, generator=g).to(DEVICE)
+    y = torch.randn(3, d, generator=g).to(DEVICE) if with_y else None
+    c = ts.pairwise_cosine_triton(x, y, 1e-8)
+    s = ts.pairwise_sqdist_triton(x, y)
+    assert (launches == []) == (path == "gemm")
+    y64 = None if y is None else y.to(F64)
+    assert_close(c, ref_sim.pairwise_cosine(x.to(F64), y64, 1e-8), torch.float32)
+    assert_close(s, ref_sim.pairwise_sqdist(x.to(F64), y64), torch.float32)
+
+
+def test_bfloat16_rows_keep_the_kernel(routed, launches):
+    x = torch.randn(4, 64).to(torch.bfloat16).to(DEVICE)
+    ts.pairwise_cosine_triton(x, None, 1e-8)
+    assert launches and launches[0] is ts._product_kernel
