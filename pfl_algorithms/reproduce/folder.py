@@ -63,7 +63,9 @@ def _legacy_report(out: Path, identity: dict) -> bool:
         report = json.loads((out / "report.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(report, dict) and {k: report.get(k) for k in identity} == identity
+    # quick: absent from the oldest reports, which had no --quick
+    return isinstance(report, dict) and {k: report.get(k, False if k == "quick" else None)
+                                         for k in identity} == identity
 
 
 def _only_runs(folder: Path, methods: set) -> bool:

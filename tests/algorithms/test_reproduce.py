@@ -505,3 +505,28 @@ def test_one_seed_has_no_spread_and_a_truncated_summary_is_named(tiny, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"pfl: error: {summary}: not readable (JSONDecodeError: "), err
     assert err[0].endswith(f"delete the run folder {runs[1].out} to run it again")
+
+
+def test_a_folder_made_before_the_marker_is_adopted_only_if_it_is_ours(tiny, tmp_path):
+    """A folder an older version made (its runs, a report whose report.json names this paper
+    and scale) is adopted, its report files listed as ours; with another paper's report.json,
+    or a stray file beside the runs, it is refused."""
+    from pfl_algorithms.reproduce.folder import claim_folder
+
+    out = tmp_path / "old"
+    (out / "plots").mkdir(parents=True)
+    (out / "iid" / "fedavg" / "seed0").mkdir(parents=True)
+    (out / "iid" / "fedavg" / "seed0" / "run.lock").write_text("")
+    (out / "report.md").write_text("old report\n")
+    (out / "plots" / "iid_accuracy_vs_round.png").write_bytes(b"png")
+    (out / "report.json").write_text(json.dumps({"paper": "other", "scale": "cpu", "quick": False}))
+    with pytest.raises(ValueError, match="is not a folder of `pfl reproduce tiny --scale cpu`"):
+        claim_folder(tiny, "cpu", out)
+    (out / "report.json").write_text(json.dumps({"paper": "tiny", "scale": "cpu"}))
+    (out / "iid" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not empty"):
+        claim_folder(tiny, "cpu", out)
+    (out / "iid" / "notes.txt").unlink()
+    claim_folder(tiny, "cpu", out)
+    marker = json.loads((out / "reproduce.json").read_text())
+    assert sorted(marker["written"]) == ["plots/iid_accuracy_vs_round.png", "report.json", "report.md"]
