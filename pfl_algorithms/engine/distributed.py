@@ -19,6 +19,12 @@ Each task runs as on the threaded executor (one intra-op thread, ``workers`` at 
 default 1: the ranks are the parallelism), and the server sees the uploads in task order, so a
 distributed run gives bitwise the metrics and checkpoint of a sequential one on a CPU.
 
+What ranks send each other (results, bank rows, rank 0's config and checkpoint) travels as
+``torch.save`` bytes in uint8 tensors and is read like a checkpoint, ``weights_only=True`` with
+only the engine's result classes allowed besides plain values (:func:`decode`): a peer cannot
+make another rank run code.  The job still trusts its network, as torch.distributed does (its
+rendezvous and collectives are unauthenticated): a peer can send wrong numbers.
+
 Run without a process group (plain ``python -m pfl_algorithms run --executor distributed``,
 no torchrun environment), the executor is a world of one process and runs every task itself.
 """
@@ -31,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from .checkpoint import _refusal_reason
 from .executors import Executor, ThreadedExecutor
 
 # torchrun's environment; a process group is joined when WORLD_SIZE is set.
@@ -103,30 +110,95 @@ def process_group(executor: Optional[str], device: str):
         dist.destroy_process_group()
 
 
+def _payload_types() -> list:
+    """The classes a payload between ranks may hold besides tensors, numbers, strings and plain
+    containers: the tasks' results (and the run's config, which rank 0 sends).  Dataclasses
+    without a custom ``__setstate__``/``__reduce__``: building one only sets its fields."""
+    from ..config import RunConfig
+    from .client import EvalResult, TrainResult
+    from .local import LocalResult
+    from .messages import Message, Sparse
+
+    return [RunConfig, TrainResult, EvalResult, LocalResult, Message, Sparse]
+
+
+def encode(value) -> bytes:
+    """``value`` as the bytes one rank sends another (``torch.save``)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def decode(payload: bytes, device, source: str = "a peer"):
+    """The value :func:`encode` made of ``payload``, its tensors on ``device``.
+
+    Read like a checkpoint (``engine/checkpoint.py``): ``torch.load(weights_only=True)``, which
+    builds only tensors, numbers, strings and plain containers, and here also the classes of
+    :func:`_payload_types`; whatever else a payload names (a function, another class: what a
+    crafted pickle calls to run code) is refused before anything runs.
+
+    Raises:
+        ValueError: one line naming ``source``, for a payload holding anything else or not
+            made by ``encode``.
+    """
+    try:
+        with torch.serialization.safe_globals(_payload_types()):
+            return torch.load(io.BytesIO(payload), map_location=device, weights_only=True)
+    except Exception as error:  # weights_only refuses with UnpicklingError; a crafted zip may fail otherwise
+        raise ValueError(f"refusing the payload from {source}: it holds something other than tensors, numbers, "
+                         f"strings, containers and the engine's results ({_refusal_reason(error)}); nothing in it "
+                         f"was run") from None
+
+
+def _wire_device():
+    """Where collectives take their tensors: the current GPU under NCCL, else the CPU."""
+    if _dist().get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _as_tensor(payload: bytes, length: int, device) -> torch.Tensor:
+    tensor = torch.zeros(length, dtype=torch.uint8, device=device)
+    if payload:
+        tensor[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    return tensor
+
+
 def broadcast_from_leader(value=None):
-    """Rank 0's ``value`` on every rank (``value`` itself in a world of one)."""
+    """Rank 0's ``value`` on every rank (``value`` itself in a world of one), sent as bytes
+    (:func:`encode`/:func:`decode`): nothing is unpickled on the way."""
     rank, size = world()
     if size == 1:
         return value
-    box = [value if rank == 0 else None]
-    _dist().broadcast_object_list(box, src=0)
-    return box[0]
+    dist, device = _dist(), _wire_device()
+    payload = encode(value) if rank == 0 else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    data = _as_tensor(payload, int(length), device)
+    dist.broadcast(data, src=0)
+    return decode(data.cpu().numpy().tobytes(), "cpu", "rank 0")
 
 
 def all_gather(value, device) -> list:
     """Every rank's ``value``, in rank order, with its tensors on ``device``.
 
-    Sent as ``torch.save`` bytes and read back with ``map_location``: a CUDA tensor pickled
-    plainly would come back on the sender's GPU.  ``weights_only=False`` reads the task results'
-    dataclasses; the bytes come from this job's own processes only."""
+    Sent as :func:`encode` bytes in uint8 tensors (``all_gather_object`` would unpickle what a
+    peer sent, which can run code) and read back with :func:`decode`: only tensors, plain
+    values and the engine's result classes are built, on ``device`` (a CUDA tensor pickled
+    plainly would come back on the sender's GPU)."""
     rank, size = world()
     if size == 1:
         return [value]
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    payloads = [None] * size
-    _dist().all_gather_object(payloads, buffer.getvalue())
-    return [torch.load(io.BytesIO(p), map_location=device, weights_only=False) for p in payloads]
+    dist, wire = _dist(), _wire_device()
+    payload = encode(value)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=wire) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64, device=wire))
+    lengths = [int(n) for n in lengths]
+    longest = max(lengths)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=wire) for _ in range(size)]
+    dist.all_gather(gathered, _as_tensor(payload, longest, wire))
+    return [decode(data[:n].cpu().numpy().tobytes(), device, f"rank {r}")
+            for r, (data, n) in enumerate(zip(gathered, lengths))]
 
 
 class DistributedExecutor(Executor):

@@ -195,3 +195,93 @@ def test_every_algorithm_on_two_processes_equals_sequential():
     script = os.path.join(os.path.dirname(__file__), "distributed_every_algorithm.py")
     printed = finish(start(torchrun(2, script)))
     assert json.loads(printed.strip().splitlines()[-1]) == {}
+
+
+# ---- what travels between ranks: read like a checkpoint, nothing in it is run ------------------
+
+class _RunsCode:
+    """Unpickled plainly, calls ``os.system``: what a hostile peer would send."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _train_result():
+    import torch
+
+    from pfl_algorithms.engine.client import EvalResult, TrainResult
+    from pfl_algorithms.engine.local import LocalResult
+    from pfl_algorithms.engine.messages import Message, Sparse
+
+    upload = Message(tensors={"body": torch.arange(6.0), "head": Sparse(torch.tensor([0.0, 2.0, -3.0]), 1.0, 2)},
+                     extras={"means": torch.ones(2, 3), "weights": [0.5, 1], "nested": {"n": 3}}, num_examples=40)
+    return [TrainResult(client=3, local=LocalResult(loss=0.25, samples=40, steps=3, finite=True), upload=upload),
+            EvalResult(client=1, accuracy=0.5, loss=float("nan"), samples=8), {"rows": torch.tensor([1, 3])}]
+
+
+def test_a_payload_round_trips_with_the_engine_results():
+    from pfl_algorithms.config import RunConfig
+    from pfl_algorithms.engine.distributed import decode, encode
+
+    value = _train_result()
+    back = decode(encode(value), "cpu")
+    assert_same(back[2], value[2])
+    assert back[0].client == 3 and back[0].local == value[0].local and back[0].upload.num_examples == 40
+    assert back[0].upload.dense("head").tolist() == [0.0, 2.0, -3.0]
+    assert back[0].upload.tensors["head"].threshold == 1.0 and back[0].upload.bits() == value[0].upload.bits()
+    assert_same(dict(back[0].upload.extras), dict(value[0].upload.extras))
+    assert back[1].accuracy == 0.5 and back[1].loss != back[1].loss
+    config = RunConfig(algorithm="fedavg", clients=3, algorithm_settings={"mu": 0.1})
+    assert decode(encode({"config": config, "state": None}), "cpu")["config"] == config
+
+
+@pytest.mark.parametrize("gadget", ["os.system", "builtins.eval", "a class not allowed"])
+def test_a_payload_carrying_a_pickled_callable_is_refused_and_nothing_runs(tmp_path, gadget):
+    import io
+
+    import torch
+
+    from pfl_algorithms.engine.distributed import decode
+
+    marker = tmp_path / "pwned"
+
+    class _Eval:
+        def __reduce__(self):
+            return eval, (f"open({str(marker)!r}, 'w')",)
+
+    value = {"os.system": _RunsCode(marker), "builtins.eval": _Eval(),
+             "a class not allowed": torch.nn.Identity()}[gadget]
+    buffer = io.BytesIO()
+    torch.save([_train_result()[0], {"x": value}], buffer)
+    with pytest.raises(ValueError, match="refusing the payload from rank 1: it holds something other than") as error:
+        decode(buffer.getvalue(), "cpu", "rank 1")
+    assert "\n" not in str(error.value)
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="refusing the payload from a peer"):
+        decode(b"not a payload", "cpu")
+
+
+_GATHER_SCRIPT = textwrap.dedent("""
+    import os, sys, json, torch, torch.distributed as dist
+    from pfl_algorithms.engine.distributed import all_gather, broadcast_from_leader
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gathered = all_gather({"rank": rank, "t": torch.full((rank + 1,), float(rank))}, "cpu")
+    start = broadcast_from_leader({"config": "from rank 0", "n": 7} if rank == 0 else None)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "gathered": [[g["rank"], g["t"].tolist()] for g in gathered], "start": start}, f)
+    dist.destroy_process_group()
+""")
+
+
+def test_all_gather_and_broadcast_between_two_processes(tmp_path):
+    script = tmp_path / "gather.py"
+    script.write_text(_GATHER_SCRIPT)
+    finish(start(torchrun(2, str(script), str(tmp_path))))
+    lines = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for line in lines:
+        assert line["gathered"] == [[0, [0.0]], [1, [1.0, 1.0]]]
+        assert line["start"] == {"config": "from rank 0", "n": 7}
