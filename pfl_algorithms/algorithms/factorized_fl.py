@@ -86,11 +86,6 @@ class FactorizedFL(Algorithm):
     Settings = FactorizedFLSettings
     aggregated: tuple[str, ...] = ()  # the groups averaged (besides v_last for β)
 
-    def __init__(self, **settings):
-        super().__init__(**settings)
-        self._match_params: set[str] = set()
-        self._local: set[str] = set()
-
     # ------------------------------------------------------------------ declarations
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -102,19 +97,11 @@ class FactorizedFL(Algorithm):
         if self.settings.init == "paper":  # the released code's initialisation: u, v Xavier-uniform, μ zeros
             for _, layer in layers:
                 layer.reset_parameters()
-        self._match_params.add(f"{layers[-1][0]}.v")
+        layers[-1][1].factorized_fl_match = True  # its v is the MATCH group (group_rules reads the model)
         return model
 
-    def local_groups(self, *, keep_head_local):
-        self._local = self.kept_local(keep_head_local)
-        return self._local
-
-    def kept_local(self, keep_head_local: bool) -> set[str]:
-        """The groups that never leave a client (the classifier where the scenario asks)."""
-        return {"head"} if keep_head_local else set()
-
     def group_rules(self):
-        match = lambda name, owner, attribute: name in self._match_params
+        match = lambda name, owner, attribute: getattr(owner, "factorized_fl_match", False)
         return (GroupRule(MATCH, modules=FACTORIZED, attributes=("v",), select=match),
                 *(GroupRule(a, modules=FACTORIZED, attributes=(a,), outside_head=True) for a in ("u", "v", "mu")))
 
@@ -161,7 +148,8 @@ class FactorizedFL(Algorithm):
         return (Phase(grad_terms=(l1_term(self.settings.l1),) if self.settings.l1 > 0 else ()),)
 
     def upload(self, view):
-        message = view.message([g for g in view.groups if g == MATCH or (g in self.aggregated and g not in self._local)])
+        sent = [g for g in view.groups if g == MATCH or (g in self.aggregated and g in view.shared_groups)]
+        message = view.message(sent)
         if "mu" in message.tensors:
             tensors = dict(message.tensors, mu=Sparse(message.tensors["mu"], self.settings.threshold))
             message = Message(tensors, message.extras, message.num_examples)
@@ -175,7 +163,7 @@ class FactorizedFLAlpha(FactorizedFL):
     description = "rank-1 factorized layers; v-matched personalized averaging of u only (v, mu local)"
     aggregated = ("u",)
 
-    def kept_local(self, keep_head_local):
+    def local_groups(self, *, keep_head_local):
         # Everything but u stays: v_last travels up for matching only, never aggregated.
         return {"v", "mu", MATCH, "body", "head"}
 

@@ -38,8 +38,7 @@ import torch
 
 from pfl_kernels.ops import pairwise_cosine, weighted_average
 
-from ..api import (BUFFERS, Algorithm, Capabilities, Message, NonNegativeFloat, OneOf, Phase, PositiveFloat,
-                   PositiveInt, StateSpec)
+from ..api import BUFFERS, Algorithm, Capabilities, Message, NonNegativeFloat, OneOf, Phase, PositiveFloat, PositiveInt
 from .fedprox import proximal_term
 from .target_only import target_phase, the_target
 
@@ -83,9 +82,6 @@ class FedDAF(Algorithm):
     Settings = FedDAFSettings
     capabilities = Capabilities(roles=("source", "target"))
 
-    def client_state(self):
-        return {"fda": StateSpec(shape=(2,), dtype=torch.float64)}  # this round's (α, θ) on the target
-
     def setup(self, server) -> None:
         self.target = the_target(server, self.name)
         initial = server.initial_model()
@@ -111,14 +107,11 @@ class FedDAF(Algorithm):
         return {g: t for g, t in view.download.extras["source"].items() if g != BUFFERS}
 
     def adapt(self, view) -> None:
-        """Eq. 2: w ← α·w_S + (1 − α)·w_T, α the Gompertz weight of the mean gradients' angle."""
+        """Eq. 2: w ← α·w_S + (1 − α)·w_T, α the Gompertz weight of the mean gradients' angle;
+        (α, θ) go up with the target's upload."""
         source = self._source_parameters(view)
-        own = {g: view.group(g).clone() for g in source}
         g_target = view.mean_gradient("train", self.settings.target_batch_size)
-        with torch.no_grad():
-            for g, t in source.items():
-                view.group(g).copy_(t)
-        g_source = view.mean_gradient("train", self.settings.target_batch_size)
+        g_source = view.mean_gradient("train", self.settings.target_batch_size, at=source)
         if torch.isnan(g_target).all():  # no training data: nothing to weigh against
             alpha, theta = 1.0, float("nan")
         else:
@@ -126,12 +119,11 @@ class FedDAF(Algorithm):
             alpha = gompertz_weight(theta, self.settings.k)
         with torch.no_grad():
             for g, t in source.items():
-                view.group(g).copy_(alpha * t + (1.0 - alpha) * own[g])
-        view.state("fda").copy_(torch.tensor([alpha, theta], dtype=torch.float64))
+                view.group(g).copy_(alpha * t + (1.0 - alpha) * view.group(g))
+        view.report("fda", torch.tensor([alpha, theta], dtype=torch.float64))
 
     def upload(self, view):
-        extras = {"fda": view.state("fda").clone()} if view.client == self.target else None
-        return view.message(self.groups, extras=extras)
+        return view.message(self.groups)
 
     def aggregate(self, round_, uploads):
         if not uploads:

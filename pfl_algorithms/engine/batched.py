@@ -27,7 +27,8 @@ Hooks run per client, each seeing what it would see alone:
 * loss terms: on a :class:`Batch` of the client's rows of the stacked forward's inputs,
   labels, logits and embeddings, whose ``module`` is a :class:`ClientModule` running the
   template on the client's rows, so any forward a term makes (Fed-CMA's fixed batch, FedGen's
-  head on generated embeddings) has its gradient reach them;
+  head on generated embeddings) has its gradient reach them, and whose ``view`` is the
+  client's (every view of a task shares its ``cached`` and reported values);
 * ``grad_terms`` and ``after_step``: on a :class:`ClientView` whose parameters and gradients
   are the client's rows of the stacked tensors.
 

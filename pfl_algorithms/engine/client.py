@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -162,6 +162,12 @@ class ClientView:
         """The client's parameter groups, in layout order."""
         return self._cohort.groups.order
 
+    @property
+    def shared_groups(self) -> tuple[str, ...]:
+        """The groups that may leave the client (not among the algorithm's ``local_groups``), in
+        layout order."""
+        return self._cohort.groups.shared
+
     def group(self, name: str) -> Tensor:
         """The client's parameters of group ``name`` (a flat view)."""
         return self.params[self._cohort.span(name)]
@@ -243,23 +249,32 @@ class ClientView:
             if received:
                 work.load(*saved)
 
-    def mean_gradient(self, split: str = "train", batch_size: int = 32) -> Tensor:
+    def mean_gradient(self, split: str = "train", batch_size: int = 32, *,
+                      at: Optional[Mapping[str, Tensor]] = None) -> Tensor:
         """The mean over ``split``'s mini-batches (in order, ``batch_size`` each) of the loss
-        gradient at the current parameters, [P] (FedDAF's mean gradient field); in train mode,
-        with the model's buffers (BatchNorm statistics) and ``grads`` left as they were.  NaNs
-        for an empty split."""
+        gradient at the current parameters, [P] (FedDAF's mean gradient field), or with groups
+        ``at`` (name -> flat values) in place of the client's own; in train mode, with the
+        model's parameters, buffers (BatchNorm statistics) and ``grads`` left as they were.
+        NaNs for an empty split."""
         work = self._work
         indices = self._fed.clients[self.client].part(split)
         saved = (work.buffers.clone(), work.int_buffers.clone(), work.grads.clone())
+        own = {g: self.group(g).clone() for g in at or {}}
         total = torch.zeros_like(work.params)
         count = 0
         try:
+            with torch.no_grad():
+                for g, values in (at or {}).items():
+                    self.group(g).copy_(values)
             for start in range(0, indices.numel(), batch_size):
                 batch = indices[start:start + batch_size]
                 self.forward_backward(*self.examples(batch))
                 total += work.grads
                 count += 1
         finally:
+            with torch.no_grad():
+                for g, values in own.items():
+                    self.group(g).copy_(values)
             work.buffers.copy_(saved[0])
             work.int_buffers.copy_(saved[1])
             work.grads.copy_(saved[2])

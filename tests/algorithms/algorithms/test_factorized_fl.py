@@ -132,7 +132,7 @@ def test_beta_counts_mu_by_its_entries_above_the_threshold():
     fed = make_federation(alg, rounds=1)
     cohort = fed.cohorts[0]
     mu = torch.tensor([2e-3, -1e-3, 9e-4, 0.0, -0.5] + [0.0] * 19, dtype=torch.float64)
-    view = SimpleNamespace(groups=cohort.groups.order, num_examples=5,
+    view = SimpleNamespace(groups=cohort.groups.order, shared_groups=cohort.groups.shared, num_examples=5,
                            message=lambda groups: Message({g: mu.clone() if g == "mu" else torch.zeros(2,
                                                            dtype=torch.float64) for g in groups}, {}, 5))
     sent = alg.upload(view)

@@ -77,7 +77,7 @@ def test_adapt_mixes_parameters_by_the_gompertz_weight_and_keeps_batchnorm_stati
     own_params, own_buffers = work.params.clone(), work.buffers.clone()
     source = {g: t + 0.3 * torch.randn_like(t) for g, t in algo.source_model().items()}
     source["buffers"] = torch.full_like(source["buffers"], 7.0)
-    view = ClientView(fed, cohort, target, 0, Message(extras={"source": source}), {"fda": torch.zeros(2, dtype=torch.float64)})
+    view = ClientView(fed, cohort, target, 0, Message(extras={"source": source}), {})
     g_target = view.mean_gradient("train", 16)
     work.params[cohort.span("body")] = source["body"]
     work.params[cohort.span("head")] = source["head"]
@@ -86,7 +86,7 @@ def test_adapt_mixes_parameters_by_the_gompertz_weight_and_keeps_batchnorm_stati
     algo.adapt(view)
     theta = gradient_angle(g_source, g_target)
     alpha = gompertz_weight(theta, 3.0)
-    assert view.state("fda").tolist() == pytest.approx([alpha, theta])
+    assert view._values.reported["fda"].tolist() == pytest.approx([alpha, theta])  # sent with the upload
     for g in ("body", "head"):
         torch.testing.assert_close(view.group(g), alpha * source[g] + (1 - alpha) * own_params[cohort.span(g)], **TOL)
     assert torch.equal(work.buffers, own_buffers)

@@ -104,8 +104,8 @@ def chunks(monkeypatch):
 
 
 def test_auto_on_a_cpu_sends_plans_with_hooks_to_threads(chunks, capsys):
-    """``threaded_hooks`` (auto on a CPU): Fed-CMA's plan (a begin hook and a loss term) runs
-    threaded with one notice; FedProx's (a grad term only) stays batched."""
+    """``threaded_hooks`` (auto on a CPU): Fed-CMA's plan (a loss term) runs threaded with one
+    notice; FedProx's (a grad term only) stays batched."""
     for name in ("fedcma", "fedprox"):
         algo = make_algorithm(name)
         fed = make_federation(algo, rounds=2, executor="batched")
@@ -114,7 +114,7 @@ def test_auto_on_a_cpu_sends_plans_with_hooks_to_threads(chunks, capsys):
             run_round(fed, algo, r)
     assert {name for name, _ in chunks} == {"fedprox"}
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["pfl: executor batched: fedcma's local plan has begin hooks and loss terms, which run client by "
+    assert err == ["pfl: executor batched: fedcma's local plan has loss terms, which run client by "
                    "client (auto on a CPU); its clients run on the threaded executor"]
 
 

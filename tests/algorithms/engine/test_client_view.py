@@ -42,3 +42,50 @@ def test_evaluate_reports_the_received_and_the_trained_model_and_changes_nothing
         assert abs(seen[k].extras["received"] - cross_entropy(fed, k, received)) < 1e-12
         assert abs(seen[k].extras["current"] - cross_entropy(fed, k, row)) < 1e-12
         assert seen[k].extras["current"] < seen[k].extras["received"]
+
+
+class Sharing(FedAvg):
+    """Hooks that share a task's values without reading each other's leftovers: a begin hook
+    reports a number with the upload, and the begin hook, a loss term and the upload all ask
+    for one cached value, computed once per task (unregistered)."""
+
+    def __init__(self):
+        super().__init__()
+        self.computed = []
+
+    def _value(self, view):
+        def compute():
+            self.computed.append((view.round, view.client))
+            return torch.tensor(float(view.client))
+        return view.cached("value", compute)
+
+    def plan(self, client):
+        from pfl_algorithms.api import Phase
+
+        def begin(view):
+            view.report("began", self._value(view) + 100)
+
+        def term(batch):
+            return batch.logits.new_zeros(()) * self._value(batch.view)
+
+        return (Phase(begin=begin, loss_terms=(term,)),)
+
+    def upload(self, view):
+        return view.message(view.received(), extras={"value": self._value(view)})
+
+
+def test_cached_values_are_computed_once_per_task_and_reports_travel_with_the_upload_on_every_executor():
+    for executor in ("sequential", "threaded", "batched"):
+        algo = Sharing()
+        fed = make_federation(algo, executor=executor, workers=2)
+        seen = {}
+        original = algo.aggregate
+        algo.aggregate = lambda round_, uploads: (seen.update(zip(uploads.clients.tolist(), uploads.messages)),
+                                                  original(round_, uploads))
+        record = run_round(fed, algo, 0)
+        assert sorted(algo.computed) == [(0, 0), (0, 1), (0, 2)], executor
+        for client, message in seen.items():
+            assert float(message.extras["value"]) == client and float(message.extras["began"]) == client + 100
+        plain = FedAvg()
+        # per upload, two float32 scalars more than FedAvg's, counted as the upload is
+        assert record.bits_up == run_round(make_federation(plain, executor=executor), plain, 0).bits_up + 3 * 64

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pfl_algorithms.api import Algorithm, ClassMeans, Message
+from pfl_algorithms.api import Algorithm, ClassMeans, Message, Statistic
 from pfl_algorithms.engine.rounds import run_round
 from pfl_kernels.ops import class_means
 
@@ -63,3 +63,44 @@ def test_a_class_means_request_is_checked_when_made_and_refused_in_a_download():
     message = Message({}, {"means": ClassMeans(torch.zeros(4, 2), torch.zeros(4, dtype=torch.int64), 2)})
     with pytest.raises(TypeError):
         CommLedger().record("down", 0, message)
+
+
+class SampleCount(Statistic):
+    """A statistic of this test's own, to show the request is generic: the sum of each
+    sender's features over ``inputs``, one ``Senders.features`` call per cohort."""
+
+    calls: list = []
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+
+    @classmethod
+    def compute(cls, senders, requests):
+        cls.calls.append(list(senders.clients))
+        features = senders.features(senders.pad([r.inputs for r in requests]))
+        return [features[k, :r.inputs.shape[0]].sum(0) for k, r in enumerate(requests)]
+
+
+class AskingOwn(Asking):
+    def upload(self, view):
+        x, _ = view.examples(view.indices("train")[:4 + view.client])
+        self.alone[view.client] = view.embed(x).sum(0)
+        return Message({}, {"sum": SampleCount(x)})
+
+    def aggregate(self, round_, uploads):
+        self.answers.update(zip(uploads.clients.tolist(), uploads.extras("sum")))
+
+
+@pytest.mark.parametrize("executor", ["sequential", "threaded", "batched"])
+def test_an_algorithms_own_statistic_is_answered_per_cohort_by_every_executor(executor):
+    torch.manual_seed(0)
+    algo = AskingOwn()
+    SampleCount.calls.clear()
+    fed = make_federation(algo, clients=4, sizes=(30, 40, 50, 36), models={"bn": BatchNormNet().double(),
+                                                                           "deep": DeepBatchNormNet().double()},
+                          architectures=["bn", "deep", "bn", "deep"], executor=executor, workers=2)
+    run_round(fed, algo, 0)
+    assert sorted(map(sorted, SampleCount.calls)) == [[0, 2], [1, 3]]  # one call per cohort
+    for client, answer in algo.answers.items():
+        torch.testing.assert_close(answer, algo.alone[client], rtol=1e-12, atol=1e-12)
+    assert set(algo.answers) == set(range(4))
