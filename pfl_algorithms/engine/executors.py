@@ -17,9 +17,10 @@ bit; small models also use cores better one client per core than one op per core
 
 The round loop hands its training tasks to ``run_train(fed, algorithm, tasks, run_one)``, which
 runs each through ``run`` unless the executor trains clients its own way, and answers the
-post-training statistics their uploads ask for (``engine.cohort_stats``).  A task is a pure description (client,
-round, download, plan), so it can be shipped or stacked.  ``engine.executor_factory.make_executor``
-makes the executor a run names (a module of its own: ``batched`` and ``distributed`` import this one).
+post-training statistics their uploads ask for (``engine.cohort_stats``).  A task is a pure
+description (client, round, download, plan), so it can be shipped or stacked.
+``engine.executor_factory.make_executor`` makes the executor a run names (a module of its own:
+``batched`` and ``distributed`` import this one).
 """
 from __future__ import annotations
 
