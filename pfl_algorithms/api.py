@@ -37,17 +37,9 @@ Client state, on the :class:`ClientView` every client hook gets (a loss term: ``
 so that no hook reads what another left behind: ``view.state(name)`` across rounds (declared by
 ``client_state``, checkpointed); within a round's task, ``view.cached(name, compute)`` (computed
 once, by whichever hook asks first) and ``view.report(name, value)`` (sent with the upload).
-For example::
-
-    def plan(self, client):
-        def term(batch):  # a loss term
-            x, y = batch.view.cached("fixed", lambda: fixed_batch(batch.view))
-            ...
-        return (Phase(loss_terms=(term,)),)
-
-    def upload(self, view):
-        x, y = view.cached("fixed", lambda: fixed_batch(view))  # the same tensors, not redrawn
-        return Message({"head": view.group("head").clone()}, {"means": ClassMeans(x, y, 10)})
+Fed-CMA's loss term and upload both take its fixed batch as ``view.cached("fixed_batch",
+lambda: self._fixed_batch(view))``, drawn once a round; FedDAF's ``begin`` hook reports the α
+and θ it finds, and its upload hook never reads them.
 
 Optimizers for server-side state (a generator, a hypernetwork): ``SGD`` and ``Adam`` (``AdamW``:
 ``Adam(decoupled=True)``), ``make_optimizer`` by name, torch.optim's rules over tensors whose
