@@ -108,7 +108,8 @@ def _read_idx_stream(path: Path, stream, ndim: Optional[int], dtype: Optional[np
                          f"{header})")
     dims = struct.unpack(f">{dims_count}I", raw_dims)
     if (ndim is not None and dims_count != ndim) or (dtype is not None and stored.newbyteorder("=") != dtype):
-        raise ValueError(f"{path}: expected {ndim}-dimensional {np.dtype(dtype or stored.newbyteorder('='))} data, "
+        raise ValueError(f"{path}: expected {dims_count if ndim is None else ndim}-dimensional "
+                         f"{np.dtype(dtype or stored.newbyteorder('='))} data, "
                          f"got {dims_count}-dimensional {stored.newbyteorder('=')}")
     count = math.prod(dims)  # Python integers: never wraps
     expected = header + count * stored.itemsize
