@@ -4,40 +4,81 @@
 # augmentation, torchvision comparisons), and the GPU benchmarks, whose JSON lands in
 # benchmarks/results/<suite>_gpu_<device>.json.
 #
+#   bash scripts/gpu_check.sh quick        # the one short GPU check (issue 30), about 6 minutes:
+#                                          #   build, tests (pytest-xdist), kernel benchmarks
+#                                          #   --quick, launch benchmark, executor jobs --quick
 #   bash scripts/gpu_check.sh tests        # pytest tests (CUDA tests included)
 #   bash scripts/gpu_check.sh bench        # every benchmarks/gpu_*.py, full grids
 #   bash scripts/gpu_check.sh bench-quick  # the same with --quick
-#   bash scripts/gpu_check.sh dry-run      # the benchmarks' --dry-run (CPU, Triton interpreter)
+#   bash scripts/gpu_check.sh dry-run      # every stage of quick in its dry-run form, on a CPU
 #
-# Uses the machine's python3 (PYTHON to override), which must hold torch, triton and
-# pytest; nothing is downloaded.  The log goes to $OUT where it is set (the device tool),
-# else to /tmp; the bench stages copy the newest JSON of each suite to $OUT too.
+# quick: each stage runs under its own `timeout`, capped by what is left of a 6-minute budget
+# (GPU_CHECK_BUDGET_S, default 360), so the whole check ends in time even when a stage hangs;
+# a stage that fails or times out is reported and the next one still runs.  Its log and the
+# JSON of the 7 benchmark suites it ran (8 files) go to $OUT where it is set; the JSON also
+# stays in benchmarks/results/ under the device's name.  The closing lines list each stage's
+# status and time.
+#
+# dry-run: the same stages as quick, each in its dry-run form, so that a CPU machine (CI:
+# tests/test_gpu_scripts.py) finds what would break before a GPU is spent: build -> the build
+# tools and the package import; tests -> pytest collects the suite with xdist loaded;
+# benchmarks, launch and executor -> their --dry-run (Triton interpreter, tiny shapes).
+# Fails if any stage fails.
+#
+# Uses the machine's python3 (PYTHON to override), which must hold torch, triton, pytest and
+# pytest-xdist; nothing is downloaded.  The log goes to $OUT where it is set (the device tool),
+# else to /tmp.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 stage=${1:-}
 case "$stage" in
-  tests|bench|bench-quick|dry-run) ;;
-  *) echo "usage: bash scripts/gpu_check.sh tests|bench|bench-quick|dry-run" >&2; exit 2 ;;
+  quick|tests|bench|bench-quick|dry-run) ;;
+  *) echo "usage: bash scripts/gpu_check.sh quick|tests|bench|bench-quick|dry-run" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
 log_dir=${OUT:-${TMPDIR:-/tmp}}
 mkdir -p "$log_dir"
 log="$log_dir/gpu_check_$stage.log"
+: >"$log"
 
-# Build once per machine: the C++ extension must match the installed torch.
-if ! "$PY" -c "import pfl_kernels._C" 2>/dev/null; then
+# The kernel benchmarks of quick and bench-quick (gpu_branch --shared is in bench only).
+KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_branch_aggregate)
+# Stage caps in seconds (quick): the budget cuts the later ones short if the earlier ran long.
+BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
+[ "$stage" != dry-run ] || BUDGET_S=${GPU_CHECK_BUDGET_S:-3600}  # the interpreter on a CPU is slow
+CAP_BUILD=${GPU_CHECK_CAP_BUILD:-150}
+CAP_TESTS=${GPU_CHECK_CAP_TESTS:-150}
+CAP_BENCH=${GPU_CHECK_CAP_BENCH:-40}   # each kernel benchmark
+CAP_LAUNCH=${GPU_CHECK_CAP_LAUNCH:-40}
+CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-90}
+XDIST_WORKERS=${GPU_CHECK_WORKERS:-8}
+
+build() {  # the C++ extension must match the installed torch
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
-fi
+  "$PY" -c "import pfl_kernels._C"
+}
 
-{
+dry_build() {  # what the build needs is there, and the package imports (its ops listed)
+  "$PY" -c "import setuptools, torch.utils.cpp_extension, triton"
+  "$PY" -m pip --version
+  "$PY" -m pfl_kernels >/dev/null
+}
+export PY
+export -f build dry_build  # run_stage runs them under timeout, in a bash of their own
+
+build_if_needed() {
+  if ! "$PY" -c "import pfl_kernels._C" 2>/dev/null; then build; fi
+}
+
+header() {
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
   "$PY" -m pfl_kernels
-} 2>&1 | tee "$log"
+}
 
 run_benchmarks() {  # extra flags for every script
   local status=0 script
-  for script in gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_branch_aggregate gpu_executor; do
+  for script in "${KERNEL_BENCHMARKS[@]}" gpu_executor; do
     echo "== $script $*"
     "$PY" "benchmarks/$script.py" "$@" || status=1
   done
@@ -46,12 +87,85 @@ run_benchmarks() {  # extra flags for every script
   return $status
 }
 
+# ---------------------------------------------------------------- staged runs (quick, dry-run)
+start_s=$SECONDS
+summary=()
+failed=0
+
+# run_stage NAME CAP COMMAND...: COMMAND under `timeout` (CAP, or what is left of the budget),
+# its output into the log; records the stage's status and time.
+run_stage() {
+  local name=$1 cap=$2 left status t0=$SECONDS
+  shift 2
+  left=$((BUDGET_S - (SECONDS - start_s)))
+  if [ "$left" -lt 5 ]; then
+    echo "== stage $name: skipped, the ${BUDGET_S}s budget is spent" | tee -a "$log"
+    summary+=("$name: skipped (budget spent)"); failed=1
+    return 0
+  fi
+  [ "$cap" -le "$left" ] || cap=$left
+  echo "== stage $name (timeout ${cap}s): $*" | tee -a "$log"
+  set +e
+  timeout --kill-after=10 "$cap" "$@" 2>&1 | tee -a "$log"
+  status=${PIPESTATUS[0]}
+  set -e
+  case "$status" in
+    0) summary+=("$name: ok ($((SECONDS - t0))s)") ;;
+    124|137) summary+=("$name: TIMED OUT after ${cap}s"); failed=1 ;;
+    *) summary+=("$name: FAILED (exit $status, $((SECONDS - t0))s)"); failed=1 ;;
+  esac
+}
+
+finish() {
+  {
+    echo "== gpu_check $stage: $((SECONDS - start_s))s"
+    printf '   %s\n' "${summary[@]}"
+  } | tee -a "$log"
+  echo "log: $log"
+}
+
+if [ "$stage" = quick ]; then
+  stamp=$(mktemp)  # the JSON written after it is this run's
+  run_stage build "$CAP_BUILD" bash -c "set -eo pipefail; build"
+  header 2>&1 | tee -a "$log" || true
+  run_stage tests "$CAP_TESTS" "$PY" -m pytest tests -q -p no:cacheprovider -rs -m "not slow" \
+    -n "$XDIST_WORKERS" --dist loadfile
+  for script in "${KERNEL_BENCHMARKS[@]}"; do
+    run_stage "$script" "$CAP_BENCH" "$PY" "benchmarks/$script.py" --quick
+  done
+  run_stage gpu_launch "$CAP_LAUNCH" "$PY" benchmarks/gpu_launch.py --quick
+  run_stage gpu_executor "$CAP_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick
+  finish
+  if [ -n "${OUT:-}" ]; then
+    # at most 8 files come back from $OUT: the log and this run's JSON (one per suite)
+    find benchmarks/results -maxdepth 1 -name '*_gpu_*.json' -newer "$stamp" | head -7 | xargs -r cp -t "$OUT"
+  fi
+  rm -f "$stamp"
+  exit $failed
+fi
+
+if [ "$stage" = dry-run ]; then
+  export TRITON_INTERPRET=1  # before triton is imported: the launchers run on CPU tensors
+  run_stage build 120 bash -c "set -eo pipefail; dry_build"
+  run_stage tests 300 "$PY" -m pytest tests -qq -p no:cacheprovider --collect-only -p xdist -n 0
+  for script in "${KERNEL_BENCHMARKS[@]}"; do
+    run_stage "$script" 300 "$PY" "benchmarks/$script.py" --dry-run
+  done
+  run_stage gpu_branch_shared 300 "$PY" benchmarks/gpu_branch.py --shared --dry-run
+  run_stage gpu_launch 300 "$PY" benchmarks/gpu_launch.py --dry-run
+  run_stage gpu_executor 300 "$PY" benchmarks/gpu_executor.py --dry-run
+  finish
+  exit $failed
+fi
+
+# ---------------------------------------------------------------- single stages
+build_if_needed
+header 2>&1 | tee -a "$log"
 status=0
 case "$stage" in
   tests) "$PY" -m pytest tests -q -p no:cacheprovider -rs 2>&1 | tee -a "$log" || status=1 ;;
   bench) run_benchmarks 2>&1 | tee -a "$log" || status=1 ;;
   bench-quick) run_benchmarks --quick 2>&1 | tee -a "$log" || status=1 ;;
-  dry-run) TRITON_INTERPRET=1 run_benchmarks --dry-run 2>&1 | tee -a "$log" || status=1 ;;
 esac
 echo "log: $log"
 if [ -n "${OUT:-}" ] && [ "$stage" = bench -o "$stage" = bench-quick ]; then

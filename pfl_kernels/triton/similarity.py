@@ -200,6 +200,18 @@ def _epilogue_kernel(
     tl.store(out_ptr + i * M + j, v, mask=m2)
 
 
+def _scratch(like: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Contiguous float32 buffers of ``shapes`` carved from one allocation (one allocator call
+    per op call instead of one per buffer), each starting 16-byte aligned as Triton assumes."""
+    sizes = [math.prod(shape) for shape in shapes]
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += -(-size // 4) * 4  # whole 16-byte units
+    flat = like.new_empty(total, dtype=torch.float32)
+    return [flat[start:start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+
+
 def _split(k: int, m: int, d: int, device: torch.device) -> int:
     """Programs per output tile along D: enough for _WAVES programs per SM, within the cap."""
     tiles = triton.cdiv(k, _BLOCK_K) * triton.cdiv(m, _BLOCK_M)
@@ -234,11 +246,7 @@ def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
     # Each split's share of D, a multiple of BLOCK_D.
     d_per_split = triton.cdiv(triton.cdiv(max(d, 1), split), _BLOCK_D) * _BLOCK_D
     split = triton.cdiv(max(d, 1), d_per_split)
-    part = x.new_empty((split, k, m), dtype=torch.float32)
-    nx = x.new_empty((split, k), dtype=torch.float32)
-    ny = x.new_empty((split, m), dtype=torch.float32)
-    mx = x.new_empty((split, k), dtype=torch.float32)
-    my = x.new_empty((split, m), dtype=torch.float32)
+    part, nx, ny, mx, my = _scratch(x, [(split, k, m), (split, k), (split, m), (split, k), (split, m)])
     m_high = math.sqrt(_Q_HIGH / max(d, 1))
     grid = (triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M), split)
     with _device_guard(x):

@@ -1,0 +1,174 @@
+"""The GPU session's scripts work before a GPU is spent on them (issue 30, items 1 and 5):
+
+* ``benchmarks/gpu_launch.py --dry-run`` (Triton interpreter): every case is built, checked
+  against float64, and its recorded launches replay bare with the same effect;
+* ``scripts/gpu_check.sh quick``: its stages, flags, timeouts, budget and files under $OUT,
+  with a stand-in python that records what it is asked to run (seconds, no GPU);
+* ``scripts/gpu_check.sh dry-run``: every stage in its dry-run form, for real (slow).
+
+    TRITON_INTERPRET=1 python -m pytest tests/test_gpu_scripts.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+KERNEL_BENCHMARKS = ["gpu_factorized", "gpu_branch", "gpu_similarity", "gpu_aggregate", "gpu_branch_aggregate"]
+
+
+# ---------------------------------------------------------------- gpu_launch.py
+
+@pytest.mark.triton_interpret
+@pytest.mark.skipif(not INTERPRET, reason="--dry-run runs in the Triton interpreter (TRITON_INTERPRET=1)")
+def test_launch_dry_run(tmp_path, capsys):
+    pytest.importorskip("triton")
+    from benchmarks import gpu_launch
+
+    path = tmp_path / "launch.json"
+    assert gpu_launch.main(["--dry-run", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {path}" in out and "cases within 25 us" in out
+    payload = json.loads(path.read_text())
+    assert payload["suite"] == "benchmarks/gpu_launch.py" and payload["machine"]["dry_run"] is True
+    rows = payload["rows"]
+    ops = {r["op"] for r in rows}
+    assert {"factorized_weight", "factorized_weight backward", "soft_threshold_", "branch_combine",
+            "branch_combine backward", "project_simplex_", "weighted_average", "pairwise_cosine",
+            "pairwise_sqdist", "similarity_weights", "branch_aggregate", "class_means"} <= ops
+    for r in rows:
+        assert r["max_abs_err"] < 1e-1 and r["public_host_us"] > 0 and r["bare_host_us"] > 0
+        assert r["path"].startswith(("triton (", "library (torch.mm)")), r
+    # the routed paths: dense weighted_average and long float32 rows take cuBLAS, the rest Triton
+    paths = {(r["op"], r["shape"]): r["path"] for r in rows}
+    assert paths[("weighted_average", "K=20 P=257 dense")] == "library (torch.mm)"
+    assert paths[("weighted_average", "K=20 P=257 density~0.05")] == "triton (1 launch)"
+    assert paths[("pairwise_cosine", "K=20 D=65536")] == "library (torch.mm)"
+    assert paths[("pairwise_cosine", "K=20 D=33")] == "triton (3 launches)"
+    assert payload["summary"]["cases"] == len(rows)
+    # the routing and the launch patches are undone
+    from pfl_kernels.triton import aggregate as ta, factorized as tf
+    assert ta._GEMM_DEVICES == ("cuda",) and tf._launch.__module__ == "pfl_kernels.triton.factorized"
+
+
+def test_launch_refuses_without_a_device(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is there")
+    from benchmarks import gpu_launch
+
+    assert gpu_launch.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- gpu_check.sh, with a stand-in python
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-}" >> "$FAKE_LOG"
+if [ -n "${FAKE_SLOW:-}" ] && [[ "$*" == *"$FAKE_SLOW"* ]]; then sleep 20; fi
+if [ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]]; then exit 3; fi
+exit 0
+"""
+
+
+def run_check(tmp_path, stage, **env):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    calls = tmp_path / "calls.log"
+    calls.write_text("")
+    full_env = {**os.environ, "PYTHON": str(fake), "OUT": str(out), "FAKE_LOG": str(calls),
+                "TRITON_INTERPRET": "", **env}
+    proc = subprocess.run(["bash", str(SCRIPT), stage], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=120)
+    return proc, calls.read_text().splitlines(), out
+
+
+def test_quick_runs_every_stage_in_order(tmp_path):
+    proc, calls, out = run_check(tmp_path, "quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert any("-m pip install -q --no-build-isolation --no-deps -e ." in c for c in calls)
+    tests = [c for c in calls if c.startswith("-m pytest tests")]
+    assert len(tests) == 1 and " -n " in tests[0] and '-m not slow' in tests[0]
+    scripts = [c.split()[0] for c in calls if c.startswith("benchmarks/")]
+    assert scripts == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + ["benchmarks/gpu_launch.py",
+                                                                         "benchmarks/gpu_executor.py"]
+    assert all("--quick" in c and "--dry-run" not in c for c in calls if c.startswith("benchmarks/"))
+    log = (out / "gpu_check_quick.log").read_text()
+    for name in ["build", "tests", *KERNEL_BENCHMARKS, "gpu_launch", "gpu_executor"]:
+        assert f"== stage {name} (timeout " in log and f"   {name}: ok" in log
+    assert len(list(out.iterdir())) <= 8
+
+
+def test_a_stage_that_hangs_or_fails_is_reported_and_the_rest_still_runs(tmp_path):
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_SLOW="gpu_launch.py", FAKE_FAIL="gpu_similarity.py",
+                                 GPU_CHECK_CAP_LAUNCH="1")
+    assert proc.returncode == 1
+    log = (out / "gpu_check_quick.log").read_text()
+    assert "gpu_launch: TIMED OUT after 1s" in log and "gpu_similarity: FAILED (exit 3" in log
+    assert "gpu_executor: ok" in log and any(c.startswith("benchmarks/gpu_executor.py") for c in calls)
+
+
+def test_the_budget_caps_every_stage(tmp_path):
+    """A 12 s budget: the slow build stage takes it all, and what is left is skipped."""
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_SLOW="pip install", GPU_CHECK_BUDGET_S="12")
+    assert proc.returncode == 1
+    log = (out / "gpu_check_quick.log").read_text()
+    assert "build: TIMED OUT after 12s" in log and "gpu_executor: skipped (budget spent)" in log
+
+
+def test_dry_run_runs_every_stage_in_its_dry_run_form(tmp_path):
+    proc, calls, out = run_check(tmp_path, "dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not any("pip install" in c for c in calls)
+    assert any(c.startswith("-m pytest tests") and "--collect-only" in c and "-p xdist" in c for c in calls)
+    bench = [c for c in calls if c.startswith("benchmarks/")]
+    assert [c.split()[0] for c in bench] == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + [
+        "benchmarks/gpu_branch.py", "benchmarks/gpu_launch.py", "benchmarks/gpu_executor.py"]
+    assert all("--dry-run" in c and c.endswith("TRITON_INTERPRET=1") for c in bench)
+
+
+@pytest.mark.parametrize("breaks,stage", [("gpu_launch.py", "gpu_launch"), ("import setuptools", "build"),
+                                          ("--collect-only", "tests")])
+def test_dry_run_fails_when_a_stage_would_break(tmp_path, breaks, stage):
+    proc, _, out = run_check(tmp_path, "dry-run", FAKE_FAIL=breaks)
+    assert proc.returncode == 1
+    assert f"   {stage}: FAILED" in (out / "gpu_check_dry-run.log").read_text()
+
+
+def test_quick_reports_a_failed_build(tmp_path):
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_FAIL="import pfl_kernels._C")
+    assert proc.returncode == 1
+    assert "   build: FAILED" in (out / "gpu_check_quick.log").read_text()
+    assert any(c.startswith("benchmarks/gpu_executor.py") for c in calls)  # the rest still ran
+
+
+def test_unknown_stage():
+    proc = subprocess.run(["bash", str(SCRIPT), "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "quick" in proc.stderr
+
+
+# ---------------------------------------------------------------- gpu_check.sh dry-run, for real
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_for_real(tmp_path):
+    """Every stage of the GPU check in its dry-run form with this machine's python: the build
+    tools, the suite's collection with xdist, every benchmark's --dry-run in the interpreter."""
+    pytest.importorskip("triton")
+    pytest.importorskip("xdist")
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(["bash", str(SCRIPT), "dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=3600)
+    log = (tmp_path / "gpu_check_dry-run.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert log.count(": ok (") == 10, log[-2000:]
