@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -462,14 +463,15 @@ void project_row(scalar_t* x, int64_t s, int64_t B, at::opmath_type<scalar_t>* u
   using cum_t = at::acc_type<scalar_t, false>;
   auto rounded = [](acc_t v) { return static_cast<acc_t>(static_cast<scalar_t>(v)); };
   acc_t x_max = static_cast<acc_t>(x[0]);
-  bool nan = false;
+  bool finite = true;
   for (int64_t j = 0; j < B; ++j) {
     const acc_t v = static_cast<acc_t>(x[j * s]);
-    nan |= v != v;
+    finite &= std::isfinite(v);
     x_max = std::max(x_max, v);
   }
-  if (nan || x_max == std::numeric_limits<acc_t>::infinity()) {
-    // Not finite (the Python wrapper refuses such rows): NaN, and no sort of NaN.
+  if (!finite) {
+    // The op's rule for a row holding NaN or +-Inf (the reference's and the Triton kernel's
+    // too; the Python wrapper refuses such rows): the whole row becomes NaN.
     for (int64_t j = 0; j < B; ++j) x[j * s] = std::numeric_limits<scalar_t>::quiet_NaN();
     return;
   }

@@ -23,6 +23,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -53,6 +54,15 @@ void check_args(const at::Tensor& features, const at::Tensor& labels, int64_t nu
   TORCH_CHECK_VALUE(labels.device() == features.device(), "labels must be on features' device ", features.device(),
                     ", got ", labels.device());
   TORCH_CHECK_VALUE(num_classes >= 1, "num_classes must be >= 1, got ", num_classes);
+  // means [K?, C, D]: its element count must be an int64 (at::zeros would fail in the allocator).
+  int64_t elements = 0;
+  const bool overflows =
+      c10::mul_overflows(features.dim() == 3 ? features.size(0) : int64_t{1}, num_classes, &elements) ||
+      c10::mul_overflows(elements, std::max<int64_t>(features.size(-1), 1), &elements);
+  TORCH_CHECK_VALUE(!overflows, "num_classes=", num_classes, " is too large: means of shape ",
+                    features.dim() == 3 ? shape_str({features.size(0), num_classes, features.size(-1)})
+                                        : shape_str({num_classes, features.size(-1)}),
+                    " would have more than 2**63 - 1 elements");
 }
 
 // Per client k: counts[k, c], and (where order is not null) order[k, :] = the sample indices

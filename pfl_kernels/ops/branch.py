@@ -5,7 +5,9 @@ Ops in the ``pfl`` namespace:
 * ``branch_combine(weights, alpha) -> W``: W = Σ_b alpha[..., b] · weights[..., b, *shape].
 * ``branch_combine_backward(grad_w, weights, alpha, output_mask) -> (grad_weights, grad_alpha)``:
   one pass over grad_W; a gradient not asked for is an empty tensor of shape [0].
-* ``project_simplex_(x)``: in place, each row of x [..., B] onto the probability simplex.
+* ``project_simplex_(x)``: in place, each row of x [..., B] onto the probability simplex; a
+  row holding NaN or ±Inf comes out all NaN (every kernel: reference, C++, Triton), as a
+  reduction propagates NaN.  The Python wrapper refuses such input instead.
 
 At the op level ``alpha``'s shape is the leading part of ``weights``' shape: weights
 [B, *shape] with alpha [B], or weights [K, B, *shape] with alpha [K, B].  The Python
@@ -247,6 +249,11 @@ def project_simplex_(x: torch.Tensor) -> torch.Tensor:
     The projection argmin_{p: p ≥ 0, Σp = 1} ‖p − x‖₂ keeps pFedMB's α on the simplex after an
     optimizer step (``simplex='project'``).  Rows of a bank [K, B] are projected in one call.
     Call it under ``torch.no_grad()``.  Returns ``x``.
+
+    Non-finite input: this wrapper refuses x holding NaN or ±Inf (ValueError, x unchanged).
+    The op itself, ``torch.ops.pfl.project_simplex_`` called directly, makes every row
+    holding NaN or ±Inf all NaN and projects the other rows as usual, in every kernel
+    (reference, C++, Triton) alike.
 
     Raises:
         TypeError: x not a floating tensor.  ValueError: x without a last dim of size >= 1,

@@ -21,6 +21,10 @@ grad_features[n] = grad_means[label_n] / n_{label_n} (a gather, plain PyTorch).
 """
 from __future__ import annotations
 
+import functools
+import os
+from typing import Optional
+
 import torch
 
 from ..reference import class_means as ref
@@ -63,8 +67,44 @@ def check_label_values(labels, num_classes) -> None:
         raise ValueError(f"labels must be in [0, num_classes={num_classes}), got labels[{where}] = {int(labels[idx])}")
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def check_output_size(features, num_classes, memory: Optional[int] = None) -> None:
+    """ValueError naming ``num_classes`` when the output cannot exist: means [K?, C, D] with
+    more elements than an int64 counts, or (given ``memory``, bytes) means and counts that
+    need more bytes than that.  Computed in Python integers, which never wrap.  The kernels
+    check the int64 bound (the C++ one too), the wrapper also the memory of the device."""
+    lead = int(features.shape[0]) if features.dim() == 3 else 1
+    dim = int(features.shape[-1])
+    shape = [*([lead] if features.dim() == 3 else []), num_classes, dim]
+    if lead * num_classes * max(dim, 1) > _INT64_MAX:
+        raise ValueError(f"num_classes={num_classes} is too large: means of shape {shape} would have more than "
+                         f"2**63 - 1 elements")
+    need = lead * num_classes * (dim * ref.acc_dtype(features.dtype).itemsize + 8)  # means and int64 counts
+    if memory is not None and need > memory:
+        raise ValueError(f"num_classes={num_classes} is too large: means of shape {shape} and their counts need "
+                         f"{need / 2**30:.1f} GiB, more than the {memory / 2**30:.1f} GiB of memory of "
+                         f"{features.device}")
+
+
+@functools.lru_cache(maxsize=None)
+def device_memory(device: torch.device) -> Optional[int]:
+    """The bytes of memory of ``device`` (a CPU: the machine's physical memory; a CUDA GPU:
+    its total memory), None where that is unknown (other devices, meta)."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        pass
+    return None
+
+
 def _reference_forward(features, labels, num_classes):
     _check_op_args(features, labels, num_classes)
+    check_output_size(features, num_classes)
     check_label_values(labels, num_classes)
     return ref.class_means(features, labels, num_classes)
 
@@ -108,7 +148,8 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
     Args:
         features: [N, D] or [K, N, D], float16/bfloat16/float32/float64.
         labels: [N] or [K, N] (features' leading dims), int64 or int32, in [0, num_classes).
-        num_classes: C >= 1.
+        num_classes: C >= 1, with means [K?, C, D] that fit in int64 elements and in the
+            device's memory.
 
     Returns:
         (means, counts): means [C, D] (or [K, C, D]) in float32 (float64 for float64
@@ -117,8 +158,10 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
 
     Raises:
         TypeError: non-tensor arguments, non-floating features, labels neither int64 nor
-        int32.  ValueError: shapes that do not fit, num_classes < 1, devices that differ,
-        or a label outside [0, num_classes) (naming the label and its index).
+        int32.  ValueError: shapes that do not fit, num_classes < 1 or so large that the
+        output would have more than 2**63 - 1 elements or more bytes than the device's memory
+        (naming num_classes), devices that differ, or a label outside [0, num_classes)
+        (naming the label and its index).
     """
     for name, t in (("features", features), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
@@ -136,6 +179,8 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
                          f"{list(features.shape)}, got {list(labels.shape)}")
     if labels.device != features.device:
         raise ValueError(f"labels must be on the device of features ({features.device}), got {labels.device}")
+    if not torch.compiler.is_compiling():  # traced, the shapes may be symbolic
+        check_output_size(features, num_classes, device_memory(features.device))
     # Labels outside [0, num_classes): checked by the op itself (every kernel), not here.
     return torch.ops.pfl.class_means(features, labels, num_classes)
 

@@ -39,14 +39,19 @@ def project_simplex_(x: torch.Tensor) -> None:
 
     With u = x sorted descending and c = cumsum(u): ρ = max{j : u_j − (c_j − 1)/j > 0},
     θ = (c_ρ − 1)/ρ, and the projection is max(x − θ, 0).
+
+    A row holding NaN or ±Inf has no projection: it comes out all NaN, the other rows as if
+    it were not there (the C++ and Triton kernels do the same).
     """
+    not_finite = ~torch.isfinite(x).all(dim=-1, keepdim=True)
+    v = torch.where(not_finite, 0, x)  # finite rows unchanged: the C++ kernel's arithmetic, bit for bit
     # The projection commutes with adding a constant to a row (θ absorbs it): working on
     # x − max(x) keeps u_1 = 0 in the support even when |x| is beyond 1/eps.
-    x_max = x.amax(dim=-1, keepdim=True)
-    u, _ = torch.sort(x - x_max, dim=-1, descending=True)
+    x_max = v.amax(dim=-1, keepdim=True)
+    u, _ = torch.sort(v - x_max, dim=-1, descending=True)
     c = torch.cumsum(u, dim=-1) - 1
     j = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=x.dtype)
-    support = (u - c / j) > 0  # true for j = 1..ρ (a prefix)
+    support = (u - c / j) > 0  # true for j = 1..ρ (a prefix; ρ >= 1 since u_1 = 0)
     rho = support.sum(-1, keepdim=True)
     theta = torch.gather(c, -1, rho - 1) / rho.to(x.dtype)
-    x.copy_(torch.clamp(x - x_max - theta, min=0))
+    x.copy_(torch.where(not_finite, float("nan"), torch.clamp(v - x_max - theta, min=0)))

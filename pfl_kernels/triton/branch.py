@@ -204,6 +204,8 @@ def _project_simplex_kernel(
         x = tl.load(ptrs, mask=m2, other=0).to(tl.float64)
     else:
         x = tl.load(ptrs, mask=m2, other=0).to(tl.float32)
+    # A row holding NaN or ±Inf comes out all NaN (the op's rule; the reference's too).
+    not_finite = tl.max((m2 & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.int32), axis=1) > 0
     x_max = tl.max(tl.where(m2, x, -float("inf")), axis=1)
     x_max = tl.where(rm, x_max, 0)  # rows past the end: keep them finite
     xs = x - x_max[:, None]
@@ -231,6 +233,7 @@ def _project_simplex_kernel(
     theta = tl.max(tl.where(support & (cnt == rho[:, None]), t, -float("inf")), axis=1)
     theta = tl.where(rm, theta, 0)
     y = tl.maximum(xs - theta[:, None], 0.0)
+    y = tl.where(not_finite[:, None], float("nan"), y)
     tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=m2)
 
 
@@ -322,7 +325,8 @@ def project_simplex_triton_(x: torch.Tensor) -> None:
     x - max(x) (see ``_project_simplex_kernel``), in float32 (float64 for float64): the
     same result up to rounding, ties, all-negative rows and rows already on the simplex
     included, and a right one for rows with entries beyond 1/eps, where the reference's
-    support comes out empty and it raises.  Rows whose leading dims can be viewed as one
+    support comes out empty and it raises.  A row holding NaN or ±Inf comes out all NaN,
+    as in the reference and the C++ kernel.  Rows whose leading dims can be viewed as one
     strided dim are read and written through their strides; others go through a
     contiguous temporary.  Rows longer than 1024 (``_MAX_SIMPLEX_B``) use the plain-PyTorch
     reference.

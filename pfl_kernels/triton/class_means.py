@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..ops import class_means as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
-from ..ops.class_means import _check_op_args, check_label_values
+from ..ops.class_means import _check_op_args, check_label_values, check_output_size
 from ..reference import class_means as _ref
 from .factorized import _check_devices, _device_guard, _launch
 
@@ -55,6 +55,7 @@ def _class_means_kernel(
 def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
     """Triton ``pfl::class_means``: (means [K?, C, D] in the accumulation dtype, counts [K?, C] int64)."""
     means_shape, counts_shape = _check_op_args(features, labels, num_classes)
+    check_output_size(features, num_classes)
     _check_devices(features, labels)
     check_label_values(labels, num_classes)
     acc = _ref.acc_dtype(features.dtype)

@@ -285,6 +285,41 @@ def test_error_project_simplex_bad_input():
         project_simplex_(torch.tensor([[0.2, float("nan")]]))
 
 
+NAN, INF = float("nan"), float("inf")
+# Rows holding NaN or ±Inf (all NaN after the op) between finite rows (projected as usual).
+NON_FINITE_ROWS = [[0.2, NAN, 0.3, 0.1], [0.5, 0.1, -0.3, 2.0], [-INF, 0.0, 1.0, 0.5], [-INF] * 4,
+                   [INF, 0.0, 0.0, 1.0], [NAN] * 4, [1.0, 2.0, 3.0, 4.0], [INF, -INF, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+def test_project_simplex_op_makes_rows_holding_nan_or_inf_nan(kernel, dtype):
+    """The op's documented rule, the same in the C++ kernel (``op`` on CPU) and the reference:
+    a row holding NaN or ±Inf comes out all NaN, the other rows are projected as usual and
+    agree bit for bit between the two."""
+    x = torch.tensor(NON_FINITE_ROWS, dtype=dtype)
+    finite = torch.isfinite(x).all(-1)
+    got = x.clone()
+    (torch.ops.pfl.project_simplex_ if kernel == "op" else ref.project_simplex_)(got)
+    assert got[~finite].isnan().all()
+    assert not got[finite].isnan().any()
+    assert_close(got[finite], sort_based_projection(x[finite]), dtype, "finite rows")
+    by_reference = x.clone()
+    ref.project_simplex_(by_reference)
+    torch.testing.assert_close(got, by_reference, rtol=0, atol=0, equal_nan=True)
+    strided = torch.tensor(NON_FINITE_ROWS, dtype=dtype).t().contiguous().t()  # rows strided by 8
+    (torch.ops.pfl.project_simplex_ if kernel == "op" else ref.project_simplex_)(strided)
+    torch.testing.assert_close(strided, by_reference, rtol=0, atol=0, equal_nan=True)
+
+
+def test_project_simplex_wrapper_refuses_nan_and_leaves_x_unchanged():
+    x = torch.tensor(NON_FINITE_ROWS)
+    before = x.clone()
+    with pytest.raises(ValueError, match="finite"):
+        project_simplex_(x)
+    torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
+
+
 def test_cpu_runs_the_cpp_kernels():
     if any(os.environ.get(v, "0") not in ("", "0") for v in ("PFL_KERNELS_SKIP_EXTENSION",
                                                               "PFL_KERNELS_DISABLE_EXTENSION")):

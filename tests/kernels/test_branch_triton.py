@@ -231,6 +231,22 @@ def test_project_simplex_huge_entries(dtype):
     assert_close(x, want, dtype, "huge entries")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+def test_project_simplex_rows_holding_nan_or_inf_come_out_nan(dtype):
+    """The op's rule, as in the reference and the C++ kernel: a row holding NaN or ±Inf is all
+    NaN after the op, the others are projected as usual."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[0.2, nan, 0.3, 0.1], [0.5, 0.1, -0.3, 2.0], [-inf, 0.0, 1.0, 0.5], [-inf] * 4,
+            [inf, 0.0, 0.0, 1.0], [nan] * 4, [1.0, 2.0, 3.0, 4.0], [inf, -inf, 0.0, 0.0]]
+    x0 = torch.tensor(rows, dtype=dtype, device=DEVICE)
+    x = x0.clone()
+    tb.project_simplex_triton_(x)
+    by_reference = project_ref(x0)
+    finite = torch.isfinite(x0).all(-1)
+    assert x[~finite].isnan().all() and by_reference[~finite.cpu()].isnan().all()
+    check_projection(x[finite], x0[finite], dtype, "finite rows")
+
+
 def test_project_simplex_views():
     """Non-contiguous rows (through their strides or a temporary); the rest untouched."""
     base = torch.randn(6, 8, 10, dtype=F64, device=DEVICE)

@@ -230,3 +230,28 @@ def test_cpu_runs_the_cpp_kernel():
                                                               "PFL_KERNELS_DISABLE_EXTENSION")):
         pytest.skip("the C++ extension is switched off by the environment")
     assert pfl_kernels.backend_info()["pfl::class_means"]["cpu"] == {"implementation": "cpp", "reason": ""}
+
+
+@pytest.mark.parametrize("num_classes, clients, message", [
+    (2**40, None, r"means of shape \[1099511627776, 4\] and their counts need [\d.]+ GiB, more than the [\d.]+ GiB "
+                  r"of memory of cpu"),
+    (2**62, 2, r"means of shape \[2, 4611686018427387904, 4\] would have more than 2\*\*63 - 1 elements"),
+])
+def test_errors_num_classes_too_large_for_the_output(num_classes, clients, message):
+    """One line naming num_classes, not a failure in the allocator (or a storage size that wraps)."""
+    features, labels = make_inputs(3, 4, 2, clients=clients)
+    with pytest.raises(ValueError, match=f"num_classes={num_classes} is too large: {message}") as error:
+        class_means(features, labels, num_classes)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+def test_errors_num_classes_beyond_int64_at_the_op(kernel):
+    """The kernels themselves refuse an output whose element count wraps int64 (C++ on CPU)."""
+    from pfl_kernels.ops.class_means import _reference_forward
+
+    call = torch.ops.pfl.class_means if kernel == "op" else _reference_forward
+    features, labels = make_inputs(3, 4, 2, clients=2)
+    with pytest.raises(ValueError, match=r"num_classes=4611686018427387904 is too large: means of shape "
+                                         r"\[2, 4611686018427387904, 4\]"):
+        call(features, labels, 2**62)

@@ -72,6 +72,14 @@ def test_out_of_range_labels_raise():
         tcm.class_means_triton(features, labels, 4)
 
 
+def test_num_classes_beyond_int64_raises():
+    """The launcher refuses an output whose element count wraps int64, as every kernel does."""
+    features, labels = make_inputs(3, 4, 2, clients=2, seed=4)
+    with pytest.raises(ValueError, match=r"num_classes=4611686018427387904 is too large: means of shape "
+                                         r"\[2, 4611686018427387904, 4\]"):
+        tcm.class_means_triton(features, labels, 2**62)
+
+
 @interpreter_only
 def test_through_dispatcher_and_autograd():
     from pfl_kernels.ops import class_means
