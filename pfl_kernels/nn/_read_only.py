@@ -44,6 +44,17 @@ def _writes_by_name(func) -> bool:
                                         and name not in _FLAG_METHODS)
 
 
+def _shares_memory(result, t: torch.Tensor) -> bool:
+    """Whether ``result`` shares ``t``'s (non-empty) memory: a write to it would write to ``t``."""
+    if not isinstance(result, torch.Tensor) or result.layout != torch.strided or result.device != t.device:
+        return False
+    try:
+        address = result.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+        return False
+    return address != 0 and address == t.untyped_storage().data_ptr()
+
+
 def _guards(t) -> bool:
     # A Parameter made from the weight (nn.Parameter(layer.weight)) is the user's own tensor.
     return isinstance(t, ReadOnlyTensor) and not getattr(t, "_is_param", False)
@@ -70,6 +81,11 @@ class ReadOnlyTensor(torch.Tensor):
 
     _write_error: str
 
+    # Calls run under torch._C.DisableTorchFunctionSubclass, as in torch's own default
+    # __torch_function__, which has no public equivalent (pytorch/pytorch#87990): the public
+    # default (super().__torch_function__) would make every result read-only, clone() and
+    # arithmetic too (tests/kernels/test_public_torch_limits.py), and reading the version
+    # counter of a guarded tensor would call this method again.
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -91,7 +107,7 @@ class ReadOnlyTensor(torch.Tensor):
                 raise ReadOnlyWeightError(message)
 
             def keep_read_only(result):
-                if isinstance(result, torch.Tensor) and any(torch._C._is_alias_of(result, t) for t in guarded):
+                if any(_shares_memory(result, t) for t in guarded):
                     return read_only(result, message)
                 return result
 
@@ -129,8 +145,7 @@ def read_only(tensor: torch.Tensor, write_error: str) -> torch.Tensor:
     """
     if torch.compiler.is_compiling() or type(tensor) is not torch.Tensor:
         return tensor
-    with torch._C.DisableTorchFunctionSubclass():
-        wrapped = tensor.as_subclass(ReadOnlyTensor)
+    wrapped = tensor.as_subclass(ReadOnlyTensor)  # a plain tensor's method: no __torch_function__
     wrapped._write_error = write_error
     return wrapped
 

@@ -12,6 +12,26 @@ Two things are registered here for every op, above the kernels, so no kernel can
   (``_guard_mutation``);
 * ``register_autograd`` registers a backward (and a forward-mode) formula that also works
   inside ``torch.func`` transforms.
+
+Both need private torch API, because the public ``torch.library`` cannot do either
+(tests/kernels/test_public_torch_limits.py fails when a torch release can, so the private
+use can go):
+
+* the redispatch below autograd (``torch._C._AutoDispatchBelowAutograd``,
+  ``torch._C._after_autograd_keyset``, ``OpOverload.redispatch``), which every Python
+  autograd kernel needs, torch's own ``register_autograd`` included: that one fails inside
+  ``torch.func`` (pytorch/pytorch#168393, #170834), takes no forward-mode formula (a
+  ``register_jvp`` was proposed and closed unmerged, pytorch/pytorch#131116), and refuses
+  ops that write an argument, for which it has no replacement;
+* inside a ``torch.func`` transform, functorch's single-level Function
+  (``torch.autograd.function._SingleLevelFunction``,
+  ``torch._functorch.utils.enable_single_level_autograd_function``,
+  ``torch._C._are_functorch_transforms_active``) and the forward-mode grad switch
+  (``torch._C._is_fwd_grad_enabled``, ``torch.autograd.forward_ad._set_fwd_grad_enabled``):
+  what torch.func itself runs a custom Function with, and what upstream's fix of
+  ``register_autograd`` uses (pytorch/pytorch#184974);
+* ``OpOverload._schema``, the only way to read a defined op's arguments (torch.library's
+  own functions read it too).
 """
 from __future__ import annotations
 
@@ -63,7 +83,7 @@ def define_op(schema: str, reference, *, cpu: str = "cpp", cuda: Optional[str] =
     return qualname
 
 
-def op_overload(qualname: str) -> torch._ops.OpOverload:
+def op_overload(qualname: str):
     """``torch.ops.pfl.<name>.<overload>`` for ``'pfl::<name>[.<overload>]'``."""
     name, _, overload = qualname.split("::", 1)[1].partition(".")
     return getattr(getattr(torch.ops.pfl, name), overload or "default")
@@ -71,46 +91,54 @@ def op_overload(qualname: str) -> torch._ops.OpOverload:
 
 def has_kernel(qualname: str, dispatch_key: str) -> bool:
     """Whether a kernel is registered for ``qualname`` under ``dispatch_key`` (e.g. 'CPU')."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key)
+    return op_overload(qualname).has_kernel_for_dispatch_key(dispatch_key)
 
 
-def _guard_mutation(name: str, qualname: str, op: torch._ops.OpOverload) -> None:
+def _guard_mutation(name: str, qualname: str, op) -> None:
     """Make autograd see every write of ``op`` (an op whose schema mutates an argument).
 
     A kernel that writes through a raw pointer (C++, Triton) leaves the version counter of
     the tensor alone, so autograd would silently use the new values where it saved the old
-    ones; the ADInplaceOrView kernel bumps it for every written argument, whichever kernel
-    runs below (torch's own ``custom_op`` does the same).  These ops have no derivative, so
-    the Autograd kernel refuses inputs that need one, as torch's ``out=`` variants do,
-    rather than leave a gradient that ignores the write.
+    ones; the Autograd kernel bumps it for every written argument, whichever kernel runs
+    below.  These ops have no derivative, so it also refuses inputs that need one, as
+    torch's ``out=`` variants do, rather than leave a gradient that ignores the write.
+
+    Private dispatcher API, as in torch's own autograd kernels: ``torch.library`` has no
+    public way to do either for an op defined from a schema.  ``register_autograd`` refuses
+    an op that mutates an argument, and ``custom_op``'s version bump comes only with an op
+    whose default kernel is a Python function, which lets a leaf that requires grad be
+    written without a word (tests/kernels/test_public_torch_limits.py).
     """
-    written = [i for i, arg in enumerate(op._schema.arguments) if arg.alias_info is not None
-               and arg.alias_info.is_write]
-    arg_names = [arg.name for arg in op._schema.arguments]
-
-    def bind(args, kwargs) -> list[Any]:
-        filled, filled_kwargs = torch._library.utils.fill_defaults(op._schema, args, kwargs)
-        return [filled[i] if i < len(filled) else filled_kwargs[arg_names[i]] for i in range(len(arg_names))]
-
-    def ad_inplace_or_view(keyset, *args, **kwargs):
-        values = bind(args, kwargs)
-        torch.autograd.graph.increment_version([values[i] for i in written])
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+    written = [arg.name for arg in op._schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
+    positional = [arg.name for arg in op._schema.arguments if not arg.kwarg_only]
 
     def autograd(keyset, *args, **kwargs):
+        filled, keyword_only = _fill_defaults(op._schema, args, kwargs)
+        values = dict(zip(positional, filled), **keyword_only)
         if torch.is_grad_enabled():
-            needing = [n for n, t in zip(arg_names, bind(args, kwargs))
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            needing = [n for n, t in values.items() if isinstance(t, torch.Tensor) and t.requires_grad]
             if needing:
                 raise RuntimeError(
-                    f"{qualname} writes {', '.join(arg_names[i] for i in written)} in place and has no "
+                    f"{qualname} writes {', '.join(written)} in place and has no "
                     f"derivative, but {', '.join(needing)} requires grad: call it under torch.no_grad()")
+        torch.autograd.graph.increment_version([values[n] for n in written])
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
-    LIB.impl(name, ad_inplace_or_view, "ADInplaceOrView", with_keyset=True)
     LIB.impl(name, autograd, "Autograd", with_keyset=True)
+
+
+def _fill_defaults(schema, args, kwargs) -> tuple[tuple, dict]:
+    """(positional, keyword-only) arguments of a call as the dispatcher passes them, which
+    leaves out trailing arguments at their defaults, with those defaults filled back in."""
+    positional = list(args)
+    keyword_only = {}
+    for i, arg in enumerate(schema.arguments):
+        if arg.kwarg_only:
+            keyword_only[arg.name] = kwargs[arg.name] if arg.name in kwargs else arg.default_value
+        elif i >= len(positional):
+            positional.append(arg.default_value)
+    return tuple(positional), keyword_only
 
 
 def sum_defined(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -125,7 +153,7 @@ class _Call:
     keyword-only arguments, and inside a torch.func transform the caller's (grad, forward
     grad) modes (see ``register_autograd``)."""
 
-    keyset: torch._C.DispatchKeySet
+    keyset: Any  # the DispatchKeySet the autograd kernel was called with
     kwargs: dict
     transform_modes: Optional[tuple[bool, bool]]
 
@@ -139,14 +167,18 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     one gradient per positional input; ``jvp(ctx, *tangents)`` gets one tangent per
     positional input (None where there is none) and returns one per output.
 
-    Unlike ``torch.library.register_autograd``, the formula also runs inside ``torch.func``
-    transforms (grad, jacrev, vmap of grad, jvp, hessian): torch wraps it in an
-    ``autograd.Function`` that functorch refuses (pytorch/pytorch#168393).  Inside a
-    transform it runs as a single-level Function, which is how functorch itself runs
-    autograd there and what newer torch uses for the same fix (pytorch/pytorch#184974): the
-    kernel runs at the transform's level, like a built-in op's autograd kernel, and the
-    redispatch below autograd reaches the levels underneath (a vmap rule, the kernels).
-    Elsewhere it is an ordinary Function, and no Function at all when nothing needs a
+    Unlike ``torch.library.register_autograd``, the formula also runs in forward mode and
+    inside ``torch.func`` transforms (grad, jacrev, vmap of grad, jvp, hessian): torch wraps
+    it in an ``autograd.Function`` that functorch refuses (pytorch/pytorch#168393) and that
+    has no jvp.  Inside a transform it runs as a single-level Function, which is how
+    functorch itself runs autograd there and what upstream's fix uses
+    (pytorch/pytorch#184974): the kernel runs at the transform's level, like a built-in op's
+    autograd kernel, and the redispatch below autograd reaches the levels underneath (a vmap
+    rule, the kernels).  An ordinary Function with a ``setup_context``, the public way into
+    torch.func, cannot be applied there: inside an autograd kernel functorch's
+    ``custom_function_call`` finds no kernel for the Autograd key.  Elsewhere it is an
+    ordinary Function (compiled autograd refuses a single-level one,
+    tests/nn/test_compiled_autograd.py), and no Function at all when nothing needs a
     gradient or a tangent.
     """
     op = op_overload(qualname)
@@ -165,12 +197,15 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
             # A Function runs its forward with (forward-mode) grad off.  Below autograd that
             # changes nothing at this level, but a torch.func level underneath (grad of grad,
             # jacfwd of jacrev) would then record nothing and silently drop its derivatives:
-            # it must see the caller's modes, as under a built-in op.
+            # it must see the caller's modes, as under a built-in op (functorch's own
+            # custom_function_call sets them the same way; without the grad mode
+            # tests/nn/test_functorch.py::test_nested_transforms fails, without the forward
+            # one ::test_hessian_and_jvp).
             grad_enabled, fwd_grad_enabled = call.transform_modes
             with torch.set_grad_enabled(grad_enabled), _set_fwd_grad_enabled(fwd_grad_enabled):
                 output = redispatch(call.keyset, args, call.kwargs)
         ctx.set_materialize_grads(False)
-        inputs, keyword_only = torch._library.utils.fill_defaults(op._schema, args, call.kwargs)
+        inputs, keyword_only = _fill_defaults(op._schema, args, call.kwargs)
         setup_context(ctx, inputs, keyword_only, output)
         return output
 
@@ -204,9 +239,11 @@ def register_autograd(qualname: str, backward: Callable, setup_context: Callable
     single_level_function = type(class_name, (_SingleLevelFunction,), methods)
 
     def autograd_kernel(keyset, *args, **kwargs):
+        # No public API tells whether a torch.func transform is active.
         if not torch._C._are_functorch_transforms_active():
-            # Without an open forward-mode level no input carries a tangent.
-            if forward_ad._current_level < 0 and not (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) \
+                    and all(forward_ad.unpack_dual(t).tangent is None for t in tensors):
                 return redispatch(keyset, args, kwargs)  # nothing to record: no Function
             return function.apply(*args, _Call(keyset, kwargs, None))
         call = _Call(keyset, kwargs, (torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()))

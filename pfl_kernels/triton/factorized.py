@@ -59,7 +59,12 @@ def _tracing() -> bool:
     """Whether a launch is being traced rather than run: under dynamo (torch.compile tracing
     a launcher's Python) or with a torch dispatch mode active (make_fx's proxy mode, a
     FakeTensorMode, functionalization).  A launcher that runs as an op's kernel sees none of
-    these in eager mode: the dispatcher calls it after every mode has had its turn."""
+    these in eager mode: the dispatcher calls it after every mode has had its turn.
+
+    Private torch API: nothing public tells whether a dispatch mode is active (torch's own
+    ``is_in_torch_dispatch_mode``, pytorch/pytorch#122339, is in the private
+    ``torch.utils._python_dispatch``).  tests/kernels/test_launch_path_triton.py covers it:
+    a FakeTensorMode call goes through wrap_triton, an eager one does not."""
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
