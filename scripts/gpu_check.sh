@@ -5,7 +5,7 @@
 # benchmarks/results/<suite>_gpu_<device>.json.
 #
 #   bash scripts/gpu_check.sh quick        # the one short GPU check (issue 30), about 6 minutes:
-#                                          #   build, tests (pytest-xdist), kernel benchmarks
+#                                          #   build, GPU tests (pytest-xdist), kernel benchmarks
 #                                          #   --quick, launch benchmark, executor jobs --quick
 #   bash scripts/gpu_check.sh tests        # pytest tests (CUDA tests included)
 #   bash scripts/gpu_check.sh bench        # every benchmarks/gpu_*.py, full grids
@@ -44,12 +44,16 @@ log="$log_dir/gpu_check_$stage.log"
 
 # The kernel benchmarks of quick and bench-quick (gpu_branch --shared is in bench only).
 KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_branch_aggregate)
+# The test files with CUDA tests (quick; `tests` runs the whole suite): the Triton kernels'
+# (on the GPU, not the interpreter), the executors and augmentation on CUDA, the package.
+GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py tests/algorithms/test_augment.py
+           tests/test_package.py)
 # Stage caps in seconds (quick): the budget cuts the later ones short if the earlier ran long.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 [ "$stage" != dry-run ] || BUDGET_S=${GPU_CHECK_BUDGET_S:-3600}  # the interpreter on a CPU is slow
-CAP_BUILD=${GPU_CHECK_CAP_BUILD:-150}
-CAP_TESTS=${GPU_CHECK_CAP_TESTS:-150}
-CAP_BENCH=${GPU_CHECK_CAP_BENCH:-40}   # each kernel benchmark
+CAP_BUILD=${GPU_CHECK_CAP_BUILD:-120}
+CAP_TESTS=${GPU_CHECK_CAP_TESTS:-120}
+CAP_BENCH=${GPU_CHECK_CAP_BENCH:-35}   # each kernel benchmark
 CAP_LAUNCH=${GPU_CHECK_CAP_LAUNCH:-40}
 CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-90}
 XDIST_WORKERS=${GPU_CHECK_WORKERS:-8}
@@ -128,8 +132,12 @@ if [ "$stage" = quick ]; then
   stamp=$(mktemp)  # the JSON written after it is this run's
   run_stage build "$CAP_BUILD" bash -c "set -eo pipefail; build"
   header 2>&1 | tee -a "$log" || true
-  run_stage tests "$CAP_TESTS" "$PY" -m pytest tests -q -p no:cacheprovider -rs -m "not slow" \
-    -n "$XDIST_WORKERS" --dist loadfile
+  xdist=(-n "$XDIST_WORKERS" --dist loadfile)
+  if ! "$PY" -c "import xdist" 2>/dev/null; then
+    echo "pytest-xdist is not installed here: the tests run in one process" | tee -a "$log"
+    xdist=()
+  fi
+  run_stage tests "$CAP_TESTS" "$PY" -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs -m "not slow" "${xdist[@]}"
   for script in "${KERNEL_BENCHMARKS[@]}"; do
     run_stage "$script" "$CAP_BENCH" "$PY" "benchmarks/$script.py" --quick
   done
@@ -147,7 +155,8 @@ fi
 if [ "$stage" = dry-run ]; then
   export TRITON_INTERPRET=1  # before triton is imported: the launchers run on CPU tensors
   run_stage build 120 bash -c "set -eo pipefail; dry_build"
-  run_stage tests 300 "$PY" -m pytest tests -qq -p no:cacheprovider --collect-only -p xdist -n 0
+  run_stage tests 300 "$PY" -m pytest "${GPU_TESTS[@]}" -qq -p no:cacheprovider -m "not slow" --collect-only \
+    -p xdist -n 0
   for script in "${KERNEL_BENCHMARKS[@]}"; do
     run_stage "$script" 300 "$PY" "benchmarks/$script.py" --dry-run
   done

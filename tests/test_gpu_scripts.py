@@ -97,8 +97,9 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     proc, calls, out = run_check(tmp_path, "quick")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert any("-m pip install -q --no-build-isolation --no-deps -e ." in c for c in calls)
-    tests = [c for c in calls if c.startswith("-m pytest tests")]
+    tests = [c for c in calls if c.startswith("-m pytest")]
     assert len(tests) == 1 and " -n " in tests[0] and '-m not slow' in tests[0]
+    assert "tests/kernels/test_aggregate_triton.py" in tests[0] and "tests/kernels/test_aggregate.py" not in tests[0]
     scripts = [c.split()[0] for c in calls if c.startswith("benchmarks/")]
     assert scripts == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + ["benchmarks/gpu_launch.py",
                                                                          "benchmarks/gpu_executor.py"]
