@@ -68,8 +68,6 @@ dry_build() {  # what the build needs is there, and the package imports (its ops
   "$PY" -m pip --version
   "$PY" -m pfl_kernels >/dev/null
 }
-export PY
-export -f build dry_build  # run_stage runs them under timeout, in a bash of their own
 
 build_if_needed() {
   if ! "$PY" -c "import pfl_kernels._C" 2>/dev/null; then build; fi
@@ -79,6 +77,9 @@ header() {
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
   "$PY" -m pfl_kernels
 }
+
+export PY
+export -f build dry_build header  # run under timeout, in a bash of their own
 
 run_benchmarks() {  # extra flags for every script
   local status=0 script
@@ -131,7 +132,7 @@ finish() {
 if [ "$stage" = quick ]; then
   stamp=$(mktemp)  # the JSON written after it is this run's
   run_stage build "$CAP_BUILD" bash -c "set -eo pipefail; build"
-  header 2>&1 | tee -a "$log" || true
+  timeout 120 bash -c header 2>&1 | tee -a "$log" || true
   xdist=(-n "$XDIST_WORKERS" --dist loadfile)
   if ! "$PY" -c "import xdist" 2>/dev/null; then
     echo "pytest-xdist is not installed here: the tests run in one process" | tee -a "$log"
