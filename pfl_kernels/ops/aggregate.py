@@ -122,6 +122,7 @@ def gemm_weighted_average(weights: torch.Tensor, params: torch.Tensor,
               and not may_overlap(out, weights))
     result = torch.mm(w, theta, out=out) if direct else torch.mm(w, theta)
     if result.shape[0] and result.shape[1] and theta.shape[0] and not bool(torch.isfinite(result[0]).all()):
+        result = None  # the product is freed before the fix-up allocates its own
         result = ref.weighted_average(w, theta)
         direct = False
     result = result.to(params.dtype)

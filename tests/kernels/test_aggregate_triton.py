@@ -22,10 +22,13 @@ if RUNNABLE:
 SHAPES = [(1, 1, 1), (3, 5, 7), (20, 17, 33), (5, 40, 70)]
 
 
-@pytest.fixture(params=["dense", "sparse"])
+@pytest.fixture(params=["dense", "sparse", "gemm"])
 def path(request, monkeypatch):
-    """Force a kernel through the density threshold (dense: never sparse; sparse: always)."""
-    monkeypatch.setattr(ta, "_SPARSE_DENSITY", 0.0 if request.param == "dense" else 2.0)
+    """Force a path through the density threshold (dense: never sparse; sparse: always) and
+    the routing of dense weights (dense: the Triton kernel, also on a GPU; gemm: the cuBLAS
+    form, also in the interpreter)."""
+    monkeypatch.setattr(ta, "_SPARSE_DENSITY", 2.0 if request.param == "sparse" else 0.0)
+    monkeypatch.setattr(ta, "_GEMM_DEVICES", ("cuda", "cpu") if request.param == "gemm" else ())
     return request.param
 
 
@@ -215,12 +218,12 @@ def test_gpu_large_offsets_and_nan():
     big[:, -7:] = params
     big[4, -3] = float("nan")
     w[0, 4] = 0
-    for density in (0.0, 2.0):  # dense and sparse kernels
-        ta._SPARSE_DENSITY = density
+    for density in (0.0, 2.0):  # dense and sparse kernels (not the GEMM form)
+        ta._SPARSE_DENSITY, ta._GEMM_DEVICES = density, ()
         try:
             out = torch.ops.pfl.weighted_average(w, big)
         finally:
-            ta._SPARSE_DENSITY = 0.3
+            ta._SPARSE_DENSITY, ta._GEMM_DEVICES = 0.3, ("cuda",)
         assert torch.isfinite(out[0]).all() and torch.isnan(out[1:, -3]).all()
         assert_close(out[0, -7:], expected(w, params)[0], torch.float32)
     del big
