@@ -7,12 +7,14 @@ One Flower round (``Strategy.start``'s loop; Flower counts rounds from 1, pfl fr
 
     configure_train     start_round -> one Message per training task: the round and client
                         (ConfigRecord) and the download's records (which carry its bits)
-    aggregate_train     the replies -> TrainResults (uploads decoded from their records) ->
-                        finish_round; a reply with an error (the ClientApp raised) or none
-                        within the timeout is a failure, a non-finite client a skip: the others
-                        are aggregated and the run goes on
+    aggregate_train     the replies -> TrainResults (uploads decoded from their records, each
+                        reply checked against what the server knows: ``validate``) ->
+                        finish_round; a reply with an error (the ClientApp raised), none within
+                        the timeout or one that breaks validate's rules is a failure, a
+                        non-finite client a skip: the others are aggregated, the run goes on
     configure_evaluate  on the run's evaluation rounds, every client's evaluation task
-    aggregate_evaluate  per-client accuracy and loss (a failed client's NaN) -> the round's eval
+    aggregate_evaluate  per-client accuracy and loss (a failed or refused client's NaN) -> the
+                        round's eval
 
 The ``arrays`` Flower passes around stay empty: server state is the algorithm's, as natively.
 Node i serves client i: the strategy asks every node its ``partition-id`` (a query message)
@@ -30,11 +32,10 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..engine.client import EvalResult, TrainResult
-from ..engine.local import LocalResult
-from ..engine.rounds import evaluates_after, evaluation_summary, evaluation_tasks, finish_round, start_round
-from . import records
-from .client import CONFIG, EVAL_METRICS, QUERY_METRICS, TRAIN_METRICS
+from ..engine.client import EvalResult
+from ..engine.rounds import evaluates_after, evaluation_summary, evaluation_tasks, start_round
+from . import records, validate
+from .client import CONFIG, QUERY_METRICS
 
 NO_REPLY = "no reply within the round's timeout"
 
@@ -52,7 +53,8 @@ class PflStrategy(Strategy):
 
     Attributes:
         history: one dict per finished round, as a native run's ``metrics.jsonl`` line, plus
-            ``failed`` (client -> reason: the ClientApp raised or did not reply in time) and,
+            ``failed`` (client -> reason: the ClientApp raised, did not reply in time or sent
+            a reply that ``validate`` refuses) and,
             on evaluation rounds, ``eval_failed``.
     """
 
@@ -138,20 +140,16 @@ class PflStrategy(Strategy):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
-        """The replies as training results, and ``finish_round`` (its evaluation is Flower's)."""
+        """The replies as training results, read against what the server knows
+        (:mod:`.validate`: a reply that breaks its rules is its client's failure), and
+        ``finish_round`` (its evaluation is Flower's)."""
         contents, failed = self._by_client(replies, self._start.clients)
-        results = []
-        for client in self._start.clients:
-            if client in contents:
-                train = contents[client][TRAIN_METRICS]
-                upload = (records.decode(contents[client], "up", self.fed.device)
-                          if records.has_message(contents[client], "up") else None)
-                results.append(TrainResult(client, LocalResult(float(train["loss"]), int(train["samples"]),
-                                                               int(train["steps"]), bool(train["finite"])), upload))
-        self._record = finish_round(self.fed, self.algorithm, self._start, results, failed=failed, evaluate=False)
+        results, refused = validate.train_results(self.fed, contents, len(self._start.clients))
+        self._record = validate.finish_round_checked(self.fed, self.algorithm, self._start, results,
+                                                     {**failed, **refused})
         finite = [loss for loss in self._record.train_loss.values() if math.isfinite(loss)]
         return None, MetricRecord({"train-loss": sum(finite) / len(finite) if finite else float("nan"),
-                                   "failed": len(failed), "skipped": len(self._record.skipped)})
+                                   "failed": len(self._record.failed), "skipped": len(self._record.skipped)})
 
     # ------------------------------------------------------------------ evaluation
 
@@ -170,11 +168,10 @@ class PflStrategy(Strategy):
         record, result, failed = self._record, None, {}
         if evaluates_after(self.fed, server_round - 1):
             contents, failed = self._by_client(replies, list(range(self.fed.num_clients)))
+            results, refused = validate.eval_results(self.fed, contents)
+            failed = dict(sorted({**failed, **refused}.items()))
             nan = float("nan")
-            record.eval = evaluation_summary([EvalResult(c, float(contents[c][EVAL_METRICS]["accuracy"]),
-                                                         float(contents[c][EVAL_METRICS]["loss"]),
-                                                         int(contents[c][EVAL_METRICS]["samples"]))
-                                              if c in contents else EvalResult(c, nan, nan, 0)
+            record.eval = evaluation_summary([results.get(c, EvalResult(c, nan, nan, 0))
                                               for c in range(self.fed.num_clients)])
             result = MetricRecord({"mean-accuracy": record.eval["mean_accuracy"]})
         line = {**record.as_dict(), "failed": record.failed}
