@@ -52,7 +52,7 @@ def _header(path: Path, data: bytes) -> dict:
     return {"sha256": digest, "size": size, "start": end + 1}
 
 
-def _refusal_reason(error: Exception) -> str:
+def refusal_reason(error: Exception) -> str:
     """The line of torch's (multi-paragraph) weights_only message that says what was refused."""
     for line in str(error).splitlines():
         line = re.sub(r"^.*WeightsUnpickler error:\s*", "", line).strip()
@@ -84,7 +84,7 @@ def read_checkpoint(path) -> dict:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as error:  # weights_only refuses with UnpicklingError; a crafted zip may fail otherwise
         raise ValueError(f"{path}: refusing to load the checkpoint: it holds something other than tensors, "
-                         f"numbers, strings and containers ({_refusal_reason(error)}); nothing in it was "
+                         f"numbers, strings and containers ({refusal_reason(error)}); nothing in it was "
                          f"run") from None
     if not isinstance(state, dict):
         raise ValueError(f"{path}: not a pfl checkpoint (it holds a {type(state).__name__}, not a dict)")

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import _refusal_reason
+from .checkpoint import refusal_reason
 from .executors import Executor, ThreadedExecutor
 
 # torchrun's environment; a process group is joined when WORLD_SIZE is set.
@@ -146,7 +146,7 @@ def decode(payload: bytes, device, source: str = "a peer"):
             return torch.load(io.BytesIO(payload), map_location=device, weights_only=True)
     except Exception as error:  # weights_only refuses with UnpicklingError; a crafted zip may fail otherwise
         raise ValueError(f"refusing the payload from {source}: it holds something other than tensors, numbers, "
-                         f"strings, containers and the engine's results ({_refusal_reason(error)}); nothing in it "
+                         f"strings, containers and the engine's results ({refusal_reason(error)}); nothing in it "
                          f"was run") from None
 
 
