@@ -45,8 +45,8 @@ Optimizers for server-side state (a generator, a hypernetwork): ``SGD`` and ``Ad
 ``Adam(decoupled=True)``), ``make_optimizer`` by name, torch.optim's rules over tensors whose
 state is a plain dict of tensors (checkpointable as it is): the engine's own client optimizers.
 
-Model converters a ``prepare_model`` may apply: ``pfl_kernels.nn`` (``factorize``, ``multibranch``)
-and, from here, ``fedpara`` (FedPara's low-rank Hadamard layers, ``FEDPARA_LAYERS``).
+Model converters a ``prepare_model`` may apply: ``pfl_kernels.nn`` (``factorize``, ``multibranch``,
+``fedpara``: FedPara's low-rank Hadamard layers, ``FEDPARA_LAYERS``), the last re-exported here.
 
 Subclasses with a ``name`` register themselves in :data:`ALGORITHMS`; adding a method is one
 file in ``pfl_algorithms/algorithms/``.
@@ -57,6 +57,7 @@ import dataclasses
 from typing import ClassVar, Mapping, Optional, Sequence, Union
 
 import torch
+from pfl_kernels.nn.fedpara import FEDPARA_LAYERS, fedpara
 
 from .engine.client import ClientView, Evaluation
 from .engine.cohort import StateSpec
@@ -67,7 +68,6 @@ from .engine.optim import SGD, Adam, make_optimizer
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
 from .models.base import head_parameter_names
-from .models.fedpara import FEDPARA_LAYERS, fedpara
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
                            check_options, field_hints)
 from .statistics import ClassMeans

@@ -25,12 +25,12 @@ Defaults (shared/papers/README.md, the released settings): the label-permuted on
 Table 1's top half (τ = 0, ε = 1, at least 10 kept); for the multi-domain scenario pass
 ``tau=0.95 scale=20 min_keep=4``.  λ = 5e-4 for both the L1 weight and the threshold.
 
-Communication, Table 1: ``pfl_algorithms.costs.table1`` dry-runs our accounting on the
+Communication, Table 1: ``pfl_algorithms.reproduce.costs.table1`` dry-runs our accounting on the
 paper's ResNet-9 (20 clients, 50 rounds).  The paper's "Gb" is gigabytes (10⁹ bytes) of
 float32, both directions: FedAvg 20.594 GB (paper 20.39, +1.0%); α, counted as the paper
 describes it (u and v_last up, u down), 0.263 GB against 0.32 (the released code sends its
 BatchNorm and head as well, which gives 0.320); β's 18.25 GB implies μ sent at 78.9%
-density (21% of μ below the threshold).  Details in ``pfl_algorithms/costs.py``.
+density (21% of μ below the threshold).  Details in ``pfl_algorithms/reproduce/costs.py``.
 """
 from __future__ import annotations
 

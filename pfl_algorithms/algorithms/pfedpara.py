@@ -10,7 +10,7 @@ FedAvg of everything but W2.  The classifier is converted too (the paper factori
 layer): its X1, Y1 and bias form the model's ``head`` group (shared, or local where the
 scenario keeps the head local), its X2, Y2 are in ``w2``.
 
-The rank comes from the paper's ratio γ (``ratio``, ``pfl_algorithms.models.fedpara``):
+The rank comes from the paper's ratio γ (``ratio``, ``pfl_kernels.nn.fedpara``):
 γ = 0.5 is the ratio of the Flower baseline's pFedPara config, which replicates the paper's
 personalization experiment (the paper's text we have does not state γ for it).  What
 travels is W1 with the biases and BatchNorm parameters: on our ResNet-9 at γ = 0.5 that is
@@ -19,7 +19,7 @@ pFedPara at 7.4 against FedAvg's 20.39 (36.3 %), which our count matches within 
 (35.8 %; tests/algorithms/algorithms/test_pfedpara_afl.py).
 Clients are evaluated with the global W1 (and shared groups) and their own W2.
 ``init`` draws the factors: 'variance' (ours: W1, W2 with the replaced weight's variance) or
-'he' (the authors' He-normal per factor; ``pfl_algorithms.models.fedpara``).
+'he' (the authors' He-normal per factor; ``pfl_kernels.nn.fedpara``).
 """
 from __future__ import annotations
 

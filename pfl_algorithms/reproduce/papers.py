@@ -184,7 +184,7 @@ FACTORIZED_FL = Paper(
         # γ = 0.8: the rank ratio at which our count gives the paper's cost (7.4 of FedAvg's
         # 20.39 Gb, 36%; 35.8% at 0.8), which the paper does not state.
         Method("pFedPara", "pfedpara", {"ratio": 0.8}),
-        # The authors' He-normal factor draw (models/fedpara.py), beside ours.
+        # The authors' He-normal factor draw (pfl_kernels/nn/fedpara.py), beside ours.
         Method("pFedPara (init=he)", "pfedpara", {"ratio": 0.8, "init": "he"}),
         Method("Factorized-FL α", "factorized-fl-alpha", {"init": "paper"}),
         Method("Factorized-FL α (init=svd)", "factorized-fl-alpha", {"init": "svd"}),

@@ -144,7 +144,7 @@ def cell_results(runs: list[PlannedRun], metric: str = "final_mean_accuracy") ->
         if summary[metric] is not None:
             cell["accuracy"].append(100 * summary[metric])
             cell["per_seed"][run.seed] = 100 * summary[metric]
-        # The ledger counts gigabits; the papers' "Gb" are gigabytes (pfl_algorithms/costs.py).
+        # The ledger counts gigabits; the papers' "Gb" are gigabytes (pfl_algorithms/reproduce/costs.py).
         cell["gb"].append((summary["comm_gb"]["up"] + summary["comm_gb"]["down"]) / 8)
     return {key: {"accuracy": _mean_std(c["accuracy"]), "gb": _mean_std(c["gb"]), "seeds": len(c["gb"]),
                   "per_seed": c["per_seed"]}

@@ -141,8 +141,8 @@ def test_beta_counts_mu_by_its_entries_above_the_threshold():
 
 
 def test_table1_cost_column_from_a_dry_run():
-    """The dense figures of Factorized-FL's Table 1 (GB, both directions; pfl_algorithms/costs.py)."""
-    from pfl_algorithms.costs import table1
+    """The dense figures of Factorized-FL's Table 1 (GB, both directions; pfl_algorithms/reproduce/costs.py)."""
+    from pfl_algorithms.reproduce.costs import table1
 
     costs = table1()
     assert costs["fedavg"] == pytest.approx(20.594256, rel=1e-9)  # 2,574,282 floats × 4 B × 2000 messages

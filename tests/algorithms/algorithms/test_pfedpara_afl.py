@@ -14,7 +14,7 @@ from pfl_algorithms.algorithms.agnostic_fl import AgnosticFL, ascend_lambda
 from pfl_algorithms.algorithms.pfedpara import PFedPara
 from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.models import build_model
-from pfl_algorithms.models.fedpara import FedParaConv2d, FedParaLinear, fedpara, fedpara_rank
+from pfl_kernels.nn import FedParaConv2d, FedParaLinear, fedpara, fedpara_rank
 from tests.algorithms.engine.test_client_view import cross_entropy
 from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
 

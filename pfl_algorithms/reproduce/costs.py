@@ -49,11 +49,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .algorithms import make_algorithm
-from .data.partition import ClientSplit
-from .engine.federation import EngineSettings
-from .engine.local import LocalSchedule
-from .engine.rounds import federation_for, run_round
+from ..algorithms import make_algorithm
+from ..data.partition import ClientSplit
+from ..engine.federation import EngineSettings
+from ..engine.local import LocalSchedule
+from ..engine.rounds import federation_for, run_round
 
 BYTES = 8  # bits per byte
 
@@ -93,7 +93,7 @@ def mu_density_for(total_bits: float, dense: dict, *, mu_entries: int, clients: 
 def table1(*, clients: int = 20, rounds: int = 50, classes: int = 10) -> dict:
     """Factorized-FL Table 1's cost column from our accounting, in GB (10⁹ bytes): FedAvg and
     Factorized-FL α and β (β with μ = 0, its dense part) on the paper's ResNet-9."""
-    from .models.registry import build_model
+    from ..models.registry import build_model
 
     shape = (3, 32, 32)
     out = {}
