@@ -2,14 +2,19 @@
 Context (``partition-id`` i) and answers each message at once, in order.  No Ray, no network:
 a fast, deterministic way to run :class:`~pfl_algorithms.flower.strategy.PflStrategy` and the
 ClientApp through the same Message API (tests, debugging).  A ClientApp that raises gives an
-error reply, as the simulation and deployment runtimes do."""
+error reply, as the simulation and deployment runtimes do.
+
+Like those runtimes, a LoopbackGrid sets the process's Flower task identity (run 0, the
+SuperLink's node), which flwr >= 1.42 reads to fill in every new ``Message``'s metadata."""
 from __future__ import annotations
 
 import uuid
 from typing import Iterable, Optional
 
 from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
 
 # Flower's code for an exception raised in a ClientApp (flwr.common.constant.ErrorCode).
 CLIENT_APP_RAISED_EXCEPTION = 300
@@ -25,6 +30,9 @@ class LoopbackGrid(Grid):
                                        node_config={"partition-id": node - 1, "num-partitions": num_nodes})
                          for node in range(1, num_nodes + 1)}
         self.down = set(down)
+        # What Flower's runtimes set before a ServerApp runs (run_simulation: task 1 on the
+        # SuperLink's node); Message(...) raises without it.
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 0, SUPERLINK_NODE_ID
         self._replies: dict[str, Message] = {}
 
     def set_run(self, run_id: int) -> None:
