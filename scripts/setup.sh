@@ -103,9 +103,16 @@ if [ "$want" != "$have" ] || ! "$PY" -c "import pfl_kernels" 2>/dev/null; then
 fi
 
 # The Flower extra (pfl_algorithms.flower) when asked: PFL_WITH_FLOWER=1 (scripts/test.sh sets
-# it, so CI runs the Flower tests).  The constraint keeps pip from touching torch.
-if [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" -c "import flwr, ray" 2>/dev/null; then
-  flower=$(sed -n 's/^flower = \["\(.*\)"\]$/\1/p' pyproject.toml)
+# it, so CI runs the Flower tests), unless ray and a flwr within the extra's range are there (a
+# venv with an older flwr is upgraded).  The constraint keeps pip from touching torch.
+flower=$(sed -n 's/^flower = \["\(.*\)"\]$/\1/p' pyproject.toml)
+if [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" - "$flower" 2>/dev/null <<'PYTHON'
+import importlib.metadata, sys
+import ray  # noqa: F401 (the simulation's backend)
+from packaging.requirements import Requirement
+sys.exit(not Requirement(sys.argv[1]).specifier.contains(importlib.metadata.version("flwr")))
+PYTHON
+then
   echo "setup: installing the flower extra ($flower)"
   pip_install -c <(echo "torch==$(torch_version "$PY")") "$flower"
 fi

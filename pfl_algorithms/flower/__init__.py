@@ -14,10 +14,22 @@ Nothing here is imported by the rest of the package: flwr stays optional.
 from __future__ import annotations
 
 
+# The releases the extra allows (pyproject.toml): the app needs 1.42's task identity and CLI.
+SUPPORTED = (1, 42), (2, 0)
+
+
 def require_flwr() -> None:
-    """Raise ImportError (one line, naming the extra) when flwr is not installed."""
+    """Raise ImportError (one line, naming the extra) when flwr is not installed, or is a release
+    outside :data:`SUPPORTED`."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         import flwr  # noqa: F401
-    except ImportError:
+
+        installed = version("flwr")
+    except (ImportError, PackageNotFoundError):
         raise ImportError("Flower is not installed: pip install -e '.[flower]' (the 'flower' extra, "
-                          "flwr[simulation]==1.22.0)") from None
+                          "flwr[simulation]>=1.42,<2)") from None
+    if not SUPPORTED[0] <= tuple(int(part) for part in installed.split(".")[:2]) < SUPPORTED[1]:
+        raise ImportError(f"flwr {installed} is installed; pfl's Flower app needs flwr>=1.42,<2: "
+                          "pip install -e '.[flower]'")
