@@ -239,16 +239,14 @@ def _cmd_flower(args) -> int:
     text = json.dumps(config.as_dict(), sort_keys=True)
     (out / "run_config.toml").write_text(f"pfl-config = {json.dumps(text)}\n"
                                          f"pfl-out = {json.dumps(str(out / 'run'))}\n")
-    (out / "federation.toml").write_text("# for pyproject.toml (or flwr run's --federation-config)\n"
-                                         "[tool.flwr.federations.local-simulation]\n"
-                                         f"options.num-supernodes = {config.clients}\n")
+    (out / "federation.toml").write_text("# flwr run's --federation-config: the simulation, one SuperNode per client\n"
+                                         f"num-supernodes = {config.clients}\n"
+                                         "client-resources-num-cpus = 1\nclient-resources-num-gpus = 0.0\n")
     print(f"wrote {out / 'run_config.toml'} and {out / 'federation.toml'}; launch from the project root:\n"
-          f"  flwr run . local-simulation --run-config {out / 'run_config.toml'} "
-          f"--federation-config 'options.num-supernodes={config.clients}'\n"
-          f"or, on a SuperLink with {config.clients} SuperNodes (node-config partition-id=0..{config.clients - 1}; "
-          f"README: Flower deployment):\n"
-          f"  flwr run APP local-deployment --run-config {out / 'run_config.toml'} "
-          f"--federation-config 'address=\"HOST:CONTROL_PORT\"'\n"
+          f"  flwr run . local --run-config {out / 'run_config.toml'} --federation-config {out / 'federation.toml'}\n"
+          f"or, on a SuperLink with {config.clients} SuperNodes (node-config partition-id=0..{config.clients - 1}) "
+          f"that Flower's config names CONNECTION (README: Flower deployment):\n"
+          f"  flwr run APP CONNECTION --run-config {out / 'run_config.toml'}\n"
           f"(metrics.jsonl and summary.json go to {out / 'run'})")
     return 0
 

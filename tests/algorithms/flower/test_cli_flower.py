@@ -18,8 +18,9 @@ def test_pfl_flower_writes_the_run_config_and_federation_config(tmp_path, capsys
     assert (config.algorithm, config.clients, config.rounds, config.samples_per_client) == ("fedrep", 6, 3, 40)
     assert run_config["pfl-out"] == str(tmp_path.resolve() / "run")
     federation = tomllib.loads((tmp_path / "federation.toml").read_text())
-    assert federation["tool"]["flwr"]["federations"]["local-simulation"]["options"]["num-supernodes"] == 6
-    assert "flwr run . local-simulation --run-config" in capsys.readouterr().out
+    assert federation["num-supernodes"] == 6  # flwr run's --federation-config
+    assert f"flwr run . local --run-config {tmp_path / 'run_config.toml'} " \
+           f"--federation-config {tmp_path / 'federation.toml'}" in capsys.readouterr().out
 
 
 def test_pfl_flower_refuses_bad_settings_in_one_line(tmp_path, capsys):
