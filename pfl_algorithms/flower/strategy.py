@@ -1,4 +1,4 @@
-"""``PflStrategy``: a Flower ``Strategy`` (Message API, flwr 1.22) that drives any registered
+"""``PflStrategy``: a Flower ``Strategy`` (Message API, flwr >= 1.42) that drives any registered
 algorithm's server side through the engine's round steps (``engine.rounds.start_round`` and
 ``finish_round``, as ``run_round`` does natively); it only translates between them and Flower's
 messages.
