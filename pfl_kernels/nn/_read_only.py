@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+# Private: torch has no public pytree module yet (pytorch/pytorch#65761, #175082;
+# tests/kernels/test_public_torch_limits.py says when it has).
 from torch.utils._pytree import tree_flatten, tree_map
 
 

@@ -7,6 +7,8 @@ fix too).
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch.autograd import forward_ad
@@ -138,3 +140,26 @@ def test_default_torch_function_makes_every_result_the_subclass():
     assert type(x.clone()) is Sub and type(x * 2) is Sub
     with torch._C.DisableTorchFunctionSubclass():
         assert type(x.clone()) is torch.Tensor
+
+
+def test_pytree_is_private():
+    """nn/_read_only.py walks a call's arguments and results with torch.utils._pytree: no
+    public pytree module exists yet (pytorch/pytorch#65761; #175082 proposes torch.utils.pytree)."""
+    if importlib.util.find_spec("torch.utils.pytree") is not None:
+        pytest.fail("torch.utils.pytree is public now: nn/_read_only.py may import tree_flatten and tree_map from it")
+
+
+def test_the_dual_level_gate_of_the_autograd_kernel():
+    """ops/_library's autograd kernel skips the Function when no input can carry a tangent.
+    It reads the private forward_ad._current_level for that (about 0.1 us a call, against
+    about 1 us a tensor through the public unpack_dual), and falls back to unpack_dual on a
+    torch without it."""
+    from pfl_kernels.ops._library import _may_carry_tangents
+
+    assert hasattr(forward_ad, "_current_level"), \
+        "forward_ad._current_level is gone: ops/_library asks every tensor through unpack_dual (slower)"
+    x = torch.randn(3, dtype=F64)
+    assert not _may_carry_tangents((x, 2.0))
+    with forward_ad.dual_level():
+        assert not _may_carry_tangents((x, 2.0))
+        assert _may_carry_tangents((forward_ad.make_dual(x, torch.ones_like(x)), 2.0))
