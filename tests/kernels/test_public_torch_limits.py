@@ -80,35 +80,28 @@ def test_a_setup_context_function_cannot_run_in_an_autograd_kernel_under_torch_f
         def backward(ctx, grad):
             return grad * 3
 
-    lib = torch.library.Library("pfl_public_limits_fn", "FRAGMENT")
-    lib.define("triple(Tensor x) -> Tensor")
-    lib.impl("triple", lambda x: x * 3, "CompositeExplicitAutograd")
-    lib.impl("triple", lambda x: Triple.apply(x), "Autograd")
+    LIB.define("triple(Tensor x) -> Tensor")
+    LIB.impl("triple", lambda x: x * 3, "CompositeExplicitAutograd")
+    LIB.impl("triple", lambda x: Triple.apply(x), "Autograd")
     x = torch.randn(3, dtype=F64)
     try:
-        torch.func.grad(lambda t: torch.ops.pfl_public_limits_fn.triple(t).sum())(x)
+        torch.func.grad(lambda t: torch.ops.pfl_public_limits.triple(t).sum())(x)
     except NotImplementedError as e:
         assert "custom_function_call" in str(e)
     else:
         pytest.fail("an autograd.Function applied inside an autograd kernel now works under torch.func: "
                     "ops/_library.register_autograd may use one with setup_context in place of the "
                     "single-level Function")
-    finally:
-        lib._destroy()
 
 
 def test_register_autograd_refuses_an_op_that_writes_an_argument():
     """No public autograd registration exists for soft_threshold_, project_simplex_ or the
     out= variants: ops/_library._guard_mutation is their autograd kernel (version bump and
     refusal of inputs that require grad)."""
-    lib = torch.library.Library("pfl_public_limits_mut", "FRAGMENT")
-    try:
-        lib.define("halve_(Tensor(a!) x) -> ()")
-        lib.impl("halve_", lambda x: x.mul_(0.5) and None, "CompositeExplicitAutograd")
-        with pytest.raises(RuntimeError, match="non-functional"):
-            torch.library.register_autograd("pfl_public_limits_mut::halve_", lambda ctx, grad: grad)
-    finally:
-        lib._destroy()
+    LIB.define("shrink_(Tensor(a!) x) -> ()")
+    LIB.impl("shrink_", lambda x: None, "CompositeExplicitAutograd")
+    with pytest.raises(RuntimeError, match="non-functional"):
+        torch.library.register_autograd("pfl_public_limits::shrink_", lambda ctx, grad: grad)
 
 
 @torch.library.custom_op("pfl_public_limits::halve_", mutates_args=("x",))
