@@ -211,6 +211,7 @@ def shard_federation(algorithm, inputs: torch.Tensor, labels: torch.Tensor, mode
     with ``workers`` tasks at once (None: one per core), no evaluation."""
     from pfl_algorithms.data.partition import ClientSplit
     from pfl_algorithms.engine.federation import EngineSettings
+    from pfl_algorithms.engine.optim import OptimizerSettings
     from pfl_algorithms.engine.local import LocalSchedule
     from pfl_algorithms.engine.rounds import federation_for
 
@@ -218,6 +219,6 @@ def shard_federation(algorithm, inputs: torch.Tensor, labels: torch.Tensor, mode
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     clients = [ClientSplit(train=torch.arange(start, start + size), val=empty, test=empty)
                for start, size in zip(starts, sizes)]
-    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer_settings={"lr": lr, "momentum": 0.0},
+    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer=OptimizerSettings(lr=lr),
                               schedule=LocalSchedule(batch_size=batch, epochs=epochs), workers=workers)
     return federation_for(algorithm, model, inputs, labels, clients, settings)

@@ -26,6 +26,7 @@ from benchmarks._common import Shape
 from pfl_algorithms.algorithms.fedavg import FedAvg
 from pfl_algorithms.data.partition import ClientSplit
 from pfl_algorithms.engine.federation import EngineSettings
+from pfl_algorithms.engine.optim import OptimizerSettings
 from pfl_algorithms.engine.local import LocalSchedule
 from pfl_algorithms.engine.rounds import federation_for
 from pfl_algorithms.models import build_model
@@ -49,7 +50,7 @@ def engine_round():
     inputs, labels, model = job()
     clients = [ClientSplit(train=torch.arange(k * SAMPLES, (k + 1) * SAMPLES), val=torch.empty(0, dtype=torch.int64),
                            test=torch.empty(0, dtype=torch.int64)) for k in range(CLIENTS)]
-    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer_settings={"lr": LR, "momentum": 0.0},
+    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer=OptimizerSettings(lr=LR),
                               schedule=LocalSchedule(batch_size=BATCH, epochs=1))
     algorithm = FedAvg()
     fed = federation_for(algorithm, model, inputs, labels, clients, settings)

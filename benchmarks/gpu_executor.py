@@ -39,6 +39,7 @@ from benchmarks._gpu_common import DRY_RUN_RESULTS, RESULTS, sanitize  # noqa: E
 from pfl_algorithms.algorithms.fedavg import FedAvg  # noqa: E402
 from pfl_algorithms.data.partition import ClientSplit  # noqa: E402
 from pfl_algorithms.engine.federation import EngineSettings  # noqa: E402
+from pfl_algorithms.engine.optim import OptimizerSettings  # noqa: E402
 from pfl_algorithms.engine.local import LocalSchedule, evaluate  # noqa: E402
 from pfl_algorithms.engine.rounds import federation_for, run_round  # noqa: E402
 from pfl_algorithms.models import build_model  # noqa: E402
@@ -68,7 +69,7 @@ def federation(model_name: str, *, factorized: bool, clients: int, samples: int,
     empty = torch.empty(0, dtype=torch.int64)
     splits = [ClientSplit(train=torch.arange(k * samples, (k + 1) * samples), val=empty, test=empty)
               for k in range(clients)]
-    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer_settings={"lr": 0.01, "momentum": 0.9},
+    settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer=OptimizerSettings(lr=0.01, momentum=0.9),
                               schedule=LocalSchedule(batch_size=batch, epochs=1), executor=executor,
                               autocast=autocast)
     algorithm = FedAvg()

@@ -44,6 +44,9 @@ and θ it finds, and its upload hook never reads them.
 Optimizers for server-side state (a generator, a hypernetwork): ``SGD`` and ``Adam`` (``AdamW``:
 ``Adam(decoupled=True)``), ``make_optimizer`` by name, torch.optim's rules over tensors whose
 state is a plain dict of tensors (checkpointable as it is): the engine's own client optimizers.
+``OptimizerSettings`` is an optimizer by name with its settings, checked (``build()`` gives it):
+the run's client optimizer (``Server.lr`` is its lr), which a ``Phase`` overrides
+(``Phase.settings_for``).
 
 Model converters a ``prepare_model`` may apply: ``pfl_kernels.nn`` (``factorize``, ``multibranch``,
 ``fedpara``: FedPara's low-rank Hadamard layers, ``FEDPARA_LAYERS``), the last re-exported here.
@@ -64,7 +67,7 @@ from .engine.cohort import StateSpec
 from .engine.cohort_stats import Senders
 from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import Message, Sparse, Statistic
-from .engine.optim import SGD, Adam, make_optimizer
+from .engine.optim import SGD, Adam, OptimizerSettings, make_optimizer
 from .engine.plan import Batch, Phase
 from .engine.uploads import Uploads
 from .models.base import head_parameter_names
@@ -73,7 +76,7 @@ from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, Po
 from .statistics import ClassMeans
 
 __all__ = ["ALGORITHMS", "Adam", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClassMeans", "ClientView", "Evaluation", "Fraction",
-           "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "Phase",
+           "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "OptimizerSettings", "Phase",
            "PositiveFloat", "PositiveInt", "Range", "SGD", "Senders", "Sparse", "StateSpec", "Statistic", "Uploads",
            "algorithm_class", "fedpara", "head_parameter_names", "make_optimizer"]
 

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Optional, Union
 from .algorithms import ALGORITHMS
 from .data import DATASETS, SCENARIOS
 from .engine.executors import CHOICES as EXECUTOR_CHOICES
-from .engine.optim import OPTIMIZERS
+from .engine.optim import OPTIMIZERS, OptimizerSettings
 from .models import MODELS
 from .option_types import (NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range, check_options,
                            check_value, field_hints, keyword_hints)
@@ -92,6 +92,12 @@ class RunConfig:
         if self.finetune_epochs is not None:
             return self.finetune_epochs
         return ALGORITHMS[self.algorithm].finetune_epochs
+
+    def optimizer_settings(self) -> OptimizerSettings:
+        """The clients' optimizer (``EngineSettings.optimizer``): ``momentum`` is SGD's, which
+        the other optimizers ignore (its default 0.9 would not apply to them)."""
+        momentum = {"momentum": self.momentum} if self.optimizer == "sgd" else {}
+        return OptimizerSettings(self.optimizer, lr=self.lr, weight_decay=self.weight_decay, **momentum)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -252,6 +258,7 @@ def check(config: RunConfig) -> RunConfig:
                          f"(local_steps={config.local_steps}, local_epochs={config.local_epochs})")
     if config.clients_per_round is not None and config.clients_per_round > config.clients:
         raise ValueError(f"clients_per_round={config.clients_per_round} but only clients={config.clients}")
+    config.optimizer_settings()  # raises on settings the optimizer refuses
     ALGORITHMS[config.algorithm].check_config(config)
     _check_scenario_values(config)
     _check_architectures(config)

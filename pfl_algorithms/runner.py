@@ -29,12 +29,6 @@ def default_run_name(config: RunConfig) -> str:
     return f"{config.algorithm}-{config.scenario}-{config.dataset}-seed{config.seed}"
 
 
-def _optimizer_settings(config: RunConfig) -> dict:
-    if config.optimizer == "sgd":
-        return {"lr": config.lr, "momentum": config.momentum, "weight_decay": config.weight_decay}
-    return {"lr": config.lr, "weight_decay": config.weight_decay}
-
-
 def build(config: RunConfig):
     """(federation, algorithm, partition) for ``config`` (checked first)."""
     check(config)
@@ -57,8 +51,7 @@ def build(config: RunConfig):
                      for m in (models.values() if isinstance(models, dict) else [models]))
     executor, why = choose_executor(config.executor, device=config.device, parameters=parameters)
     settings = EngineSettings(rounds=config.rounds, sample=config.sample, clients_per_round=config.clients_per_round,
-                              schedule=schedule, optimizer=config.optimizer,
-                              optimizer_settings=_optimizer_settings(config), eval_every=config.eval_every,
+                              schedule=schedule, optimizer=config.optimizer_settings(), eval_every=config.eval_every,
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=executor,
                               workers=config.workers, finetune_epochs=config.finetune(),
                               chunk_clients=config.chunk_clients, autocast=config.autocast,

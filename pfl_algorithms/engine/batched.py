@@ -276,7 +276,7 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
     names, ranges = phase_parameters(cohort, phase, tasks[0].client)
     trained = None if ranges is None else set(names)
     schedule = phase_schedule(phase, fed.settings.schedule)
-    rates = [phase_optimizer(t.plan[index], fed.settings).lr for t in tasks]
+    rates = [t.plan[index].settings_for(fed.settings.optimizer).lr for t in tasks]
     lrs = None if len(set(rates)) == 1 else torch.tensor(rates, dtype=params.dtype, device=params.device)
     iterators = [iter(client_batches(fed.clients[t.client].train, schedule, generators[i]))
                  for i, t in enumerate(tasks)]

@@ -32,7 +32,6 @@ from torch.nn import functional as F
 from .groups import BUFFERS
 from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate, gather_rows
 from .messages import Message
-from .optim import make_optimizer
 from .plan import Batch, Phase, check_lr_scales, state_names
 
 
@@ -357,14 +356,9 @@ def autocast(mode, device: torch.device):
 
 
 def phase_optimizer(phase: Phase, settings):
-    """The phase's optimizer: the run's, with the phase's lr and settings where it gives them."""
-    name = phase.optimizer or settings.optimizer
-    values = dict(settings.optimizer_settings) if name == settings.optimizer else {"lr": settings.optimizer_settings["lr"]}
-    if phase.lr is not None:
-        values["lr"] = phase.lr
-    values.update(phase.optimizer_settings)
-    values["lr"] = values["lr"] * phase.lr_scale
-    return make_optimizer(name, **values)
+    """The phase's optimizer: the run's (``settings``: EngineSettings), with the phase's
+    overrides merged by ``Phase.settings_for``."""
+    return phase.settings_for(settings.optimizer).build()
 
 
 def phase_lr_scale(cohort, phase: Phase, view: "ClientView") -> Optional[Tensor]:

@@ -24,6 +24,7 @@ from .comm import CommLedger
 from .executor_factory import make_executor
 from .groups import BUFFERS, GroupRule, declare_groups
 from .local import LocalSchedule, conv_layout
+from .optim import OptimizerSettings
 from .seeds import stream_generator
 
 
@@ -42,14 +43,15 @@ class EngineSettings:
     ``threaded_hooks``: the ``batched`` executor sends plans with begin hooks or loss terms to
     threads (``--executor auto`` on a CPU, where that is faster for them).
     ``autocast``: 'bf16' runs the training forward under bfloat16 autocast (None: float32).
+    ``optimizer``: the clients' optimizer and its settings (a phase may override them:
+    ``Phase.settings_for``).
     """
 
     rounds: int = 10
     sample: float = 1.0
     clients_per_round: Optional[int] = None
     schedule: LocalSchedule = field(default_factory=LocalSchedule)
-    optimizer: str = "sgd"
-    optimizer_settings: dict = field(default_factory=lambda: {"lr": 0.01})
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     eval_every: int = 1
     seed: int = 0
     optimizer_state: str = "reset"
@@ -65,6 +67,8 @@ class EngineSettings:
             raise ValueError(f"rounds must be >= 0, got {self.rounds}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
+        if not isinstance(self.optimizer, OptimizerSettings):
+            raise ValueError(f"optimizer must be an OptimizerSettings, got {self.optimizer!r}")
         if self.optimizer_state not in ("reset", "keep"):
             raise ValueError(f"optimizer_state must be 'reset' or 'keep', got {self.optimizer_state!r}")
         if isinstance(self.sample, bool) or not isinstance(self.sample, (int, float)) or not 0 < self.sample <= 1:
@@ -106,7 +110,7 @@ class Server:
     @property
     def lr(self) -> float:
         """The run's client learning rate η (Fed-CMA's server averages move by λ·η, its Eq. 7)."""
-        return float(self._fed.settings.optimizer_settings["lr"])
+        return float(self._fed.settings.optimizer.lr)
 
     def class_counts(self) -> torch.Tensor:
         """Each client's training samples per class, [K, C] float64, in the labels the clients'

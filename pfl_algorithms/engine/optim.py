@@ -21,7 +21,7 @@ generator and pFedHN's hypernetwork step their flat parameter vectors with them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
@@ -154,9 +154,66 @@ class Adam:
 
 OPTIMIZERS = {"sgd": SGD, "adam": Adam, "adamw": lambda **kw: Adam(decoupled=True, **kw)}
 
+# The settings each optimizer takes besides lr (torch.optim's names).
+TAKES = {"sgd": ("momentum", "dampening", "weight_decay", "nesterov"),
+         "adam": ("betas", "eps", "weight_decay"), "adamw": ("betas", "eps", "weight_decay")}
+
 
 def make_optimizer(name: str, **settings):
     """An optimizer by name (``sgd``, ``adam``, ``adamw``) with torch.optim's argument names."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid: {sorted(OPTIMIZERS)}")
     return OPTIMIZERS[name](**settings)
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"optimizer setting {name} must be a number, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """An optimizer by name with its settings (torch.optim's names and defaults): the run's
+    (``EngineSettings.optimizer``, from ``RunConfig``'s optimizer, lr, momentum, weight_decay)
+    and each phase's (``Phase.settings_for`` merges a phase's overrides into the run's).
+
+    A setting the named optimizer does not take must stay at its default (``momentum`` is
+    SGD's, ``betas`` and ``eps`` Adam's); every error is one line naming the setting.
+    ``build()`` gives the optimizer."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or self.name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.name!r}; valid: {', '.join(sorted(OPTIMIZERS))}")
+        for name in ("lr", "momentum", "dampening", "eps", "weight_decay"):
+            _number(name, getattr(self, name))
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"optimizer setting nesterov must be True or False, got {self.nesterov!r}")
+        betas = self.betas
+        if isinstance(betas, (list, tuple)) and len(betas) == 2:
+            object.__setattr__(self, "betas", (_number("betas", betas[0]), _number("betas", betas[1])))
+        else:
+            raise ValueError(f"optimizer setting betas must be two numbers, got {betas!r}")
+        taken = TAKES[self.name]
+        for f in fields(self):
+            if f.name not in ("name", "lr", *taken) and getattr(self, f.name) != f.default:
+                raise ValueError(f"optimizer setting {f.name}={getattr(self, f.name)!r} does not apply to "
+                                 f"{self.name} (it takes lr, {', '.join(taken)})")
+        self.build()  # the optimizer's own checks (lr >= 0, nesterov with momentum, ...)
+
+    def settings(self) -> dict:
+        """The optimizer's keyword arguments: lr and the settings its rule takes."""
+        return {"lr": self.lr, **{name: getattr(self, name) for name in TAKES[self.name]}}
+
+    def build(self):
+        """The optimizer (``SGD`` or ``Adam``) with these settings."""
+        return make_optimizer(self.name, **self.settings())

@@ -32,10 +32,15 @@ Hooks an algorithm can give a phase:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional, Union
 
 from torch import Tensor, nn
+
+from .optim import OPTIMIZERS, OptimizerSettings
+
+# What a phase's optimizer_settings may name (lr and the optimizer have fields of their own).
+PHASE_SETTINGS = tuple(f.name for f in fields(OptimizerSettings) if f.name not in ("name", "lr"))
 
 
 @dataclass
@@ -89,9 +94,9 @@ class Phase:
         optimizer: 'sgd' | 'adam' | 'adamw', None: the run's.  lr: None: the run's.
         lr_scale: multiplies that lr (pFedMB's shared α: the run's lr / L).
         lr_scales: multipliers of that lr per group or parameter tensor (module docstring).
-        optimizer_settings: other settings of the optimizer (momentum, weight_decay, betas,
-            ...), replacing the run's where given; with another optimizer than the run's,
-            the run's settings are not used.
+        optimizer_settings: other settings of the optimizer (``OptimizerSettings``' momentum,
+            weight_decay, betas, ...), replacing the run's where given; with another optimizer
+            than the run's, the run's settings are not used.  ``settings_for`` merges them.
         state: the name of this phase's optimizer state (None: the phase's position in its
             plan, so phases never share state unless they name the same one).
         loss_terms, grad_terms, gradient, batches_per_step, begin, after_step, lr_scales: module
@@ -128,6 +133,13 @@ class Phase:
         _positive_or_none("batches_per_step", self.batches_per_step, allow_zero=False)
         if self.epochs is not None and self.steps is not None:
             raise ValueError(f"Phase takes epochs or steps, not both (epochs={self.epochs}, steps={self.steps})")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Phase optimizer must be one of {', '.join(OPTIMIZERS)} or None, got {self.optimizer!r}")
+        unknown = sorted(set(self.optimizer_settings) - set(PHASE_SETTINGS))
+        if unknown:
+            raise ValueError(f"Phase optimizer_settings has no setting {unknown}; valid: {', '.join(PHASE_SETTINGS)} "
+                             "(the lr and the optimizer are Phase fields)")
+        object.__setattr__(self, "optimizer_settings", dict(self.optimizer_settings))
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and self.lr >= 0):
             raise ValueError(f"Phase lr must be a number >= 0 or None, got {self.lr!r}")
         if not (isinstance(self.lr_scale, (int, float)) and self.lr_scale > 0):
@@ -140,6 +152,19 @@ class Phase:
                              f"got {self.lr_scales!r}")
         if self.batches_per_step != 1 and self.gradient is None:
             raise ValueError("batches_per_step needs a custom gradient (one batch per step otherwise)")
+
+    def settings_for(self, run: OptimizerSettings) -> OptimizerSettings:
+        """This phase's optimizer settings, given the run's: its ``optimizer`` (another than the
+        run's keeps only the run's lr, the rest at their defaults), then its ``lr`` in place of
+        that lr, its ``optimizer_settings`` in place of those they name, and the lr times
+        ``lr_scale`` (its ``lr_scales`` apply per element, in the step: ``engine.optim``)."""
+        name = run.name if self.optimizer is None else self.optimizer
+        values = run.settings() if name == run.name else {"lr": run.lr}
+        if self.lr is not None:
+            values["lr"] = self.lr
+        values.update(self.optimizer_settings)
+        values["lr"] = values["lr"] * self.lr_scale
+        return OptimizerSettings(name, **values)
 
 
 def check_lr_scales(scales: Mapping[str, float]) -> None:

@@ -6,6 +6,7 @@ from torch import nn
 
 from pfl_algorithms.data.partition import ClientSplit
 from pfl_algorithms.engine.federation import EngineSettings
+from pfl_algorithms.engine.optim import OptimizerSettings
 from pfl_algorithms.engine.local import LocalSchedule
 from pfl_algorithms.engine.rounds import federation_for
 
@@ -75,7 +76,7 @@ def make_federation(algorithm, *, clients=3, sizes=(30, 40, 50), rounds=3, sampl
     torch.manual_seed(seed)
     models = TinyNet().to(dtype) if models is None else models
     settings = EngineSettings(rounds=rounds, sample=sample, clients_per_round=clients_per_round, seed=seed,
-                              optimizer=optimizer, optimizer_settings=optimizer_settings or {"lr": lr},
+                              optimizer=OptimizerSettings(optimizer, **(optimizer_settings or {"lr": lr})),
                               workers=workers, executor=executor, optimizer_state=optimizer_state,
                               finetune_epochs=finetune_epochs,
                               schedule=LocalSchedule(batch_size=batch_size, epochs=epochs, steps=steps))

@@ -249,3 +249,34 @@ def test_clients_with_their_own_learning_rates_step_together(chunks, optimizer, 
 
     assert_close_state(run_own("batched"), run_own("sequential"), **TOL)
     assert [clients for _, clients in chunks] == [3, 3]
+
+
+def test_batched_and_sequential_read_each_clients_lr_from_its_phases_settings(monkeypatch):
+    """Both executors take a client's lr from Phase.settings_for over the run's settings (the
+    phase's lr, lr_scale and overrides merged), and the server reads the run's lr."""
+    from pfl_algorithms.algorithms.fedavg import FedAvg
+
+    class OwnRates(FedAvg):  # unnamed: not registered
+        def plan(self, client):
+            return (Phase(lr=0.1 * (1 + client), lr_scale=0.5, optimizer_settings={"momentum": 0.5}),)
+
+    merge = Phase.settings_for
+    read = []
+
+    def spy(phase, run):
+        settings = merge(phase, run)
+        read.append((settings.lr, settings.momentum))
+        return settings
+
+    monkeypatch.setattr(Phase, "settings_for", spy)
+    states, rates = [], []
+    for executor in ("batched", "sequential"):
+        read.clear()
+        algo = OwnRates()
+        fed = make_federation(algo, rounds=1, executor=executor, optimizer_settings={"lr": 0.3, "momentum": 0.9})
+        run_round(fed, algo, 0)
+        assert algo.server.lr == 0.3
+        states.append((fed.state_dict(), algo.state_dict()))
+        rates.append(set(read))
+    assert rates[0] == rates[1] == {(0.1 * (1 + k) * 0.5, 0.5) for k in range(3)}
+    assert_close_state(*states, **TOL)

@@ -12,6 +12,7 @@ from pfl_algorithms.algorithms.fedprox import FedProx
 from pfl_algorithms.algorithms.local import Local
 from pfl_algorithms.data.partition import ClientSplit
 from pfl_algorithms.engine.federation import EngineSettings
+from pfl_algorithms.engine.optim import OptimizerSettings
 from pfl_algorithms.engine.local import LocalSchedule, client_batches, evaluate
 from pfl_algorithms.engine.rounds import federation_for, run_round
 
@@ -63,7 +64,7 @@ def one_client_federation(algorithm, inputs, labels, label_map, schedule, optimi
     torch.manual_seed(0)
     client = ClientSplit(train=torch.arange(2, 35), val=torch.arange(0), test=torch.arange(35, 37),
                          label_map=label_map)
-    settings = EngineSettings(rounds=1, schedule=schedule, optimizer_settings=optimizer_settings)
+    settings = EngineSettings(rounds=1, schedule=schedule, optimizer=OptimizerSettings(**optimizer_settings))
     return federation_for(algorithm, ConvNet().double(), inputs, labels, [client], settings)
 
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
-from pfl_algorithms.engine.optim import SGD, Adam, make_optimizer
+from pfl_algorithms.engine.optim import SGD, Adam, OptimizerSettings, make_optimizer
 from pfl_algorithms.engine.working import WorkingModel
 
 
@@ -133,3 +134,30 @@ def test_unknown_optimizer_lists_valid_names():
 def test_adam_rejects_bad_betas():
     with pytest.raises(ValueError, match="betas"):
         Adam(lr=0.1, betas=(1.0, 0.9))
+
+
+@pytest.mark.parametrize("bad, setting", [
+    (dict(name="rmsprop"), "rmsprop"), (dict(lr="0.1"), "lr"), (dict(lr=-1.0), "lr"), (dict(lr=True), "lr"),
+    (dict(momentum=-0.5), "momentum"), (dict(nesterov=1), "nesterov"), (dict(nesterov=True), "nesterov"),
+    (dict(weight_decay=None), "weight_decay"), (dict(betas=(0.8, 0.9)), "betas"), (dict(eps=1e-6), "eps"),
+    (dict(name="adam", momentum=0.9), "momentum"), (dict(name="adamw", nesterov=True), "nesterov"),
+    (dict(name="adam", betas=(1.0, 0.9)), "betas"), (dict(name="adam", betas=0.9), "betas")])
+def test_optimizer_settings_refuse_a_bad_setting_in_one_line_naming_it(bad, setting):
+    """Types, ranges and settings the named optimizer does not take (momentum is SGD's, betas
+    and eps Adam's): one line naming the setting."""
+    with pytest.raises(ValueError, match=setting) as info:
+        OptimizerSettings(**bad)
+    assert "\n" not in str(info.value)
+
+
+def test_optimizer_settings_build_the_optimizer_with_what_it_takes():
+    assert OptimizerSettings().build() == SGD(lr=0.01)
+    sgd = OptimizerSettings("sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    assert sgd.settings() == {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": True}
+    assert sgd.build() == SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    adamw = OptimizerSettings("adamw", lr=0.01, betas=[0.8, 0.99], eps=1e-6)  # a list, as from JSON
+    assert adamw.betas == (0.8, 0.99)
+    assert adamw.build() == Adam(lr=0.01, betas=(0.8, 0.99), eps=1e-6, decoupled=True)
+    assert set(OptimizerSettings("adam").settings()) == {"lr", "betas", "eps", "weight_decay"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        adamw.lr = 0.1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from torch.nn import functional as F
 from pfl_algorithms.api import Phase
 from pfl_algorithms.algorithms.local import Local
 from pfl_algorithms.engine.client import phase_schedule
+from pfl_algorithms.engine.federation import EngineSettings
 from pfl_algorithms.engine.local import client_batches
+from pfl_algorithms.engine.optim import OptimizerSettings
 from pfl_algorithms.engine.rounds import run_round
 
 from ..algorithms.federation_cases import make_federation
@@ -156,3 +159,34 @@ def test_lr_scales_are_checked():
     fed = make_federation(algo)
     with pytest.raises(ValueError, match="tail"):
         run_round(fed, algo, 0)
+
+
+RUN = OptimizerSettings("sgd", lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("phase, merged", [
+    (Phase(), RUN),
+    (Phase(lr=0.5), replace(RUN, lr=0.5)),
+    (Phase(lr_scale=0.25), replace(RUN, lr=0.1 * 0.25)),
+    (Phase(lr=0.2, lr_scale=0.5, optimizer_settings={"momentum": 0.0}), replace(RUN, lr=0.1, momentum=0.0)),
+    (Phase(optimizer="sgd", optimizer_settings={"nesterov": True}), replace(RUN, nesterov=True)),
+    (Phase(optimizer="adam"), OptimizerSettings("adam", lr=0.1)),  # another optimizer: only the run's lr
+    (Phase(optimizer="adamw", lr=0.01, optimizer_settings={"eps": 1e-6}), OptimizerSettings("adamw", lr=0.01, eps=1e-6)),
+])
+def test_a_phase_overrides_the_runs_optimizer_settings_as_documented(phase, merged):
+    """Phase.settings_for: the phase's optimizer (another keeps only the run's lr), its lr, its
+    optimizer_settings, then the lr times lr_scale."""
+    assert phase.settings_for(RUN) == merged
+
+
+def test_phase_optimizer_overrides_are_checked():
+    with pytest.raises(ValueError, match="'mom'"):
+        Phase(optimizer_settings={"mom": 0.1})
+    with pytest.raises(ValueError, match="'lr'"):
+        Phase(optimizer_settings={"lr": 0.1})
+    with pytest.raises(ValueError, match="rmsprop"):
+        Phase(optimizer="rmsprop")
+    with pytest.raises(ValueError, match="betas=.* does not apply to sgd"):
+        Phase(optimizer_settings={"betas": (0.8, 0.9)}).settings_for(RUN)
+    with pytest.raises(ValueError, match="optimizer must be an OptimizerSettings"):
+        EngineSettings(optimizer="adam")
