@@ -129,6 +129,15 @@ def _add_run_settings(parser, names: dict) -> None:
                              "scenario.alpha=0.3; repeatable (default: none)")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds each option's default to its help, unless the help already says it (a default
+    that depends on other flags: ``--seeds``' 5, or 3 with ``--quick``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The parser of every ``pfl`` command (from the catalog: no torch import)."""
     known = catalog()
@@ -170,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
                                       "rounds and local steps; each method's own optimizer settings where its paper "
                                       "gives them), in three scenarios: permuted labels, FedDAF's noisy target and "
                                       "Fed-CMA's three architectures. Writes <out>/report.md and <out>/plots/.",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=_DefaultsFormatter)
     demo.add_argument("--out", default="runs/demo", help="folder of the demo's runs")
     demo.add_argument("--rounds", type=_positive_int, default=10, help="communication rounds")
     demo.add_argument("--seeds", type=_positive_int, default=1, help="seeds per algorithm")
@@ -185,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     from .reproduce.papers import PAPERS, SCALES
 
     reproduce = sub.add_parser("reproduce", help="regenerate a paper's table: every method, setting and seed",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                               formatter_class=_DefaultsFormatter)
     reproduce.add_argument("paper", choices=list(PAPERS), help="the paper")
     reproduce.add_argument("--scale", choices=SCALES, default="cpu",
                            help="cpu: MNIST/Fashion-MNIST-sized (bash scripts/setup.sh --data), about 20 minutes "

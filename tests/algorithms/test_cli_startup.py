@@ -72,3 +72,13 @@ def test_an_edited_source_rebuilds_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(catalog_module, "_from_cache", None)
     catalog_module.CACHE.write_text("{not json")
     assert catalog_module._cached() == {"algorithms": {"a": "built"}}
+
+
+def test_help_never_says_default_none_beside_its_own_default():
+    """An option whose help states its default (``--seeds``: 5, or 3 with --quick) does not also
+    get argparse's '(default: None)'."""
+    from pfl_algorithms.cli import _parser
+
+    for command in ("reproduce", "demo"):
+        text = _parser()._subparsers._group_actions[0].choices[command].format_help()
+        assert "(default: None)" not in " ".join(text.split()), command
