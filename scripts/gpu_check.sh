@@ -19,8 +19,9 @@
 # stays in benchmarks/results/ under the device's name.  The closing lines list each stage's
 # status and time.
 #
-# dry-run: the same stages as quick, each in its dry-run form, so that a CPU machine (CI:
-# tests/test_gpu_scripts.py) finds what would break before a GPU is spent: build -> the build
+# dry-run: the same stages as quick, each in its dry-run form, so that a CPU machine finds what
+# would break before a GPU is spent (CI runs each of these commands in its own test, listed in
+# tests/test_gpu_scripts.py): build -> the build
 # tools and the package import; tests -> pytest collects the suite with xdist loaded;
 # benchmarks, launch and executor -> their --dry-run (Triton interpreter, tiny shapes).
 # Fails if any stage fails.
