@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from .config import RunConfig, check
+from .plots import series_style
 
 CHANCE = 0.1  # ten classes in every demo dataset
 
@@ -302,12 +303,13 @@ def write_plot(table: Scenario, out: Path, seeds: int) -> Optional[Path]:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(8, 5))
-    for row in table.members:
+    for index, row in enumerate(table.members):
         histories = [_history(out / table.key / f"{row.folder}-seed{s}", table.metric) for s in range(seeds)]
         rounds = [r for r, _ in histories[0]]
         mean = [statistics.fmean(h[i][1] for h in histories) for i in range(len(rounds))]
         baseline = row.label in table.baselines
-        ax.plot(rounds, mean, "--" if baseline else "-", label=row.label, linewidth=2 if baseline else 1.2)
+        ax.plot(rounds, mean, "--" if baseline else "-", label=row.label, linewidth=2 if baseline else 1.2,
+                **series_style(index))
     ax.set_xlabel("round")
     ax.set_ylabel("target accuracy (%)" if table.metric.startswith("target_") else "mean client accuracy (%)")
     ax.set_title(table.title, fontsize=10)

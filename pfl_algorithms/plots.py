@@ -8,6 +8,13 @@ from __future__ import annotations
 from .engine.rundir import RunDirectory
 
 
+def series_style(index: int) -> dict:
+    """matplotlib line settings that tell ``index``'s line apart from every other of a figure
+    with up to 40 lines: matplotlib's 10 colours, then again with another marker for each
+    further ten (its default cycle repeats colours after 10, and the tables have up to 27 rows)."""
+    return {"color": f"C{index % 10}", "marker": ("", "o", "s", "^")[(index // 10) % 4], "markersize": 3}
+
+
 def _percent(accuracy) -> float:
     """An accuracy in %; NaN (a gap in the plot) for one with no value (null in metrics.jsonl)."""
     return float("nan") if accuracy is None else 100 * accuracy

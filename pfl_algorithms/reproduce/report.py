@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..atomic_io import atomic_write_bytes
+from ..plots import series_style
 from .campaign import PlannedRun, budget_lines, settings_of, slug
 from .folder import claim_files
 from .papers import Claim, Paper
@@ -216,7 +217,7 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path, 
     written = []
     for setting in settings_of(paper, scale, quick):
         figures = {name: plt.subplots(figsize=(6, 4)) for name in PLOT_NAMES}
-        for method in paper.methods:
+        for index, method in enumerate(paper.methods):
             histories = [_history(r, paper.metric) for r in runs if r.method is method and r.setting is setting]
             length = min((len(h) for h in histories), default=0)
             if not length:
@@ -225,8 +226,8 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path, 
             rounds = [histories[0][i][0] for i in range(length)]
             accuracy = [mean(i, 1) for i in range(length)]
             gigabits = [mean(i, 2) for i in range(length)]
-            figures["accuracy_vs_round"][1].plot(rounds, accuracy, label=method.label)
-            figures["accuracy_vs_bits"][1].plot(gigabits, accuracy, label=method.label)
+            figures["accuracy_vs_round"][1].plot(rounds, accuracy, label=method.label, **series_style(index))
+            figures["accuracy_vs_bits"][1].plot(gigabits, accuracy, label=method.label, **series_style(index))
         for name, (fig, ax) in figures.items():
             ax.set(xlabel="round" if name.endswith("round") else "communicated (Gb, up + down)",
                    ylabel=("target" if paper.metric.startswith("target_") else "mean personalized")
