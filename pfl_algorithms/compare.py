@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+import statistics
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -35,12 +35,10 @@ class DuplicateSeedWarning(UserWarning):
     """Two run directories hold the same experiment with the same seed."""
 
 
-def _mean_std(values: list[float]) -> tuple[float, Optional[float]]:
-    """(mean, sample std); the std is None for one value (one seed has no spread, not 0)."""
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+def mean_std(values: list[float]) -> tuple[float, Optional[float]]:
+    """(mean, sample std) of at least one value; the std is None for one value (one seed has
+    no spread, not 0).  The tables of compare, reproduce and the demo all use it."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
 def find_summaries(paths: list[str]) -> list[dict]:
@@ -190,11 +188,11 @@ def comparison_rows(summaries: list[dict]) -> list[dict]:
             "runs": [r["_path"] for r in runs],
             # How many runs have no final accuracy (diverged, or nothing to evaluate): not in the mean.
             "final_missing": len(runs) - len(final),
-            "final_accuracy": _mean_std(final) if final else None,
-            "best_accuracy": _mean_std(best) if best else None,
-            "target_best_accuracy": _mean_std(target) if target else None,
-            "comm_gb": _mean_std([r["comm_gb"]["up"] + r["comm_gb"]["down"] for r in runs]),
-            "wall_s": _mean_std([r["train_wall_s_total"] for r in runs]),
+            "final_accuracy": mean_std(final) if final else None,
+            "best_accuracy": mean_std(best) if best else None,
+            "target_best_accuracy": mean_std(target) if target else None,
+            "comm_gb": mean_std([r["comm_gb"]["up"] + r["comm_gb"]["down"] for r in runs]),
+            "wall_s": mean_std([r["train_wall_s_total"] for r in runs]),
         })
     rows.sort(key=lambda r: (*(str(r[n]) for n in NAMES), format_settings(r["settings"])))
     return rows

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .compare import mean_std
 from .config import RunConfig, check
 from .plots import series_style
 
@@ -232,10 +233,9 @@ def _cell(values: list[float], runs: int = 0) -> str:
     ``runs`` seeds it is over where some have no accuracy (diverged: never scored)."""
     if not values:
         text = "-" if not runs else "n/a"
-    elif len(values) == 1:
-        text = f"{values[0]:.2f}"
     else:
-        text = f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+        mean, std = mean_std(values)
+        text = f"{mean:.2f}" if std is None else f"{mean:.2f} ± {std:.2f}"
     return text + (f" ({len(values)}/{runs} seeds)" if len(values) < runs else "")
 
 

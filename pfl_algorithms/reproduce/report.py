@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..atomic_io import atomic_write_bytes
+from ..compare import mean_std
 from ..plots import series_style
 from .campaign import PlannedRun, budget_lines, settings_of, slug
 from .folder import claim_files
@@ -67,10 +68,8 @@ METRIC_TEXT = {"final_mean_accuracy": "final-round mean personalized test accura
 
 
 def _mean_std(values: list[float]) -> Optional[tuple[float, Optional[float]]]:
-    """(mean, sample std) over seeds; the std is None for one seed (no spread, not 0)."""
-    if not values:
-        return None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+    """(mean, sample std) over seeds (``compare.mean_std``), None for no seed."""
+    return mean_std(values) if values else None
 
 
 def _unreadable(run: PlannedRun, path: Path, error: Exception) -> ValueError:
