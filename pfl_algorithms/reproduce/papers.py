@@ -159,8 +159,8 @@ DEFAULT_SEEDS = 5
 
 # Why the CPU scale keeps LeNet-5 for the papers that use ResNet-9 (benchmarks/reproduce_model_cost.py).
 _CPU_MODEL_NOTE = ("The CPU scale runs LeNet-5 with BatchNorm, not the paper's ResNet-9: a run of ResNet-9 narrowed to "
-                   "width 8 (8, 16, 32 channels; model option width) takes 2.5-3x a LeNet-5 run (FedAvg and "
-                   "Factorized-FL β; benchmarks/reproduce_model_cost.py), so the table would take about an hour "
+                   "width 8 (8, 16, 32 channels; model option width) took 2.5-3x a LeNet-5 run (FedAvg and "
+                   "Factorized-FL β; benchmarks/reproduce_model_cost.py, on a loaded machine), so the table would take about an hour "
                    "on 2 cores, three times its budget.")
 
 # Factorized-FL's matching settings from the released code (README facts): τ, ε (``scale``) and
