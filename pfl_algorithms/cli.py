@@ -65,6 +65,7 @@ FLAGS = {
     "seed": (int, "seed of the partition, the initialization and every draw"),
     "device": (str, "cpu or cuda[:N]"),
     "eval_every": (int, "evaluate every N rounds (and after the last)"),
+    "eval_role": (str, "evaluate only the clients with this role (fda: target)"),
     "executor": (str, "where client tasks run: threaded or sequential (bitwise the same results), batched "
                       "(a cohort's clients in one vmapped forward/backward; the same up to float reassociation), "
                       "auto (batched on CUDA; on a CPU by model size), or distributed (under torchrun: clients sharded "
@@ -81,7 +82,7 @@ FLAGS = {
                              "state; never stored or sent)"),
 }
 # What a default of None means, for the help of the flags whose RunConfig default is None.
-_NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "samples_per_client": "all of a client's share",
+_NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "eval_role": "every client", "samples_per_client": "all of a client's share",
                "executor": "threaded on a CPU, batched on CUDA", "workers": "one per CPU core", "chunk_clients": "as many as free memory holds", "autocast": "none: float32", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
                "keep_head_local": "true in the permuted and multi-domain scenarios, else false",
                "finetune_epochs": "the algorithm's: 0, fedavg-ft 1"}

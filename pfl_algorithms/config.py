@@ -65,6 +65,9 @@ class RunConfig:
     sample: Annotated[float, Range(gt=0, le=1)] = 1.0
     clients_per_round: Optional[PositiveInt] = None  # a count; None: use sample
     eval_every: PositiveInt = 1
+    # Evaluate only the clients with this role (fda: "target", the one client whose accuracy
+    # FedDAF's tables report); None: every client.
+    eval_role: Optional[str] = None
     checkpoint_every: PositiveInt = 1
     seed: NonNegativeInt = 0
     device: str = "cpu"
@@ -265,6 +268,7 @@ def check(config: RunConfig) -> RunConfig:
     _check_validation_split(config)
     _check_samples_per_client(config)
     _check_roles(config)
+    _check_head(config)
     if config.augment is not None:
         from .data.augment import make_augmentation
 
@@ -285,13 +289,32 @@ SCENARIO_ROLES = {"fda": ("source", "target")}
 
 def _check_roles(config: RunConfig) -> None:
     """An algorithm that needs client roles (FedDAF's source and target) refuses a scenario
-    that does not give them."""
+    that does not give them; so does ``eval_role``."""
+    given = SCENARIO_ROLES.get(config.scenario, ())
+    if config.eval_role is not None and config.eval_role not in given:
+        raise ValueError(f"eval_role={config.eval_role!r}: scenario {config.scenario!r} gives "
+                         + (f"the roles {', '.join(given)}" if given else "no client roles")
+                         + "; expected one of them or none (evaluate every client)")
     needed = ALGORITHMS[config.algorithm].capabilities.roles
     missing = [r for r in needed if r not in SCENARIO_ROLES.get(config.scenario, ())]
     if missing:
         givers = [name for name, roles in SCENARIO_ROLES.items() if set(needed) <= set(roles)]
         raise ValueError(f"{config.algorithm!r} needs clients with the roles {', '.join(needed)}, which scenario "
                          f"{config.scenario!r} does not give; use --scenario {' or '.join(givers)}")
+
+
+def _check_head(config: RunConfig) -> None:
+    """An algorithm that shares the classifier head refuses a run that keeps it local, and one
+    that keeps it local by definition refuses ``keep_head_local=False`` (``Capabilities.head``)."""
+    head = ALGORITHMS[config.algorithm].capabilities.head
+    if head == "shared" and config.head_local():
+        why = ("keep_head_local=True" if config.keep_head_local else
+               f"scenario {config.scenario!r} keeps it local by default")
+        raise ValueError(f"{config.algorithm!r} shares the classifier head, but this run keeps it local ({why}); "
+                         "run it with --keep-head-local false")
+    if head == "local" and config.keep_head_local is False:
+        raise ValueError(f"{config.algorithm!r} keeps the classifier head local by definition: keep_head_local=False "
+                         "conflicts with it")
 
 
 def _check_validation_split(config: RunConfig) -> None:

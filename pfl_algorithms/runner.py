@@ -52,6 +52,7 @@ def build(config: RunConfig):
     executor, why = choose_executor(config.executor, device=config.device, parameters=parameters)
     settings = EngineSettings(rounds=config.rounds, sample=config.sample, clients_per_round=config.clients_per_round,
                               schedule=schedule, optimizer=config.optimizer_settings(), eval_every=config.eval_every,
+                              eval_role=config.eval_role,
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=executor,
                               workers=config.workers, finetune_epochs=config.finetune(),
                               chunk_clients=config.chunk_clients, autocast=config.autocast,

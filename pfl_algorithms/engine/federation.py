@@ -37,6 +37,7 @@ class EngineSettings:
     from fresh optimizer state, as FedAvg-style code does) or 'keep' (each client's state
     persists in its bank rows).  ``executor``: where client tasks run ('threaded', the CPU
     default, or 'sequential'); ``workers``: tasks at once for 'threaded' (None: one per core).
+    ``eval_role``: evaluate only the clients with this role (None: every client).
     ``finetune_epochs``: before evaluation, each client fine-tunes a scratch copy of its
     evaluation model for that many epochs (``rounds.finetune_phase``; 0: none).
     ``chunk_clients``: clients per chunk of the ``batched`` executor (None: from free memory).
@@ -53,6 +54,7 @@ class EngineSettings:
     schedule: LocalSchedule = field(default_factory=LocalSchedule)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     eval_every: int = 1
+    eval_role: Optional[str] = None
     seed: int = 0
     optimizer_state: str = "reset"
     executor: str = "threaded"
@@ -215,6 +217,9 @@ class Federation:
             if not ids or ids[0] < 0 or ids[-1] >= len(clients) or len(set(ids)) != len(ids):
                 raise ValueError(f"role {role!r} must name distinct clients in [0, {len(clients)}), got {list(members)}")
             self.roles[role] = tuple(ids)
+        if settings.eval_role is not None and settings.eval_role not in self.roles:
+            raise ValueError(f"eval_role={settings.eval_role!r} names no role of this federation's clients "
+                             f"(roles: {', '.join(sorted(self.roles)) or 'none'})")
         models = {"model": models} if isinstance(models, nn.Module) else dict(models)
         if architectures is None:
             if len(models) != 1:

@@ -208,9 +208,16 @@ def evaluation_task(fed: Federation, algorithm, client: int, split: str) -> Eval
     return EvalTask(client, fed.round, split, evaluation)
 
 
+def evaluated_clients(fed: Federation) -> list[int]:
+    """The clients an evaluation scores, in order: every client, or those with the run's
+    ``eval_role`` (fda's target, whose accuracy FedDAF's tables report)."""
+    role = fed.settings.eval_role
+    return list(range(fed.num_clients)) if role is None else list(fed.roles[role])
+
+
 def evaluation_tasks(fed: Federation, algorithm, split: str = "test") -> list[EvalTask]:
-    """Every client's :func:`evaluation_task`, in client order."""
-    return [evaluation_task(fed, algorithm, c, split) for c in range(fed.num_clients)]
+    """The :func:`evaluation_task` of every client :func:`evaluated_clients` names, in client order."""
+    return [evaluation_task(fed, algorithm, c, split) for c in evaluated_clients(fed)]
 
 
 def evaluation_summary(results: list[EvalResult], split: str = "test") -> dict:

@@ -33,7 +33,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from ..engine.client import EvalResult
-from ..engine.rounds import evaluates_after, evaluation_summary, evaluation_tasks, start_round
+from ..engine.rounds import evaluated_clients, evaluates_after, evaluation_summary, evaluation_tasks, start_round
 from . import records, validate
 from .client import CONFIG, QUERY_METRICS
 
@@ -155,7 +155,7 @@ class PflStrategy(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """On evaluation rounds, every client's evaluation task as a message (none otherwise)."""
+        """On evaluation rounds, each evaluated client's evaluation task as a message (none otherwise)."""
         if not evaluates_after(self.fed, server_round - 1):
             return []
         return [self._message(task.client, {"round": task.round, "split": task.split,
@@ -167,12 +167,13 @@ class PflStrategy(Strategy):
         """Close the round: its evaluation (if any) joins its record in :attr:`history`."""
         record, result, failed = self._record, None, {}
         if evaluates_after(self.fed, server_round - 1):
-            contents, failed = self._by_client(replies, list(range(self.fed.num_clients)))
+            evaluated = evaluated_clients(self.fed)
+            contents, failed = self._by_client(replies, evaluated)
             results, refused = validate.eval_results(self.fed, contents)
             failed = dict(sorted({**failed, **refused}.items()))
             nan = float("nan")
             record.eval = evaluation_summary([results.get(c, EvalResult(c, nan, nan, 0))
-                                              for c in range(self.fed.num_clients)])
+                                              for c in evaluated])
             result = MetricRecord({"mean-accuracy": record.eval["mean_accuracy"]})
         line = {**record.as_dict(), "failed": record.failed}
         if failed:
