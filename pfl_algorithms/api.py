@@ -101,12 +101,21 @@ class Capabilities:
             custom gradient that steps clients one by one).
         roles: the client roles it needs from the scenario (FedDAF: ``source`` and
             ``target``, which the ``fda`` scenario gives); ``server.clients_with_role``.
+        head: ``"shared"``: it shares the classifier head, so a run that keeps the head local
+            (``--keep-head-local true``, or a scenario that keeps it local by default) is
+            refused; ``"local"``: it keeps the head local by definition, so
+            ``--keep-head-local false`` is refused; None: the run's setting decides.
     """
 
     needs_validation: bool = False
     mixed_architectures: bool = False
     batchable: bool = True
     roles: tuple[str, ...] = ()
+    head: Optional[str] = None
+
+    def __post_init__(self):
+        if self.head not in (None, "shared", "local"):
+            raise ValueError(f"Capabilities.head must be None, 'shared' or 'local', got {self.head!r}")
 
 
 def make_settings(cls, name: str, values: dict):

@@ -14,14 +14,7 @@ class FedAvgClassifier(FedAvg):
 
     name = "fedavg-classifier"
     description = "FedAvg of the classifier only; every feature extractor (of any architecture) stays local"
-    capabilities = Capabilities(mixed_architectures=True)
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        if config.head_local():
-            raise ValueError(f"fedavg-classifier shares only the classifier, but the scenario {config.scenario!r} keeps "
-                             "it local (--keep-head-local true or a permuted scenario): nothing would be shared; run "
-                             "it with --keep-head-local false")
+    capabilities = Capabilities(mixed_architectures=True, head="shared")
 
     def local_groups(self, *, keep_head_local: bool) -> set[str]:
         return {"body"}

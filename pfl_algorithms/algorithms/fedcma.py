@@ -103,13 +103,7 @@ class FedCMA(Algorithm):
     name = "fedcma"
     description = "private extractors of any architecture; classifiers and class-mean embeddings aligned (Eq. 5-7)"
     Settings = FedCMASettings
-    capabilities = Capabilities(mixed_architectures=True)
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        if config.head_local():
-            raise ValueError(f"fedcma shares the classifier, but the scenario {config.scenario!r} keeps it local "
-                             "(--keep-head-local true or a permuted scenario); run it with --keep-head-local false")
+    capabilities = Capabilities(mixed_architectures=True, head="shared")
 
     def prepare_model(self, model):
         if not (callable(getattr(model, "embed", None)) or isinstance(getattr(model, "body", None), torch.nn.Module)):

@@ -279,16 +279,10 @@ class FedGen(Algorithm):
     description = ("FedGen, limited sharing: heads averaged, a server generator of embeddings fitted to the heads, "
                    "its samples regularize each client's head; bodies stay local")
     Settings = FedGenSettings
-    capabilities = Capabilities(mixed_architectures=True)
+    capabilities = Capabilities(mixed_architectures=True, head="shared")
 
     def local_groups(self, *, keep_head_local):
         return {"body"}
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        if config.keep_head_local is True:
-            raise ValueError(f"{cls.name} shares the head (only the body stays local): keep_head_local=True "
-                             "conflicts with it")
 
     def setup(self, server) -> None:
         s = self.settings

@@ -56,8 +56,8 @@ from typing import Annotated, Mapping, Optional
 import torch
 from torch.nn import functional as F
 
-from ..api import (BUFFERS, SGD, Algorithm, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase, PositiveFloat,
-                   PositiveInt)
+from ..api import (BUFFERS, SGD, Algorithm, Capabilities, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase,
+                   PositiveFloat, PositiveInt)
 from .fedper import FedPer
 
 EMBEDDINGS = "embeddings"
@@ -243,4 +243,4 @@ class PFedHNPC(PFedHN):
     Settings = PFedHNPCSettings
     # The head stays on its client whatever the scenario, as FedPer's does.
     local_groups = FedPer.local_groups
-    check_config = classmethod(FedPer.check_config.__func__)
+    capabilities = Capabilities(head="local")

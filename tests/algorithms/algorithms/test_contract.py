@@ -103,3 +103,30 @@ def test_prepare_model_must_return_a_module():
 
     with pytest.raises(TypeError, match="prepare_model must return an nn.Module"):
         make_federation(Broken())
+
+
+# ---------------------------------------------------------------- the head rule, declared
+
+
+@pytest.mark.parametrize("algorithm, head", [("fedavg-classifier", "shared"), ("fedcma", "shared"),
+                                             ("fedgen", "shared"), ("fedper", "local"), ("fedrep", "local"),
+                                             ("pfedhn-pc", "local"), ("fedavg", None), ("pfedhn", None)])
+def test_the_head_rule_is_a_declaration_checked_in_one_place(algorithm, head):
+    """``Capabilities.head`` says whether an algorithm shares the classifier or keeps it local;
+    ``config.check`` alone refuses a run that contradicts it, in one line naming the setting."""
+    from pfl_algorithms.algorithms import ALGORITHMS
+    from pfl_algorithms.config import RunConfig, check
+
+    assert ALGORITHMS[algorithm].capabilities.head == head
+    assert "check_config" not in vars(ALGORITHMS[algorithm])  # no rule of its own beside the declaration
+    ok = dict(algorithm=algorithm, scenario="dirichlet")
+    check(RunConfig(**ok))
+    refused = {"shared": [dict(ok, keep_head_local=True), dict(algorithm=algorithm, scenario="permuted-iid")],
+               "local": [dict(ok, keep_head_local=False)], None: []}[head]
+    for values in refused:
+        with pytest.raises(ValueError, match="keep_head_local=(True|False)|keeps it local by default") as error:
+            check(RunConfig(**values))
+        assert "\n" not in str(error.value) and repr(algorithm) in str(error.value)
+    if head is None:
+        for keep in (True, False):
+            check(RunConfig(**ok, keep_head_local=keep))

@@ -2,7 +2,7 @@
 float64 case (label weights, the server's generator objective, the decay of α and β, Adam,
 the client's regularizer), what travels (the head up; the head and the generator down), a
 federation of two architectures, then a few rounds on digits (the loss goes down, the state
-stays finite, kill -9 and --resume is bitwise)."""
+stays finite, a stopped run resumed with --resume is bitwise)."""
 from __future__ import annotations
 
 import math
@@ -17,8 +17,9 @@ from pfl_algorithms.algorithms.fedgen import (FedGen, FedGenSettings, Generative
                                               generator_optimizer, generator_shapes, head_logits, init_generator,
                                               label_weights)
 from pfl_algorithms.api import Batch
+from pfl_algorithms.config import RunConfig, check
 from pfl_algorithms.engine.rounds import evaluate_all, run_round
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from ..engine.test_cohorts import two_architectures
 from .federation_cases import make_federation
@@ -272,9 +273,12 @@ def test_settings_and_config_are_checked():
                      ({"evaluation": "best"}, "evaluation"), ({"generative_alpha": -1.0}, "generative_alpha")):
         with pytest.raises(ValueError, match=key):
             FedGen(**bad)
-    with pytest.raises(ValueError, match="keep_head_local"):
-        FedGen.check_config(SimpleNamespace(keep_head_local=True))
-    FedGen.check_config(SimpleNamespace(keep_head_local=None))
+    # FedGen shares the head (Capabilities.head): a run that keeps it local is refused.
+    with pytest.raises(ValueError, match="keep_head_local=True"):
+        check(RunConfig(algorithm="fedgen", scenario="dirichlet", keep_head_local=True))
+    with pytest.raises(ValueError, match="scenario 'permuted-iid' keeps it local by default"):
+        check(RunConfig(algorithm="fedgen"))
+    check(RunConfig(algorithm="fedgen", scenario="dirichlet"))
 
 
 # ---------------------------------------------------------------- digits
@@ -282,14 +286,14 @@ def test_settings_and_config_are_checked():
 ROUNDS = 4
 
 
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_digits_loss_goes_down_and_stop_and_resume_is_bitwise(tmp_path):
     """The code's local optimizer (plain SGD, lr 0.01).  Round 0 trains without the generator, so
     the loss is compared from round 1 on, where the regularized objective is the same."""
     pytest.importorskip("sklearn")
     args = ["fedgen", "--dataset", "digits", "--clients", "4", "--rounds", str(ROUNDS), "--quiet",
             "--scenario", "dirichlet", "--lr", "0.01", "--momentum", "0"]
-    reference, state = assert_kill_resume_bitwise(tmp_path, args, ROUNDS, kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, args, ROUNDS, stop_after=2)
     mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
     assert all(math.isfinite(v) for v in mean) and mean[-1] < mean[1]
     assert reference[-1]["eval"]["mean_accuracy"] > reference[0]["eval"]["mean_accuracy"]

@@ -19,7 +19,7 @@ logging.getLogger("flwr").setLevel(logging.WARNING)
 
 ARCHITECTURES = ["digits-cnn(embedding_dim=32)", "mlp(hidden=(64, 32))", "fedgen-cnn"]
 CHANGES = {"feddaf": dict(scenario="fda"), "fedgp": dict(scenario="fda"), "target-only": dict(scenario="fda"),
-           "fedavg-classifier": dict(keep_head_local=False),
+           "fedavg-classifier": dict(keep_head_local=False), "fedgen": dict(keep_head_local=False),
            # three architectures; its upload's ClassMeans request is answered on the client
            "fedcma": dict(scenario="dirichlet", clients=6, scenario_options={"architectures": ARCHITECTURES})}
 
