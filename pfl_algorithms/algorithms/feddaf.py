@@ -93,9 +93,9 @@ class FedDAF(Algorithm):
         return {name: t.clone() for name, t in self.global_model.items()}
 
     def configure(self, round_, clients):
-        to_sources = Message(self.source_model())
-        return {int(c): Message(extras={"source": self.source_model()}) if int(c) == self.target else to_sources
-                for c in clients}
+        # The target receives w_S without loading it (apply=False): it keeps w_T to mix with.
+        to_sources, to_target = Message(self.source_model()), Message(self.source_model(), apply=False)
+        return {int(c): to_target if int(c) == self.target else to_sources for c in clients}
 
     def plan(self, client):
         if client != self.target:
@@ -104,7 +104,7 @@ class FedDAF(Algorithm):
                              grad_terms=(proximal_term(self.settings.mu, self._source_parameters),)),)
 
     def _source_parameters(self, view) -> dict:
-        return {g: t for g, t in view.download.extras["source"].items() if g != BUFFERS}
+        return {g: view.download.dense(g) for g in self.groups}
 
     def adapt(self, view) -> None:
         """Eq. 2: w ← α·w_S + (1 − α)·w_T, α the Gompertz weight of the mean gradients' angle;

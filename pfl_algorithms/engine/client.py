@@ -331,8 +331,9 @@ class ClientView:
 
 def apply_download(cohort, work, message: Optional[Message], client: int) -> None:
     """Write a download's tensors into the working model: groups into their parameter ranges,
-    ``buffers`` into the shared groups' buffers."""
-    if message is None:
+    ``buffers`` into the shared groups' buffers (nothing for a download with ``apply=False``,
+    which the plan reads instead)."""
+    if message is None or not message.apply:
         return
     for name in message.tensors:
         if name == BUFFERS:

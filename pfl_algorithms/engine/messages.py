@@ -121,16 +121,24 @@ class Message:
     Attributes:
         tensors: group name -> payload ([P_g] flat, as the group's slice of a bank row), or
             ``buffers`` -> the floating buffers.  A download's tensors are written into the
-            receiving client's state; an upload's are what the server aggregates.
+            receiving client's state (unless ``apply`` is False); an upload's are what the
+            server aggregates.
         extras: anything else the algorithm sends (tensors, numbers, lists/dicts of them).
         num_examples: the sender's training samples (uploads), for weighting.
+        apply: a download's tensors are written into the client's model before its plan runs
+            (True), or only received: the plan reads them from ``view.download`` and the
+            client's model stays its own (False: FedDAF's target weighs the global source
+            model against its own before mixing them, Eq. 2).
     """
 
     tensors: Mapping[str, Payload] = field(default_factory=dict)
     extras: Mapping[str, Any] = field(default_factory=dict)
     num_examples: int = 0
+    apply: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.apply, bool):
+            raise TypeError(f"message apply must be True or False, got {self.apply!r}")
         for name, value in self.tensors.items():
             if not isinstance(value, (Tensor, Sparse)):
                 raise TypeError(f"message tensor {name!r} must be a tensor or Sparse, got {type(value).__name__}")

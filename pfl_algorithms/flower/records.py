@@ -3,7 +3,8 @@
 A message ``m`` sent under prefix ``p`` becomes:
 
 * ``p.layout``   ConfigRecord: what each record holds (JSON: every tensor's kind, dtype, shape,
-                 threshold and index bits; the structure of the extras);
+                 threshold and index bits; the structure of the extras; ``apply: false``
+                 for a download the client reads but does not load);
 * ``p.tensor.<group>`` one ArrayRecord per parameter group (and ``buffers``): ``values`` for a
                  dense tensor; ``indices`` (int64 flat positions) and ``values`` for a
                  :class:`Sparse` one, only the entries it keeps;
@@ -261,6 +262,8 @@ def encode(message: Message, prefix: str) -> dict:
                         f"got {type(value).__name__}")
 
     layout["extras"] = structure(dict(message.extras))
+    if not message.apply:
+        layout["apply"] = False
     records[f"{prefix}.layout"] = ConfigRecord({"layout": json.dumps(layout)})
     records[f"{prefix}.counts"] = MetricRecord(counts)
     return records
@@ -316,6 +319,9 @@ def decode(content, prefix: str, device="cpu", expected: Optional[Expected] = No
     if not has_message(content, prefix):
         return None
     layout = _layout(content, prefix)
+    apply = layout.get("apply", True)  # absent: the download is applied
+    if not isinstance(apply, bool):
+        raise RecordError(f"{prefix}.layout: apply {str(apply)[:40]}, expected true or false")
     counts_key = f"{prefix}.counts"
     counts = content[counts_key] if counts_key in content else None
     if not isinstance(counts, MetricRecord):
@@ -382,7 +388,7 @@ def decode(content, prefix: str, device="cpu", expected: Optional[Expected] = No
             return [value(item) for item in spec["list"]]
         return tuple(value(item) for item in spec["tuple"])
 
-    return Message(tensors, value(layout["extras"]), num_examples)
+    return Message(tensors, value(layout["extras"]), num_examples, apply)
 
 
 def state_record(tensors: Mapping[str, torch.Tensor]):

@@ -1,6 +1,6 @@
 """FedDAF: the Gompertz weight, the mean gradient field, the mixing step (BatchNorm statistics
 left alone), the source averaging, the roles; then a few rounds on digits ``fda`` (the target's
-loss goes down, the state stays finite, kill -9 and --resume is bitwise)."""
+loss goes down, the state stays finite, a stopped run resumed with --resume is bitwise)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ from pfl_algorithms.algorithms.feddaf import FedDAF, gompertz_weight, gradient_a
 from pfl_algorithms.api import Message
 from pfl_algorithms.engine.client import ClientView
 from pfl_algorithms.engine.rounds import run_round
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import BatchNormNet, make_federation
 
@@ -77,7 +77,7 @@ def test_adapt_mixes_parameters_by_the_gompertz_weight_and_keeps_batchnorm_stati
     own_params, own_buffers = work.params.clone(), work.buffers.clone()
     source = {g: t + 0.3 * torch.randn_like(t) for g, t in algo.source_model().items()}
     source["buffers"] = torch.full_like(source["buffers"], 7.0)
-    view = ClientView(fed, cohort, target, 0, Message(extras={"source": source}), {})
+    view = ClientView(fed, cohort, target, 0, Message(source, apply=False), {})
     g_target = view.mean_gradient("train", 16)
     work.params[cohort.span("body")] = source["body"]
     work.params[cohort.span("head")] = source["head"]
@@ -120,12 +120,12 @@ def test_settings_are_checked():
 ROUNDS = 4
 
 
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_digits_fda_target_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_digits_fda_target_loss_goes_down_and_stop_and_resume_is_bitwise(tmp_path):
     pytest.importorskip("sklearn")
     args = ["feddaf", "--dataset", "digits", "--scenario", "fda", "--clients", "5", "--rounds", str(ROUNDS),
             "--quiet", "--set", "noise=0.6", "--set", "target_fraction=0.5"]
-    reference, state = assert_kill_resume_bitwise(tmp_path, args, ROUNDS, kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, args, ROUNDS, stop_after=2)
     target = "4"
     losses = [m["train_loss"][target] for m in reference]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]

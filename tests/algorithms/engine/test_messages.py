@@ -52,6 +52,41 @@ def test_a_message_of_several_groups_and_extras():
     assert ledger.by_group[("up", "mu")] == 64
 
 
+class ReadsTheDownload(FedAvg):
+    """FedAvg whose download is received but not loaded (``apply=False``); the plan's begin hook
+    records the model the client starts from and what it received."""
+
+    def configure(self, round_, clients):
+        return Message({g: t + 1.0 for g, t in self.initial.items()}, apply=False)
+
+    def setup(self, server):
+        self.initial, self.seen = server.initial_model(["body", "head"]), {}
+
+    def plan(self, client):
+        from pfl_algorithms.api import Phase
+
+        def begin(view):
+            self.seen[client] = ({g: view.group(g).clone() for g in ("body", "head")},
+                                 {g: view.download.dense(g) for g in ("body", "head")})
+        return (Phase(begin=begin),)
+
+
+def test_a_download_with_apply_false_is_received_and_counted_but_not_loaded():
+    algo = ReadsTheDownload()
+    fed = make_federation(algo, steps=1)
+    own = {k: {g: fed.cohorts[0].params.row(k)[fed.cohorts[0].span(g)].clone() for g in ("body", "head")}
+           for k in range(fed.num_clients)}
+    run_round(fed, algo, 0)
+    for k, (model, received) in algo.seen.items():
+        for g in ("body", "head"):
+            assert torch.equal(model[g], own[k][g])  # the client started from its own model
+            assert torch.equal(received[g], algo.initial[g] + 1.0)  # and read what it received
+    bits = sum(t.numel() for t in algo.initial.values()) * 64
+    assert fed.comm.total("down") == fed.num_clients * bits  # received, so counted
+    with pytest.raises(TypeError, match="apply must be True or False, got 1"):
+        Message(apply=1)
+
+
 def test_what_cannot_be_counted_is_refused():
     with pytest.raises(TypeError, match="str"):
         Message(extras={"note": "hello"})

@@ -31,6 +31,19 @@ def test_dense_groups_buffers_and_counts_round_trip_bitwise():
     assert back.num_examples == 17 and back.bits() == message.bits()
 
 
+def test_a_download_that_is_read_not_loaded_keeps_its_apply_flag():
+    message = Message({"body": torch.randn(5)}, apply=False)
+    back = round_trip(message)
+    assert back.apply is False and torch.equal(back.tensors["body"], message.tensors["body"])
+    assert round_trip(Message({"body": torch.randn(5)})).apply is True
+    assert back.bits() == message.bits()  # the flag is part of the layout, not a payload
+    records = encode(message, "down")
+    layout = json.loads(records["down.layout"]["layout"])
+    records["down.layout"] = ConfigRecord({"layout": json.dumps({**layout, "apply": "no"})})
+    with pytest.raises(RecordError, match="down.layout: apply no, expected true or false"):
+        decode(RecordDict(records), "down")
+
+
 def test_records_are_one_array_record_per_group_and_extra_tensor():
     message = Message({"u": torch.randn(3), "v": torch.randn(2)},
                       {"weights": torch.randn(2), "nested": {"loss": 0.5, "pair": (torch.ones(1), 3)}}, 9)
