@@ -43,6 +43,20 @@ def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
     assert_kill_resume_bitwise(tmp_path, [algorithm, *ARGS, *CASES[algorithm]], ROUNDS)
 
 
+def _same_runs(resumed_dir, whole_dir, rounds: int) -> tuple[list, dict]:
+    """The metrics (but wall times) and final checkpoints of two run directories agree bit for
+    bit over ``rounds`` rounds; returns the second's (metric lines, checkpoint)."""
+    resumed, reference = metric_lines(resumed_dir), metric_lines(whole_dir)
+    assert [r["round"] for r in resumed] == list(range(rounds))
+    for a, b in zip(resumed, reference):
+        a.pop("wall_s"), b.pop("wall_s")
+        assert a == b
+    final, want = read_checkpoint(resumed_dir / "checkpoint.pt"), read_checkpoint(whole_dir / "checkpoint.pt")
+    assert_same(final["federation"], want["federation"])
+    assert_same(final["algorithm"], want["algorithm"])
+    return reference, want
+
+
 def assert_kill_resume_bitwise(tmp_path, args: list[str], rounds: int, kill_after: int = 3) -> tuple[list, dict]:
     """``pfl run *args`` (an algorithm first, then options giving ``rounds`` rounds) once whole,
     once killed with SIGKILL after its ``kill_after``-th round and resumed: the same metrics and
@@ -63,12 +77,25 @@ def assert_kill_resume_bitwise(tmp_path, args: list[str], rounds: int, kill_afte
     assert reference_run.wait(timeout=600) == 0
     subprocess.run(pfl(args[0], "--out", str(killed), "--resume", "--quiet"), check=True, timeout=600,
                    stderr=subprocess.DEVNULL)
-    resumed, reference = metric_lines(killed), metric_lines(whole)
-    assert [r["round"] for r in resumed] == list(range(rounds))
-    for a, b in zip(resumed, reference):
-        a.pop("wall_s"), b.pop("wall_s")
-        assert a == b
-    final, want = read_checkpoint(killed / "checkpoint.pt"), read_checkpoint(whole / "checkpoint.pt")
-    assert_same(final["federation"], want["federation"])
-    assert_same(final["algorithm"], want["algorithm"])
-    return reference, want
+    return _same_runs(killed, whole, rounds)
+
+
+def assert_resume_bitwise(tmp_path, args: list[str], rounds: int, stop_after: int = 2) -> tuple[list, dict]:
+    """``pfl run *args`` (an algorithm first, then options giving ``rounds`` rounds) once whole,
+    once stopped after its ``stop_after``-th round (what a kill right after that round's
+    checkpoint leaves) and resumed with ``pfl run --resume`` in a fresh process, so nothing
+    but the run directory carries over: the same metrics and final checkpoint, bit for bit.
+    The first two runs go in this process (torch imported once); the real SIGKILL is
+    :func:`assert_kill_resume_bitwise`'s.  Returns the whole run's (metric lines, checkpoint)."""
+    from pfl_algorithms.cli import _parser, config_from_args
+    from pfl_algorithms.runner import run
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    config = lambda: config_from_args(_parser().parse_args(["run", *args]))  # noqa: E731
+    run(config(), whole, progress=False)
+    run(config(), stopped, progress=False, stop_after=stop_after)
+    assert len(metric_lines(stopped)) == stop_after < rounds
+    resumed = subprocess.run(pfl(args[0], "--out", str(stopped), "--resume", "--quiet"), timeout=600,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return _same_runs(stopped, whole, rounds)

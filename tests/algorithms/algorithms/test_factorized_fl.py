@@ -1,6 +1,6 @@
 """Factorized-FL α and β: the matching weights and personalized aggregates on hand-computable v
 vectors, what each variant sends, the L1 gradient, μ's sparse count, Table 1's cost column
-from a dry run of the accounting, and a few rounds on digits (kill -9 and resume bitwise)."""
+from a dry run of the accounting, and a few rounds on digits (stopped, then resumed by a fresh process, bitwise)."""
 from __future__ import annotations
 
 import math
@@ -16,7 +16,7 @@ from pfl_algorithms.api import Message, Uploads
 from pfl_algorithms.engine.checkpoint import read_checkpoint
 from pfl_algorithms.engine.rounds import run_round
 from pfl_kernels.nn import FactorizedLinear
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise, metric_lines
+from tests.algorithms.test_kill_resume import assert_resume_bitwise, metric_lines
 
 from .federation_cases import make_federation
 
@@ -173,12 +173,12 @@ def test_a_few_rounds_on_digits_lower_the_loss(tmp_path, variant):
     assert all(torch.isfinite(t).all() for t in state["algorithm"]["personal"].values())
 
 
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
 @pytest.mark.parametrize("variant", ["alpha", "beta"])
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_kill_9_then_resume_is_bitwise(tmp_path, variant):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_stop_then_resume_in_a_fresh_process_is_bitwise(tmp_path, variant):
     pytest.importorskip("sklearn")
-    assert_kill_resume_bitwise(tmp_path, [f"factorized-fl-{variant}", *ARGS], ROUNDS)
+    assert_resume_bitwise(tmp_path, [f"factorized-fl-{variant}", *ARGS], ROUNDS)
 
 
 @pytest.mark.parametrize("name", ["factorized-fl-alpha", "factorized-fl-beta", "simfed"])

@@ -1,6 +1,6 @@
 """FedDAF's baselines: FedGP's per-tensor projection (positive cosines only, β), FedDWA's weights
 and guidance pass, target-only's silence; then a few rounds of each on digits ``fda`` (the
-target's loss goes down, the state stays finite, kill -9 and --resume is bitwise)."""
+target's loss goes down, the state stays finite, a stopped run resumed with --resume is bitwise)."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ from pfl_algorithms.api import Message
 from pfl_algorithms.engine.local import client_batches
 from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.engine.uploads import Uploads
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import BatchNormNet, make_federation
 from .test_baselines import batches_of, row, sgd_steps
@@ -257,12 +257,12 @@ def assert_finite(state, path="state"):
 
 
 @pytest.mark.parametrize("algorithm", ["fedgp", "feddwa", "target-only"])
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_digits_fda_target_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_digits_fda_target_loss_goes_down_and_stop_and_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--scenario", "fda", "--clients", "5", "--rounds", str(ROUNDS),
             "--quiet", "--set", "noise=0.6", "--set", "target_fraction=0.5"]
-    reference, state = assert_kill_resume_bitwise(tmp_path, args, ROUNDS, kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, args, ROUNDS, stop_after=2)
     target = "4"
     losses = [m["train_loss"][target] for m in reference]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]

@@ -1,7 +1,7 @@
 """Fed-CMA and FedAvg on the classifier (Fed-CMA's Table 2): Eq. 5's value and gradient against
 autograd on a float64 reference, Eq. 7's moving averages, p_i and p_i^k on a known split, the
-fixed per-class batch, and runs of a federation of three architectures (both executors, kill -9
-and --resume bitwise, nothing of an extractor ever sent)."""
+fixed per-class batch, and runs of a federation of three architectures (both executors, stopped
+and resumed by a fresh process bitwise, nothing of an extractor ever sent)."""
 from __future__ import annotations
 
 import copy
@@ -21,7 +21,7 @@ from pfl_algorithms.api import Message, Uploads
 from pfl_algorithms.config import RunConfig, check
 from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.models.base import BodyHeadModel
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import make_federation
 
@@ -184,12 +184,12 @@ def pfl_run(*args):
 
 
 @pytest.mark.parametrize("algorithm", ["fedcma", "fedavg-classifier"])
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_three_architectures_kill_9_resume_is_bitwise_and_only_the_classifier_travels(tmp_path, algorithm):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_three_architectures_stop_and_resume_is_bitwise_and_only_the_classifier_travels(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     rounds = 5
-    reference, state = assert_kill_resume_bitwise(tmp_path, [algorithm, *MIXED, "--rounds", str(rounds)], rounds,
-                                                  kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, [algorithm, *MIXED, "--rounds", str(rounds)], rounds,
+                                                  stop_after=2)
     mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
     assert all(math.isfinite(v) for v in mean) and mean[-1] < mean[0]
     cohorts = state["federation"]["cohorts"]

@@ -1,5 +1,5 @@
 """FedFomo and Clustered-FL: each rule on a tiny hand-computable case, then a few rounds on
-digits (the loss goes down, the state stays finite, kill -9 and --resume is bitwise)."""
+digits (the loss goes down, the state stays finite, a stopped run resumed with --resume is bitwise)."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ from pfl_algorithms.data.partition import ClientSplit
 from pfl_algorithms.engine.checkpoint import read_checkpoint
 from pfl_algorithms.engine.rounds import run_round
 from tests.algorithms.state_checks import assert_same
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from . import federation_cases
 from .federation_cases import make_federation
@@ -241,9 +241,9 @@ KILL = {"fedfomo": ["--set", "n_download=3"],
 ROUNDS = 6
 
 
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
 @pytest.mark.parametrize("algorithm", sorted(KILL))
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_kill_9_then_resume_is_bitwise(tmp_path, algorithm):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_stop_then_resume_in_a_fresh_process_is_bitwise(tmp_path, algorithm):
     args = [algorithm, "--dataset", "digits", "--clients", "6", "--rounds", str(ROUNDS), "--quiet", *KILL[algorithm]]
-    assert_kill_resume_bitwise(tmp_path, args, ROUNDS)
+    assert_resume_bitwise(tmp_path, args, ROUNDS)

@@ -1,6 +1,6 @@
 """IFCA and FedAMP (pFedMB's Table 2 baselines): each rule on a tiny hand-computable case
 against a float64 reference, then a few rounds on digits (the loss goes down, the state stays
-finite, kill -9 and --resume is bitwise)."""
+finite, a stopped run resumed with --resume is bitwise)."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ from pfl_algorithms.algorithms.fedamp import FedAMP, attention_weights, cloud_mo
 from pfl_algorithms.algorithms.fedprox import proximal_term
 from pfl_algorithms.algorithms.ifca import IFCA, cluster_weights, lowest_loss
 from pfl_algorithms.engine.rounds import evaluate_all, run_round
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import make_federation
 
@@ -192,12 +192,12 @@ ROUNDS = 4
 
 
 @pytest.mark.parametrize("algorithm", ["ifca", "fedamp"])
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_digits_loss_goes_down_and_stop_and_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--clients", "4", "--rounds", str(ROUNDS), "--quiet",
             "--scenario", "pathological"]
-    reference, state = assert_kill_resume_bitwise(tmp_path, args, ROUNDS, kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, args, ROUNDS, stop_after=2)
     mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
     assert all(math.isfinite(v) for v in mean) and mean[-1] < mean[0]
     for tensor in state["algorithm"]["models"].values() if algorithm == "ifca" else [state["algorithm"]["models"]]:

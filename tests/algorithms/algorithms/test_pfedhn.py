@@ -1,6 +1,6 @@
 """pFedHN and pFedHN-PC (Fed-CMA's CIFAR-10 Table 3 baselines): the hypernetwork and its server
 step on tiny hand-computable float64 cases, pFedHN-PC's local head, resume, then a few rounds
-on digits (the loss goes down, the state stays finite, kill -9 and --resume is bitwise)."""
+on digits (the loss goes down, the state stays finite, a stopped run resumed with --resume is bitwise)."""
 from __future__ import annotations
 
 import math
@@ -18,7 +18,7 @@ from pfl_algorithms.engine.messages import Message
 from pfl_algorithms.engine.rounds import evaluate_all, run_round
 from pfl_algorithms.engine.uploads import Uploads
 from tests.algorithms.state_checks import assert_same
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import BatchNormNet, make_federation
 
@@ -263,13 +263,13 @@ ROUNDS = 4
 
 
 @pytest.mark.parametrize("algorithm", ["pfedhn", "pfedhn-pc"])
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_digits_loss_goes_down_and_stop_and_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     # --lr 0.005: the code's inner lr (the run's default 0.05 is ten times the client step it was tuned with)
     args = [algorithm, "--dataset", "digits", "--clients", "4", "--rounds", str(ROUNDS), "--quiet",
             "--scenario", "pathological", "--lr", "0.005"]
-    reference, state = assert_kill_resume_bitwise(tmp_path, args, ROUNDS, kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, args, ROUNDS, stop_after=2)
     mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
     assert all(math.isfinite(v) for v in mean) and mean[-1] < mean[0]
     for tensor in [*state["algorithm"]["params"].values(), *state["algorithm"]["momentum"].values()]:

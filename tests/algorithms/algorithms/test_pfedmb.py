@@ -1,5 +1,5 @@
 """pFedMB: Eq. 5 / Eq. 6 against float64 references, the two phases, α on the simplex, what
-travels, and digits through the CLI with kill -9 / --resume."""
+travels, and digits through the CLI with stop / --resume."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +13,7 @@ from pfl_algorithms.algorithms.pfedmb import ALPHA, PFedMB
 from pfl_algorithms.api import Message, Uploads
 from pfl_algorithms.engine.rounds import run_round
 from pfl_kernels.nn import multibranch_layers
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import make_federation
 
@@ -187,13 +187,13 @@ def test_layers_fc_leaves_convolutions_dense_and_bad_settings_name_the_setting()
             PFedMB(**bad)
 
 
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_digits_loss_goes_down_and_stop_and_resume_is_bitwise(tmp_path):
     pytest.importorskip("sklearn")
     rounds = 4
     args = ["pfedmb", "--dataset", "digits", "--clients", "3", "--rounds", str(rounds), "--quiet",
             "--scenario", "pathological", "--optimizer-state", "keep"]
-    reference, state = assert_kill_resume_bitwise(tmp_path, args, rounds, kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, args, rounds, stop_after=2)
     mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
     assert all(math.isfinite(v) for v in mean) and mean[-1] < mean[0]
     for tensor in state["algorithm"]["global_model"].values():

@@ -1,5 +1,5 @@
 """pFedPara and Agnostic-FL: each rule on a tiny hand-computable case, then a few rounds on
-digits through the CLI with kill -9 / --resume."""
+digits through the CLI with stop / --resume."""
 from __future__ import annotations
 
 import math
@@ -16,7 +16,7 @@ from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.models import build_model
 from pfl_kernels.nn import FedParaConv2d, FedParaLinear, fedpara, fedpara_rank
 from tests.algorithms.engine.test_client_view import cross_entropy
-from tests.algorithms.test_kill_resume import assert_kill_resume_bitwise
+from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import make_federation
 
@@ -219,11 +219,11 @@ CASES = {"pfedpara": ["--scenario", "iid"], "agnostic-fl": ["--scenario", "diric
 
 
 @pytest.mark.parametrize("algorithm", sorted(CASES))
-@pytest.mark.slow  # end to end: a killed process, then a resumed one
-def test_digits_loss_goes_down_and_kill_9_resume_is_bitwise(tmp_path, algorithm):
+@pytest.mark.slow  # end to end: a run stopped, then resumed by a fresh process
+def test_digits_loss_goes_down_and_stop_and_resume_is_bitwise(tmp_path, algorithm):
     pytest.importorskip("sklearn")
     args = [algorithm, "--dataset", "digits", "--clients", "3", "--rounds", str(ROUNDS), "--quiet", *CASES[algorithm]]
-    reference, state = assert_kill_resume_bitwise(tmp_path, args, ROUNDS, kill_after=2)
+    reference, state = assert_resume_bitwise(tmp_path, args, ROUNDS, stop_after=2)
     mean = [sum(m["train_loss"].values()) / len(m["train_loss"]) for m in reference]
     assert len(reference) == ROUNDS and all(math.isfinite(v) for v in mean) and mean[-1] < mean[0]
     for value in state["algorithm"].values():
