@@ -149,11 +149,7 @@ class FactorizedFL(Algorithm):
 
     def upload(self, view):
         sent = [g for g in view.groups if g == MATCH or (g in self.aggregated and g in view.shared_groups)]
-        message = view.message(sent)
-        if "mu" in message.tensors:
-            tensors = dict(message.tensors, mu=Sparse(message.tensors["mu"], self.settings.threshold))
-            message = Message(tensors, message.extras, message.num_examples)
-        return message
+        return view.message(sent, sparse={"mu": self.settings.threshold})
 
 
 class FactorizedFLAlpha(FactorizedFL):

@@ -50,7 +50,7 @@ import torch
 from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, factorize, factorized_layers
 from pfl_kernels.ops import pairwise_cosine, similarity_weights, weighted_average
 
-from ..api import Algorithm, GroupRule, Message, NonNegativeFloat, OneOf, Phase, Range, Sparse
+from ..api import Algorithm, GroupRule, Message, NonNegativeFloat, OneOf, Phase, Range
 
 FACTORS = ("u", "v", "mu")
 CRITERIA = "criteria"
@@ -139,12 +139,8 @@ class SimFed(Algorithm):
         return (Phase(grad_terms=(l1_term(lam),) if lam else ()),)
 
     def upload(self, view):
-        message = view.message(view.received())
-        tensors = dict(message.tensors)
-        if "mu" in tensors:
-            tensors["mu"] = Sparse(tensors["mu"], threshold=self.settings.mu_threshold)
         z = view.embed(view.download.extras[CRITERIA].to(view.params)).reshape(-1)
-        return Message(tensors, {EMBEDDING: z}, message.num_examples)
+        return view.message(view.received(), extras={EMBEDDING: z}, sparse={"mu": self.settings.mu_threshold})
 
     def aggregate(self, round_, uploads):
         if not uploads:

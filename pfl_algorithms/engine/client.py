@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from .groups import BUFFERS
 from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate, gather_rows
-from .messages import Message
+from .messages import Message, Sparse
 from .plan import Batch, Phase, check_lr_scales, state_names
 
 
@@ -219,10 +219,16 @@ class ClientView:
         A task whose upload is None sends a message of its reports alone."""
         self._values.reported[name] = value
 
-    def message(self, groups: Sequence[str], *, extras: Optional[dict] = None) -> Message:
+    def message(self, groups: Sequence[str], *, extras: Optional[dict] = None,
+                sparse: Optional[Mapping[str, float]] = None) -> Message:
         """A message with copies of ``groups`` and, if any, the floating buffers of the shared
-        groups (BatchNorm statistics), plus ``extras`` and the client's training-set size."""
-        tensors = {g: self.group(g).clone() for g in groups if g != BUFFERS}
+        groups (BatchNorm statistics), plus ``extras`` and the client's training-set size.
+        ``sparse``: group -> threshold, the groups among ``groups`` that travel as
+        ``Sparse(t, threshold)`` (only |t| >= threshold is sent and counted: the factorized
+        methods' μ)."""
+        sparse = sparse or {}
+        tensors = {g: Sparse(self.group(g).clone(), sparse[g]) if g in sparse else self.group(g).clone()
+                   for g in groups if g != BUFFERS}
         shared_buffers = self.shared_buffers()
         if shared_buffers.numel():
             tensors[BUFFERS] = shared_buffers.clone()

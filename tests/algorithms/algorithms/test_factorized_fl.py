@@ -1,6 +1,7 @@
 """Factorized-FL α and β: the matching weights and personalized aggregates on hand-computable v
 vectors, what each variant sends, the L1 gradient, μ's sparse count, Table 1's cost column
-from a dry run of the accounting, and a few rounds on digits (stopped, then resumed by a fresh process, bitwise)."""
+from a dry run of the accounting, and a few rounds on digits (stopped, then resumed by a fresh
+process, bitwise)."""
 from __future__ import annotations
 
 import math
@@ -128,16 +129,21 @@ def test_l1_term_is_the_gradient_of_lambda_times_the_l1_norm():
 
 
 def test_beta_counts_mu_by_its_entries_above_the_threshold():
-    alg = make_algorithm("factorized-fl-beta", threshold=1e-3)
+    alg = make_algorithm("factorized-fl-beta", threshold=0.02)
     fed = make_federation(alg, rounds=1)
     cohort = fed.cohorts[0]
-    mu = torch.tensor([2e-3, -1e-3, 9e-4, 0.0, -0.5] + [0.0] * 19, dtype=torch.float64)
-    view = SimpleNamespace(groups=cohort.groups.order, shared_groups=cohort.groups.shared, num_examples=5,
-                           message=lambda groups: Message({g: mu.clone() if g == "mu" else torch.zeros(2,
-                                                           dtype=torch.float64) for g in groups}, {}, 5))
-    sent = alg.upload(view)
-    assert sent.tensors["mu"].bits() == 3 * 64  # 2e-3, -1e-3 (= threshold), -0.5
-    assert sent.dense("mu").tolist()[:5] == [2e-3, -1e-3, 0.0, 0.0, -0.5]
+    seen = {}
+    original = alg.aggregate
+    alg.aggregate = lambda round_, uploads: (seen.update(zip(uploads.clients.tolist(), uploads.messages)),
+                                             original(round_, uploads))
+    run_round(fed, alg, 0)
+    assert seen
+    for k, message in seen.items():
+        mu = cohort.params.row(k)[cohort.span("mu")]  # what client k trained and sent
+        kept = mu.abs() >= 0.02
+        assert 0 < int(kept.sum()) < mu.numel()  # the threshold drops some entries and keeps others
+        assert message.tensors["mu"].bits() == int(kept.sum()) * 64
+        assert torch.equal(message.dense("mu"), torch.where(kept, mu, torch.zeros_like(mu)))
 
 
 def test_table1_cost_column_from_a_dry_run():

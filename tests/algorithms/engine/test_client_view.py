@@ -89,3 +89,31 @@ def test_cached_values_are_computed_once_per_task_and_reports_travel_with_the_up
         plain = FedAvg()
         # per upload, two float32 scalars more than FedAvg's, counted as the upload is
         assert record.bits_up == run_round(make_federation(plain, executor=executor), plain, 0).bits_up + 3 * 64
+
+
+class SparseHead(FedAvg):
+    """FedAvg whose clients send their head as a Sparse payload (``view.message(sparse=...)``)."""
+
+    def upload(self, view):
+        return view.message(view.received(), extras={"n": 1}, sparse={"head": 0.05, "absent": 1.0})
+
+
+def test_message_sends_the_groups_it_is_told_as_sparse_payloads():
+    from pfl_algorithms.engine.messages import Sparse
+
+    algo = SparseHead()
+    fed = make_federation(algo)
+    seen = {}
+    original = algo.aggregate
+    algo.aggregate = lambda round_, uploads: (seen.update(zip(uploads.clients.tolist(), uploads.messages)),
+                                              original(round_, uploads))
+    run_round(fed, algo, 0)
+    cohort = fed.cohorts[0]
+    for k, message in seen.items():
+        head = cohort.params.row(k)[cohort.span("head")]
+        assert isinstance(message.tensors["head"], Sparse) and message.tensors["head"].threshold == 0.05
+        assert torch.equal(message.dense("head"), torch.where(head.abs() >= 0.05, head, torch.zeros_like(head)))
+        assert not isinstance(message.tensors["body"], Sparse)
+        assert torch.equal(message.tensors["body"], cohort.params.row(k)[cohort.span("body")])
+        assert "absent" not in message.tensors and message.extras == {"n": 1}
+        assert message.num_examples == len(fed.clients[k].train)
