@@ -69,3 +69,27 @@ def test_the_command_line_flag(tmp_path, capsys):
     assert list(evaluated) == ["2"]
     assert main(["run", "fedavg", "--scenario", "iid", "--eval-role", "target", "--out", str(tmp_path / "x")]) == 2
     assert "eval_role='target'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algorithm", ["pfedmb", "ifca"])
+def test_how_often_a_run_evaluates_changes_no_number_of_its_training(tmp_path, algorithm):
+    """Evaluation (here with a fine-tuning epoch first, as pFedMB's tables do) reads the clients'
+    state and draws from its own random stream: every 3 rounds or every 5, the train losses, the
+    final evaluation and the final checkpoint are the same bit for bit (reproduce's pFedMB table
+    evaluates every 5 rounds for cost, so its final accuracies are those of every 3)."""
+    from pfl_algorithms.engine.checkpoint import read_checkpoint
+    from tests.algorithms.state_checks import assert_same
+
+    def config(every):
+        return check(RunConfig(algorithm=algorithm, dataset="digits", scenario="dirichlet", clients=4, rounds=5,
+                               local_steps=3, batch_size=16, finetune_epochs=1, eval_every=every, workers=1))
+
+    a = run(config(3), tmp_path / "three", progress=False)
+    b = run(config(5), tmp_path / "five", progress=False)
+    assert [m["train_loss"] for m in metrics(tmp_path / "three")] == [m["train_loss"] for m in
+                                                                       metrics(tmp_path / "five")]
+    assert a["final_client_accuracy"] == b["final_client_accuracy"] and a["comm_gb"] == b["comm_gb"]
+    assert [m["round"] for m in metrics(tmp_path / "three") if "eval" in m] == [2, 4]
+    assert [m["round"] for m in metrics(tmp_path / "five") if "eval" in m] == [4]
+    assert_same(read_checkpoint(tmp_path / "three" / "checkpoint.pt")["federation"],
+                read_checkpoint(tmp_path / "five" / "checkpoint.pt")["federation"])
