@@ -23,7 +23,7 @@ WORKERS=${PFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile)
 PHASES=${PFL_TEST_PHASES:-info main slow no-extension triton benchmarks floor}
 LOGS=$(mktemp -d)
-trap 'kill ${FLOOR_PREPARE:-} 2>/dev/null; rm -rf "$LOGS"' EXIT
+trap 'rm -rf "$LOGS"' EXIT
 declare -a SUMMARY=()
 FAILED=0
 
@@ -56,23 +56,6 @@ phase() {
 count() { local n; n=$(echo "$2" | grep -oE "[0-9]+ $1\b" | grep -oE '^[0-9]+' | head -1); echo "${n:-0}"; }
 PASSED=0; SKIPPED=0; BAD=0
 
-# The floor phase's install and build (torch 2.11, the extension compiled again: about 2
-# minutes of 2 cores) start now in the background, niced, so they take the cores the main and
-# slow phases leave idle (subprocess start-ups, Flower's timeouts); the floor phase waits for them.
-FLOOR_PREPARE=""
-if [ -f scripts/test_floor.sh ] && [[ " $PHASES " == *" floor "* ]]; then
-  nice -n 15 bash scripts/test_floor.sh --prepare >"$LOGS/floor-prepare.log" 2>&1 &
-  FLOOR_PREPARE=$!
-fi
-# floor_phase ARGS...: the floor phase: its background preparation's log, then its tests.
-floor_phase() {
-  if [ -n "$FLOOR_PREPARE" ]; then
-    wait "$FLOOR_PREPARE" || { cat "$LOGS/floor-prepare.log"; echo "floor: preparation failed"; return 1; }
-    cat "$LOGS/floor-prepare.log"
-  fi
-  bash scripts/test_floor.sh "$@"
-}
-
 phase info "$PY" -m pfl_kernels
 phase main "${PYTEST[@]}" tests -m "not slow" "$@"
 phase slow "${PYTEST[@]}" tests -m slow "$@"
@@ -84,7 +67,7 @@ phase triton env TRITON_INTERPRET=1 "${PYTEST[@]}" tests -m triton_interpret "$@
 # shapes (the server-side suites' full shapes take gigabytes), so they stay working.
 phase benchmarks env PFL_BENCH_QUICK=1 OMP_WAIT_POLICY=PASSIVE "${PYTEST[@]}" benchmarks/bench_*.py --benchmark-disable "$@"
 if [ -f scripts/test_floor.sh ]; then
-  phase floor floor_phase "$@"
+  phase floor bash scripts/test_floor.sh "$@"
 fi
 
 echo; echo "=== summary"
