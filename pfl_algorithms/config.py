@@ -296,7 +296,7 @@ def _check_roles(config: RunConfig) -> None:
                          + (f"the roles {', '.join(given)}" if given else "no client roles")
                          + "; expected one of them or none (evaluate every client)")
     needed = ALGORITHMS[config.algorithm].capabilities.roles
-    missing = [r for r in needed if r not in SCENARIO_ROLES.get(config.scenario, ())]
+    missing = [r for r in needed if r not in given]
     if missing:
         givers = [name for name, roles in SCENARIO_ROLES.items() if set(needed) <= set(roles)]
         raise ValueError(f"{config.algorithm!r} needs clients with the roles {', '.join(needed)}, which scenario "
