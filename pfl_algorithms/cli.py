@@ -74,6 +74,7 @@ FLAGS = {
     "workers": (int, "tasks at once for the threaded executor, each on one thread (results do not depend on it)"),
     "chunk_clients": (int, "clients per chunk of the batched executor"),
     "autocast": (str, "bf16: the training forward under bfloat16 autocast (convolutions and matmuls)"),
+    "cuda_graphs": (_flag_bool, "on CUDA, replay plain training steps as CUDA graphs (false: launch every kernel)"),
     "checkpoint_every": (int, "write checkpoint.pt every N rounds (and after the last)"),
     "data_root": (str, "where dataset files are read"),
     "augment": (str, "training-batch augmentation, e.g. crop,flip (`pfl list`)"),

@@ -76,6 +76,7 @@ class RunConfig:
     workers: Optional[PositiveInt] = None  # tasks at once for the threaded executor (None: one per core)
     chunk_clients: Optional[PositiveInt] = None  # clients per chunk of the batched executor (None: from free memory)
     autocast: Optional[Annotated[str, OneOf(("bf16",))]] = None  # bf16: the training forward under bfloat16 autocast
+    cuda_graphs: bool = True  # on CUDA, plain training steps replay as CUDA graphs (engine.step_graphs)
     data_root: Optional[str] = None  # None: $PFL_DATA_ROOT, else ./data
     augment: Optional[str] = None  # training-batch augmentation, e.g. "crop,flip" (see `pfl list`)
     samples_per_client: Optional[PositiveInt] = None
@@ -233,7 +234,9 @@ def config_from(values: dict) -> RunConfig:
 # and worker count gives bitwise the same run, see engine.executors); how often a checkpoint
 # is written (a resumed run is bitwise the same).  ``seed`` is left out too, since the seeds
 # are what an experiment is repeated over.
-NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "chunk_clients", "checkpoint_every")
+# ``cuda_graphs`` replays the same kernels (the sequential executor's captured Adam differs from
+# its host step by float rounding, as the batched executor's reassociation does).
+NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "chunk_clients", "checkpoint_every", "cuda_graphs")
 
 
 def with_defaults(saved: dict) -> dict:

@@ -55,7 +55,7 @@ def build(config: RunConfig):
                               eval_role=config.eval_role,
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=executor,
                               workers=config.workers, finetune_epochs=config.finetune(),
-                              chunk_clients=config.chunk_clients, autocast=config.autocast,
+                              chunk_clients=config.chunk_clients, autocast=config.autocast, cuda_graphs=config.cuda_graphs,
                               threaded_hooks=config.executor == "auto" and torch.device(config.device).type == "cpu")
     augment = None
     if config.augment is not None:

@@ -54,13 +54,16 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import (ClientView, TaskValues, TrainResult, apply_download, autocast, finish_train_task, forward,
-                     initial_optimizer_state, local_result, phase_lr_scale, phase_optimizer, phase_parameters,
-                     phase_schedule, trains_only, training_batch)
+from .client import (ClientView, TaskValues, TrainResult, apply_download, finish_train_task, initial_optimizer_state,
+                     local_result, phase_lr_scale, phase_optimizer, phase_parameters, phase_schedule, trains_only,
+                     training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
+from .captured_steps import batched_step, chunk_rows, chunk_state
 from .local import client_batches
+from .model_call import ModelOutputs, autocast
 from .plan import Batch, Phase, state_names
+from .step_graphs import capturable
 
 
 def unbatchable_reason(algorithm, plan) -> Optional[str]:
@@ -127,19 +130,6 @@ def _call_method(module: nn.Module, name: str, tensors: dict, *args, **kwargs):
     return functional_call(_Method(module, name), {"model." + k: v for k, v in tensors.items()}, args, kwargs)
 
 
-class _Outputs(nn.Module):
-    """(logits, embeddings) of ``model`` as the other executors compute them
-    (``client.forward``); logits alone where the model has no embeddings."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs):
-        logits, embeddings = forward(self.model, inputs)
-        return logits if embeddings is None else (logits, embeddings)
-
-
 def _signature(phase: Phase) -> tuple:
     """What must agree between the clients of a chunk for one phase (their own hooks and
     learning rates may differ: the optimizer steps rows with their own)."""
@@ -180,6 +170,7 @@ class BatchedExecutor(Executor):
         self.threaded_hooks = threaded_hooks  # plans with begin hooks or loss terms run threaded
         self.fallback = ThreadedExecutor(workers)
         self._noticed: set[str] = set()
+        self._sizes: dict[tuple, int] = {}  # clients per chunk, by (cohort, chunk asked for)
 
     def run(self, tasks, run_one):
         """Tasks that are not batched training (evaluation, unbatchable plans): threaded."""
@@ -210,10 +201,16 @@ class BatchedExecutor(Executor):
             groups.setdefault(key, []).append((position, task))
         for members in groups.values():
             cohort = fed.cohort_of(members[0][1].client)
-            size = chunk_size(fed, cohort, self.chunk)
+            # Decided once per cohort, before any step is captured: the memory captured steps hold
+            # would otherwise shrink the next round's chunks, and new sizes capture anew.
+            key = (cohort.name, self.chunk)
+            if key not in self._sizes:
+                self._sizes[key] = chunk_size(fed, cohort, self.chunk)
+            size = self._sizes[key]
             for start in range(0, len(members), size):
                 part = members[start:start + size]
-                for (position, _), result in zip(part, train_chunk(fed, algorithm, cohort, [t for _, t in part])):
+                for (position, _), result in zip(part, train_chunk(fed, algorithm, cohort, [t for _, t in part],
+                                                                   capacity=size)):
                     results[position] = result
         if others:
             for (position, _), result in zip(others, self.fallback.run([t for _, t in others], run_one)):
@@ -231,31 +228,35 @@ def _row_view(fed, cohort, task, extra, params, grads, buffers) -> ClientView:
     return view
 
 
-def train_chunk(fed, algorithm, cohort, tasks) -> list[TrainResult]:
-    """Train ``tasks`` (clients of ``cohort`` with plans of the same shape) together; their
+def train_chunk(fed, algorithm, cohort, tasks, capacity: Optional[int] = None) -> list[TrainResult]:
+    """Train ``tasks`` (clients of ``cohort`` with plans of the same shape) together, in the
+    persistent rows of chunks of up to ``capacity`` clients (None: as many as ``tasks``); their
     rows change only where they stay finite, and each upload is asked of a normal ClientView."""
     rows = [cohort.row(t.client) for t in tasks]
     count = len(tasks)
-    params = cohort.params.data[rows].clone()
-    buffers = cohort.buffers.data[rows].clone()
-    int_buffers = cohort.int_buffers.data[rows].clone()
-    grads = torch.zeros_like(params)
+    # The chunk's rows in persistent tensors (captured steps stay valid on them round after round).
+    chunk = chunk_rows(fed.step_graphs, cohort, max(capacity or count, count), count)
+    params = chunk.params.copy_(cohort.params.data[rows])
+    buffers = chunk.buffers.copy_(cohort.buffers.data[rows])
+    int_buffers = chunk.int_buffers.copy_(cohort.int_buffers.data[rows])
+    grads = chunk.grads.zero_()
     for i, task in enumerate(tasks):
         apply_download(cohort, SimpleNamespace(params=params[i], buffers=buffers[i]), task.download, task.client)
     extras = [{name: bank.row(r).clone() for name, bank in cohort.extra.items()} for r in rows]
     views = [_row_view(fed, cohort, t, extras[i], params[i], grads[i], buffers[i]) for i, t in enumerate(tasks)]
     generators = [fed.generator("train", t.round, t.client) for t in tasks]
     keep = fed.settings.optimizer_state == "keep"
-    loss_sum = torch.zeros(count, dtype=torch.float64, device=params.device)
+    loss_sum = chunk.loss_sum.zero_()
     samples, steps_taken = [0] * count, [0] * count
     states: dict[str, dict] = {}
     plan = tasks[0].plan
     for index, (phase, state_name) in enumerate(zip(plan, state_names(plan))):
         optimizer = phase_optimizer(phase, fed.settings)
         if state_name not in states:
-            states[state_name] = initial_optimizer_state(fed, cohort, phase, state_name, rows, keep=keep)
+            states[state_name] = chunk_state(chunk, state_name,
+                                             initial_optimizer_state(fed, cohort, phase, state_name, rows, keep=keep))
         _run_phase(fed, cohort, tasks, index, optimizer, states[state_name], views, params, grads, buffers,
-                   int_buffers, generators, loss_sum, samples, steps_taken)
+                   int_buffers, generators, loss_sum, samples, steps_taken, chunk=chunk, state_name=state_name)
     results = []
     for i, task in enumerate(tasks):
         # Each client ends as on the other executors: its new rows in the working model, the
@@ -270,8 +271,10 @@ def train_chunk(fed, algorithm, cohort, tasks) -> list[TrainResult]:
 
 
 def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, generators,
-               loss_sum, samples, steps_taken) -> None:
-    """One phase for the whole chunk: step by step, the clients with a batch of the same size together."""
+               loss_sum, samples, steps_taken, *, chunk, state_name) -> None:
+    """One phase for the whole chunk: step by step, the clients with a batch of the same size
+    together; a step of the whole chunk of a plain phase as a static step (``captured_steps``),
+    any other through ``_step``."""
     phase = tasks[0].plan[index]
     names, ranges = phase_parameters(cohort, phase, tasks[0].client)
     trained = None if ranges is None else set(names)
@@ -291,6 +294,14 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
     scales = [phase_lr_scale(cohort, task.plan[index], views[i]) for i, task in enumerate(tasks)]
     lr_scale = None if all(s is None for s in scales) else torch.stack(
         [torch.ones_like(params[i]) if s is None else s for i, s in enumerate(scales)])
+    static = all(capturable(t.plan[index]) for t in tasks)
+    if static:
+        if lrs is not None:
+            chunk.lrs.copy_(lrs[:, None])
+        if lr_scale is not None:  # in persistent rows, for the static step to read
+            lr_scale = chunk.chunk.rows("lr_scale", lr_scale, chunk.count).copy_(lr_scale)
+    steps_on_device = False  # whether chunk.steps holds state["steps"] (a general step moves only the latter)
+    everyone = list(range(len(tasks)))
     while active:
         batches, finished = {}, []
         for i in active:
@@ -304,9 +315,29 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
         for i in active:
             by_size.setdefault(int(batches[i][1].numel()), []).append(i)
         for members in by_size.values():
-            _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers,
-                  members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast,
-                  lr_scale=lr_scale)
+            if not (static and members == everyone):
+                _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers,
+                      members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast,
+                      lr_scale=lr_scale)
+                steps_on_device = False
+                continue
+            if not steps_on_device:
+                chunk.steps.copy_(state["steps"])
+                steps_on_device = True
+            x = torch.stack([batches[i][0] for i in members])
+            y = torch.stack([batches[i][1] for i in members])
+            step = batched_step(fed.step_graphs, cohort, chunk, x, y, optimizer=optimizer, ranges=ranges,
+                                trained=trained, state_name=state_name, state=state, lrs=lrs is not None,
+                                lr_scale=lr_scale, autocast_mode=fed.settings.autocast)
+            step.inputs["x"].copy_(x)
+            step.inputs["y"].copy_(y)
+            fed.step_graphs.run(step)
+            state["steps"] += 1
+            n = int(y.shape[1])
+            for i in members:
+                samples[i] += n
+                steps_taken[i] += 1
+                views[i].step += 1
 
 
 def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params, buffers, int_buffers) -> None:
@@ -338,7 +369,7 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
     x = torch.stack([batches[i][0] for i in members])
     y = torch.stack([batches[i][1] for i in members])
 
-    outputs = _Outputs(module)
+    outputs = ModelOutputs(module)
 
     def client_outputs(param_parts, buffer_parts, inputs):
         tensors = {"model." + name: t for parts in (param_parts, buffer_parts) for name, t in parts.items()}

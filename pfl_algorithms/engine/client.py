@@ -32,7 +32,10 @@ from torch.nn import functional as F
 from .groups import BUFFERS
 from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate, gather_rows
 from .messages import Message, Sparse
+from .captured_steps import run_sequential_phase
+from .model_call import autocast, forward
 from .plan import Batch, Phase, check_lr_scales, state_names
+from .step_graphs import capturable
 
 
 @dataclass(frozen=True)
@@ -101,15 +104,6 @@ class EvalResult:
     accuracy: float
     loss: float
     samples: int
-
-
-def forward(module: nn.Module, inputs: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-    """(logits, embeddings) of ``module``; embeddings from ``embed`` where the model has one
-    and a ``head`` (the registry's models: logits = head(embed(x)), their forward), else None."""
-    if hasattr(module, "embed") and isinstance(getattr(module, "head", None), nn.Module):
-        embeddings = module.embed(inputs)
-        return module.head(embeddings), embeddings
-    return module(inputs), None
 
 
 class ClientView:
@@ -356,12 +350,6 @@ def apply_download(cohort, work, message: Optional[Message], client: int) -> Non
         target.copy_(value)
 
 
-def autocast(mode, device: torch.device):
-    """``torch.autocast`` for the forward of a training step: mode 'bf16' (bfloat16 matmuls and
-    convolutions, the rest and the loss in float32), None: off."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16")
-
-
 def phase_optimizer(phase: Phase, settings):
     """The phase's optimizer: the run's (``settings``: EngineSettings), with the phase's
     overrides merged by ``Phase.settings_for``."""
@@ -462,7 +450,13 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
         if phase.begin is not None:
             phase.begin(view)
         lr_scale = phase_lr_scale(cohort, phase, view)
-        for index in client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator):
+        indices = client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator)
+        if fed.step_graphs.static and capturable(phase):  # captured on CUDA (captured_steps)
+            run_sequential_phase(fed, view, state, optimizer=optimizer, ranges=ranges, names=names,
+                                 lr_scale=lr_scale, totals=totals,
+                                 batches=(training_batch(fed, data, index, generator, augment) for index in indices))
+            return
+        for index in indices:
             x, y = training_batch(fed, data, index, generator, augment)
             batches.append((x, y))
             if len(batches) < phase.batches_per_step:

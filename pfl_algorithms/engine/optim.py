@@ -15,6 +15,13 @@ tensor then steps at its own rate, as a torch.optim parameter group with lr × s
 normalization and weight decay are applied, so it holds under every rule (a scaled gradient
 would be normalized away by Adam).
 
+``capturable=True`` steps without reading anything back to the host, so that a CUDA graph can
+capture the step (``step_graphs``): the step count is then a tensor on the parameters' device
+([] or [C], one per row: rows may differ), SGD's first-step choice a ``torch.where`` and Adam's
+bias corrections tensors computed from it in float64, as torch.optim's ``capturable`` does.
+SGD's capturable step is bitwise its host step; Adam's agrees to float rounding (the
+corrections reach the update as tensors, not as host scalars).
+
 These optimizers serve server-side updates too (``pfl_algorithms.api`` exports them): FedGen's
 generator and pFedHN's hypernetwork step their flat parameter vectors with them.
 """
@@ -37,6 +44,11 @@ def _pieces(ranges: Ranges, *tensors: Optional[torch.Tensor]):
         return
     for start, stop in ranges:
         yield tuple(None if t is None else t[..., start:stop] for t in tensors)
+
+
+def _per_row(steps: torch.Tensor) -> torch.Tensor:
+    """A step count [] or [C] shaped to broadcast against a piece [P] or [C, P]."""
+    return steps[..., None]
 
 
 def _check_scale(params: torch.Tensor, lr_scale: Optional[torch.Tensor]) -> None:
@@ -72,19 +84,23 @@ class SGD:
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
              *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None,
-             lr_scale: Optional[torch.Tensor] = None) -> None:
+             lr_scale: Optional[torch.Tensor] = None, capturable: bool = False) -> None:
         """One step of ``params`` [P] (or rows [C, P]) given ``grads`` (may be overwritten);
         ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``; ``lr_scale`` [P] or
-        [C, P]: a multiplier of the rate per element (module docstring)."""
+        [C, P]: a multiplier of the rate per element; ``capturable``: no host read, the step
+        count a tensor on the parameters' device (module docstring)."""
         _check_scale(params, lr_scale)
-        first = int(state["steps"]) == 0  # torch.optim starts the buffer at the first gradient
+        # torch.optim starts the buffer at the first gradient.
+        first = _per_row(state["steps"] == 0) if capturable else int(state["steps"]) == 0
         buffers = (state["momentum_buffer"],) if self.momentum != 0.0 else ()
         for p, g, scale, *buf in _pieces(ranges, params, grads, lr_scale, *buffers):
             if self.weight_decay != 0.0:
                 g.add_(p, alpha=self.weight_decay)
             if self.momentum != 0.0:
                 b = buf[0]
-                if first:
+                if capturable:
+                    b.copy_(torch.where(first, g, b.mul(self.momentum).add_(g, alpha=1.0 - self.dampening)))
+                elif first:
                     b.copy_(g)
                 else:
                     b.mul_(self.momentum).add_(g, alpha=1.0 - self.dampening)
@@ -125,16 +141,23 @@ class Adam:
     @torch.no_grad()
     def step(self, params: torch.Tensor, grads: torch.Tensor, state: dict[str, torch.Tensor],
              *, ranges: Ranges = None, lr: Optional[torch.Tensor] = None,
-             lr_scale: Optional[torch.Tensor] = None) -> None:
+             lr_scale: Optional[torch.Tensor] = None, capturable: bool = False) -> None:
         """One step of ``params`` [P] (or rows [C, P]) given ``grads`` (may be overwritten);
         ``lr`` [C, 1]: each row's learning rate instead of ``self.lr``; ``lr_scale`` [P] or
-        [C, P]: a multiplier of the rate per element (module docstring)."""
+        [C, P]: a multiplier of the rate per element; ``capturable``: no host read, the step
+        count a tensor on the parameters' device (module docstring)."""
         _check_scale(params, lr_scale)
         lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas
-        step = int(state["steps"]) + 1
-        bias1 = 1.0 - beta1 ** step
-        bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+        if capturable:  # the corrections in float64, as the host computes them, then a tensor each
+            step = _per_row(state["steps"]).to(torch.float64) + 1
+            step_size = (lr / (1.0 - torch.pow(beta1, step))).to(params.dtype)
+            bias2_sqrt = (1.0 - torch.pow(beta2, step)).sqrt_().to(params.dtype)
+        else:
+            step = int(state["steps"]) + 1
+            bias1 = 1.0 - beta1 ** step
+            bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+            step_size = lr / bias1
         for p, g, scale, m, v in _pieces(ranges, params, grads, lr_scale, state["exp_avg"], state["exp_avg_sq"]):
             if self.weight_decay != 0.0:
                 if self.decoupled:
@@ -145,10 +168,10 @@ class Adam:
             v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
             denom = (v.sqrt() / bias2_sqrt).add_(self.eps)
             update = m if scale is None else m * scale
-            if isinstance(lr, torch.Tensor):
-                p.addcdiv_(update * (lr / bias1), denom, value=-1.0)
+            if isinstance(step_size, torch.Tensor):
+                p.addcdiv_(update * step_size, denom, value=-1.0)
             else:
-                p.addcdiv_(update, denom, value=-lr / bias1)
+                p.addcdiv_(update, denom, value=-step_size)
         state["steps"] += 1
 
 

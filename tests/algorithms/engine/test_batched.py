@@ -95,9 +95,9 @@ def chunks(monkeypatch):
 
     seen, train_chunk = [], batched.train_chunk
 
-    def counted(fed, algo, cohort, tasks):
+    def counted(fed, algo, cohort, tasks, capacity=None):
         seen.append((algo.name, len(tasks)))
-        return train_chunk(fed, algo, cohort, tasks)
+        return train_chunk(fed, algo, cohort, tasks, capacity)
 
     monkeypatch.setattr(batched, "train_chunk", counted)
     return seen

@@ -109,6 +109,45 @@ def test_stacked_rows_with_rates_and_scales_of_their_own_step_as_each_row_alone(
         rule.step(stacked, grads[0].clone(), state, lr_scale=scale[:, :4])
 
 
+@pytest.mark.parametrize("name,settings,reference", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_capturable_step_is_the_host_step_with_rows_at_steps_of_their_own(name, settings, reference, dtype):
+    """capturable=True (a step count per row on the device, nothing read back) against the host
+    step of each row alone: rows that start at different step counts (kept state), with rates,
+    scales and ranges of their own.  SGD's is bitwise; Adam's corrections reach the update as
+    tensors, so it agrees to a few float rounding errors."""
+    gen = torch.Generator().manual_seed(1)
+    rule, ranges = make_optimizer(name, **settings), [(0, 7), (9, 13)]
+    params = torch.randn(3, 13, generator=gen, dtype=dtype)
+    grads = [torch.randn(3, 13, generator=gen, dtype=dtype) for _ in range(4)]
+    scale = torch.rand(3, 13, generator=gen, dtype=dtype) + 0.5
+    lr = torch.tensor([[0.1], [0.02], [0.3]], dtype=dtype)
+    start = torch.tensor([0, 3, 1])
+    state = {v: torch.randn(3, 13, generator=gen, dtype=dtype).abs() for v in rule.state_names()}
+    stacked, stacked_state = params.clone(), {**{v: t.clone() for v, t in state.items()}, "steps": start.clone()}
+    for g in grads:
+        rule.step(stacked, g.clone(), stacked_state, ranges=ranges, lr=lr, lr_scale=scale, capturable=True)
+    assert stacked_state["steps"].tolist() == (start + len(grads)).tolist()
+    exact = name == "sgd"
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-12 if dtype == torch.float64 else 2e-6, atol=1e-6)
+    for i in range(3):
+        row = params[i].clone()
+        row_state = {**{v: t[i].clone() for v, t in state.items()}, "steps": start[i].clone()}
+        for g in grads:
+            rule.step(row, g[i].clone(), row_state, ranges=ranges, lr=lr[i], lr_scale=scale[i])
+        torch.testing.assert_close(stacked[i], row, **tol)
+        for v in rule.state_names():
+            torch.testing.assert_close(stacked_state[v][i], row_state[v], **tol)
+    # One client's flat vector with its step count [] (the sequential executor's captured step).
+    flat, flat_state = params[1].clone(), {**{v: t[1].clone() for v, t in state.items()}, "steps": start[1].clone()}
+    host, host_state = params[1].clone(), {**{v: t[1].clone() for v, t in state.items()}, "steps": start[1].clone()}
+    for g in grads:
+        rule.step(flat, g[1].clone(), flat_state, capturable=True)
+        rule.step(host, g[1].clone(), host_state)
+    torch.testing.assert_close(flat, host, **tol)
+    assert int(flat_state["steps"]) == int(host_state["steps"])
+
+
 def test_ranges_leave_the_rest_untouched():
     params = torch.randn(10, dtype=torch.float64)
     before = params.clone()

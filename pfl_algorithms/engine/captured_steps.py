@@ -1,0 +1,189 @@
+"""The executors' plain training steps written for capture (``step_graphs``).
+
+A plain step (``step_graphs.capturable``: no hook runs inside it) is a function of tensors
+that keep their addresses:
+
+* the batched executor's: a chunk's stacked rows live in persistent tensors
+  (``ChunkTensors``, one set per cohort and chunk capacity, reused every round), and its step is
+  the vmapped forward, the backward, the gradient copy, the optimizer's step over [C, P] and
+  the loss sums, for the whole chunk (a step where only some clients have a batch of that size
+  runs the general step instead);
+* the sequential executor's: the working model's flat vectors are persistent already; the
+  optimizer state of the phase is copied into persistent vectors for the phase and back after.
+
+The same code runs on every device: captured on CUDA, called as it is elsewhere.  The batched
+executor uses it on a CPU too, so the CPU tests of the batched executor test it; the sequential
+executor uses it where ``StepGraphs.static`` says (capturing, or a test's choice).  Host-side
+bookkeeping (samples, step counts) stays outside the step: the optimizer's step count is a
+device copy (``steps``) that the step advances, and the host advances its own beside it.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from torch.func import functional_call, vmap
+from torch.nn import functional as F
+
+from .model_call import ModelOutputs, autocast, forward
+from .step_graphs import StaticStep, StepGraphs, static_like
+
+
+class ChunkTensors:
+    """Persistent stacked rows for chunks of up to ``capacity`` clients of ``cohort``: a chunk of
+    ``count`` clients works in the first ``count`` rows (``first``), so its steps, captured on
+    those views, stay valid round after round whatever the chunk sizes a round's sample makes."""
+
+    def __init__(self, cohort, capacity: int):
+        params = cohort.params.data
+        self.capacity = capacity
+        self.params = params.new_empty((capacity, params.shape[1]))
+        self.grads = params.new_zeros((capacity, params.shape[1]))
+        self.buffers = cohort.buffers.data.new_empty((capacity, cohort.buffers.data.shape[1]))
+        self.int_buffers = cohort.int_buffers.data.new_empty((capacity, cohort.int_buffers.data.shape[1]))
+        self.loss_sum = torch.zeros(capacity, dtype=torch.float64, device=params.device)
+        self.steps = torch.zeros(capacity, dtype=torch.int64, device=params.device)  # the optimizer's, on the device
+        self.lrs = params.new_empty((capacity, 1))
+        self._more: dict = {}
+
+    def rows(self, name, like: torch.Tensor, count: int) -> torch.Tensor:
+        """The first ``count`` rows of the persistent tensor ``name`` shaped [capacity, *like's
+        row shape] (made the first time: the phases' optimizer state vectors, lr_scale)."""
+        held = self._more.get(name)
+        if held is None:
+            held = self._more[name] = like.new_empty((self.capacity, *like.shape[1:]))
+        return held[:count]
+
+    def first(self, count: int) -> SimpleNamespace:
+        """Views of the first ``count`` rows: params, grads, buffers, int_buffers [count, ...],
+        loss_sum [count], steps [count], lrs [count, 1]; ``chunk``: these tensors."""
+        return SimpleNamespace(chunk=self, count=count, **{
+            name: getattr(self, name)[:count]
+            for name in ("params", "grads", "buffers", "int_buffers", "loss_sum", "steps", "lrs")})
+
+
+def chunk_rows(graphs: StepGraphs, cohort, capacity: int, count: int) -> SimpleNamespace:
+    """``ChunkTensors.first(count)`` of the persistent tensors of ``cohort``'s chunks of up to
+    ``capacity`` clients (made when first asked for)."""
+    return graphs.tensors(("chunk", cohort.name, capacity), lambda: ChunkTensors(cohort, capacity)).first(count)
+
+
+def chunk_state(rows: SimpleNamespace, name: str, state: dict) -> dict:
+    """``state`` (vectors [count, P], steps [count] on the host) with its vectors moved into the
+    chunk's persistent rows for state ``name``; the host step count stays the caller's."""
+    return {vector: value if vector == "steps" else rows.chunk.rows(("state", name, vector), value, rows.count).copy_(value)
+            for vector, value in state.items()}
+
+
+def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, optimizer, ranges, trained,
+                 state_name: str, state: dict, lrs: bool, lr_scale: Optional[torch.Tensor],
+                 autocast_mode) -> StaticStep:
+    """The static step of ``chunk`` (``chunk_rows``) for batches shaped as ``x`` and ``y``
+    ([C, B, ...], [C, B]): it trains ``trained`` (None: every parameter) over ``ranges`` with
+    ``optimizer``, each row at its ``chunk.lrs`` rate when ``lrs``, scaled by ``lr_scale`` (the
+    chunk's persistent rows, or None); the caller fills its inputs 'x' and 'y', and ``chunk.steps``."""
+    key = ("batched", cohort.name, chunk.chunk.capacity, chunk.count, tuple(x.shape), x.stride(), x.dtype,
+           tuple(y.shape),
+           optimizer, None if ranges is None else tuple(ranges), None if trained is None else frozenset(trained),
+           lrs, lr_scale is not None, autocast_mode, state_name, tuple(sorted(state)))
+
+    def build() -> StaticStep:
+        inputs = {"x": static_like(x), "y": static_like(y)}
+        vectors = {vector: value for vector, value in state.items() if vector != "steps"}
+        module = cohort.work.module
+        layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
+        count, samples = chunk.params.shape[0], y.shape[1]
+
+        outputs = ModelOutputs(module)
+
+        def client_logits(param_parts, buffer_parts, inputs_):
+            tensors = {"model." + name: t for parts in (param_parts, buffer_parts) for name, t in parts.items()}
+            out = functional_call(outputs, tensors, (inputs_,))
+            return out if isinstance(out, torch.Tensor) else out[0]
+
+        def fn() -> None:
+            leaves = {name: view.detach().requires_grad_(trained is None or name in trained)
+                      for name, view in layout.views(chunk.params).items()}
+            # BatchNorm's statistics as contiguous copies, written back after (batched.py's _step says why).
+            buffer_views = {**buffer_layout.views(chunk.buffers), **int_layout.views(chunk.int_buffers)}
+            parts = {name: view.clone() for name, view in buffer_views.items()}
+            with autocast(autocast_mode, inputs["x"].device, cache=False):
+                logits = vmap(client_logits)(leaves, parts, inputs["x"])
+            loss_logits = logits.float() if autocast_mode else logits
+            per_client = F.cross_entropy(loss_logits.flatten(0, 1), inputs["y"].flatten(), reduction="none")
+            per_client = per_client.view(count, -1).mean(1)
+            with torch.no_grad():
+                for name, view in buffer_views.items():
+                    view.copy_(parts[name])
+            per_client.sum().backward()
+            with torch.no_grad():
+                for name, view in layout.views(chunk.grads).items():
+                    grad = leaves[name].grad
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(grad)
+                optimizer.step(chunk.params, chunk.grads, {**vectors, "steps": chunk.steps}, ranges=ranges,
+                               lr=chunk.lrs if lrs else None, lr_scale=lr_scale, capturable=True)
+                chunk.loss_sum.add_(per_client.detach().double() * samples)
+
+        return StaticStep(fn, inputs)
+
+    return graphs.step(key, build)
+
+
+def run_sequential_phase(fed, view, phase_state: dict, *, optimizer, ranges, names, lr_scale, batches,
+                         totals) -> None:
+    """One phase of the sequential executor's plain steps on ``view``'s working model, as static
+    steps (captured where ``fed.step_graphs`` captures): ``batches`` yields (x, y); the phase's
+    optimizer state ``phase_state`` (vectors [P], steps []) and ``totals`` are updated as the
+    host steps update them."""
+    graphs, work = fed.step_graphs, view._work
+    vectors = tuple(sorted(v for v in phase_state if v != "steps"))
+    held = graphs.tensors(("sequential", id(work), vectors), lambda: SimpleNamespace(
+        vectors={v: torch.empty_like(work.params) for v in vectors},
+        steps=torch.zeros((), dtype=torch.int64, device=work.params.device),
+        loss=torch.zeros((), dtype=torch.float64, device=work.params.device), lr_scale=None))
+    for v in vectors:
+        held.vectors[v].copy_(phase_state[v])
+    held.steps.copy_(phase_state["steps"])
+    held.loss.copy_(totals.loss)
+    if lr_scale is not None:
+        if held.lr_scale is None:
+            held.lr_scale = torch.empty_like(work.params)
+        held.lr_scale.copy_(lr_scale)
+    mode = fed.settings.autocast
+    for x, y in batches:
+        key = ("sequential", id(work), tuple(x.shape), x.stride(), x.dtype, tuple(y.shape), optimizer,
+               None if ranges is None else tuple(ranges), tuple(names), lr_scale is not None, mode, vectors)
+        step = graphs.step(key, lambda: _sequential_step(work, held, x, y, optimizer, ranges, lr_scale is not None,
+                                                         mode))
+        step.inputs["x"].copy_(x)
+        step.inputs["y"].copy_(y)
+        graphs.run(step)
+        n = int(y.numel())
+        phase_state["steps"] += 1
+        totals.samples += n
+        totals.steps += 1
+        view.step += 1
+    for v in vectors:
+        phase_state[v].copy_(held.vectors[v])
+    totals.loss.copy_(held.loss)
+
+
+def _sequential_step(work, held, x, y, optimizer, ranges, scaled: bool, mode: Optional[str]) -> StaticStep:
+    inputs = {"x": static_like(x), "y": static_like(y)}
+    samples = y.numel()
+
+    def fn() -> None:
+        work.zero_grad()
+        with autocast(mode, inputs["x"].device, cache=False):
+            logits, _ = forward(work.module, inputs["x"])
+        loss = F.cross_entropy(logits.float() if mode else logits, inputs["y"])
+        loss.backward()
+        optimizer.step(work.params, work.grads, {**held.vectors, "steps": held.steps}, ranges=ranges,
+                       lr_scale=held.lr_scale if scaled else None, capturable=True)
+        held.loss.add_(loss.detach() * samples)
+
+    return StaticStep(fn, inputs)

@@ -1,0 +1,188 @@
+"""Plain training steps as static steps (``captured_steps``), the code a CUDA graph captures.
+
+On a CPU the same code runs uncaptured: the sequential executor's static steps must give
+bitwise its host steps' results under SGD (the default optimizer of every algorithm here; the
+algorithms whose phases have hooks keep their host steps for those phases) and agree to float
+rounding under Adam, whose bias corrections become device tensors.  The batched executor always
+runs its whole-chunk plain steps as static steps, so test_batched.py checks them against the
+sequential executor; here, that they ran, and how they mix with its general steps.  On CUDA
+(``scripts/gpu_check.sh``), captured and uncaptured runs must agree, and the graphs must replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
+from pfl_algorithms.data.partition import ClientSplit
+from pfl_algorithms.engine.federation import EngineSettings
+from pfl_algorithms.engine.local import LocalSchedule
+from pfl_algorithms.engine.optim import OptimizerSettings
+from pfl_algorithms.engine.plan import Phase
+from pfl_algorithms.engine.rounds import federation_for, run_round
+from pfl_algorithms.engine.step_graphs import LIMIT, StaticStep, StepGraphs, capturable
+
+from ..algorithms.federation_cases import BatchNormNet, make_federation
+from ..state_checks import assert_close_state, assert_same
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def run(name, *, static: bool, executor="sequential", optimizer="sgd", settings=None, models=None,
+        sizes=(30, 41, 50)):
+    """Two rounds of ``name`` (kept optimizer state, two epochs, a short last batch), with the
+    sequential executor's static steps on or off; (round records, federation state, step counts)."""
+    algo = make_algorithm(name)
+    fed = make_federation(algo, rounds=2, epochs=2, executor=executor, sizes=sizes, optimizer=optimizer,
+                          optimizer_settings=settings or {"lr": 0.1, "momentum": 0.9}, optimizer_state="keep",
+                          models=models)
+    fed.step_graphs.static = static
+    records = [run_round(fed, algo, r).as_dict() for r in range(2)]
+    for r in records:
+        r.pop("wall_s")
+    return (records, fed.state_dict(), algo.state_dict()), dict(fed.step_graphs.counts)
+
+
+PLAIN = ["fedavg", "fedrep", "pfedmb", "fedper", "local", "pfedpara"]
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_static_sequential_steps_are_bitwise_the_host_steps_under_sgd(name):
+    """Phases over some groups only (FedRep's head then body), per-parameter rates (pFedMB's
+    lr_scales), factorized and multi-branch models, kept momentum."""
+    host, host_counts = run(name, static=False)
+    static, counts = run(name, static=True)
+    assert host_counts["eager"] == 0 and counts["eager"] > 0
+    assert_same(static, host)
+
+
+@pytest.mark.slow  # every algorithm, two runs each
+@pytest.mark.parametrize("name", sorted(set(ALGORITHMS) - set(PLAIN)))
+def test_every_algorithm_static_or_host_steps_give_bitwise_the_same_run(name):
+    """Algorithms with loss terms, gradient terms or custom gradients keep their host steps for
+    those phases (``capturable``); their plain phases (fine-tuning, FedDAF's target, ...) run static."""
+    host, _ = run(name, static=False)
+    static, _ = run(name, static=True)
+    assert_same(static, host)
+
+
+@pytest.mark.parametrize("optimizer,settings", [("adam", {"lr": 0.01}),
+                                                ("adamw", {"lr": 0.01, "weight_decay": 0.1})])
+def test_static_sequential_adam_agrees_with_the_host_to_rounding(optimizer, settings):
+    torch.manual_seed(0)
+    host, _ = run("fedavg", static=False, optimizer=optimizer, settings=settings, models=BatchNormNet().double())
+    torch.manual_seed(0)
+    static, counts = run("fedavg", static=True, optimizer=optimizer, settings=settings,
+                         models=BatchNormNet().double())
+    assert counts["eager"] > 0
+    assert_close_state(static, host, rtol=1e-9, atol=1e-10)
+
+
+def test_the_batched_executor_mixes_static_and_general_steps():
+    """Training sizes 32, 40 and 48 (70% of each client's samples) in batches of 16, two epochs:
+    the whole chunk steps as one static step while every client has a full batch (steps 1, 2
+    and 4 of a round), and through the general step where sizes differ (step 3: 16, 8, 16) or
+    a client is done (step 5 on); the device step count is then taken from the host again
+    (Adam, kept state: a stale count would show in the bias corrections)."""
+    settings, sizes = {"lr": 0.01}, (46, 58, 69)
+    torch.manual_seed(0)
+    sequential, _ = run("fedavg", static=False, optimizer="adam", settings=settings, models=BatchNormNet().double(),
+                        sizes=sizes)
+    torch.manual_seed(0)
+    batched, counts = run("fedavg", static=False, executor="batched", optimizer="adam", settings=settings,
+                          models=BatchNormNet().double(), sizes=sizes)
+    assert counts["eager"] == 2 * 3  # two rounds
+    assert_close_state(batched, sequential, rtol=1e-9, atol=1e-10)
+
+
+def test_chunks_of_any_size_share_their_cohorts_persistent_rows():
+    """Chunks of 2 and 1 clients (chunk=2, 3 clients) both work in the rows of one capacity-2
+    set of persistent tensors, the same ones every round (a captured step stays valid)."""
+    algo = make_algorithm("fedavg")
+    fed = make_federation(algo, rounds=2, executor="batched", sizes=(46, 46, 46))
+    fed.executor.chunk = 2
+    run_round(fed, algo, 0)
+    held = dict(fed.step_graphs._tensors)
+    run_round(fed, algo, 1)
+    assert list(held) == [("chunk", fed.cohorts[0].name, 2)] and fed.step_graphs._tensors == held
+    assert held[("chunk", fed.cohorts[0].name, 2)].params.shape[0] == 2
+
+
+def test_plans_with_hooks_are_not_captured():
+    plain = Phase()
+    assert capturable(plain)
+    assert not capturable(Phase(loss_terms=(lambda batch: 0.0,)))
+    assert not capturable(Phase(grad_terms=(lambda view: None,)))
+    assert not capturable(Phase(after_step=lambda view: None))
+    assert not capturable(Phase(gradient=lambda view, batches: None, batches_per_step=2))
+
+
+def test_step_graphs_keep_at_most_limit_steps_and_persistent_tensors_once():
+    graphs = StepGraphs(torch.device("cpu"), capture=True)
+    assert not graphs.capture and not graphs.static  # nothing to capture on a CPU
+    calls = []
+    for k in range(LIMIT + 3):
+        graphs.run(graphs.step(k, lambda k=k: StaticStep(lambda: calls.append(k), {})))
+    assert calls == list(range(LIMIT + 3)) and graphs.counts["eager"] == LIMIT + 3
+    assert len(graphs._steps) == LIMIT and 0 not in graphs._steps
+    made = graphs.tensors("chunk", lambda: torch.zeros(3))
+    assert graphs.tensors("chunk", lambda: torch.ones(3)) is made
+
+
+def test_cuda_graphs_is_a_checked_setting():
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+        EngineSettings(cuda_graphs="yes")
+
+
+# ------------------------------------------------------------------------------------ on CUDA
+
+class ConvBatchNormNet(torch.nn.Module):
+    """body: Conv2d(1, 4, 3) + BatchNorm2d + ReLU + mean pool; head: Linear(4, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def cuda_run(executor: str, *, capture: bool, optimizer: str, autocast=None, dtype=torch.float64, rounds=3):
+    """FedAvg on CUDA, BatchNorm model, unequal clients, kept state; (cohort state, step counts)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = (64, 64, 75)
+    inputs = torch.randn(sum(sizes), 1, 12, 12, generator=gen, dtype=dtype)
+    labels = torch.randint(0, 4, (sum(sizes),), generator=gen)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    empty = torch.empty(0, dtype=torch.int64)
+    splits = [ClientSplit(train=torch.arange(s, s + n), val=empty, test=empty) for s, n in zip(starts, sizes)]
+    settings = {"lr": 0.01} if optimizer == "adam" else {"lr": 0.05, "momentum": 0.9}
+    engine = EngineSettings(rounds=rounds, eval_every=10 ** 6, optimizer=OptimizerSettings(optimizer, **settings),
+                            schedule=LocalSchedule(batch_size=16, epochs=2), executor=executor,
+                            optimizer_state="keep", autocast=autocast, cuda_graphs=capture)
+    torch.manual_seed(0)
+    algo = make_algorithm("fedavg")
+    fed = federation_for(algo, ConvBatchNormNet().to(dtype), inputs, labels, splits, engine,
+                         device="cuda")
+    for r in range(rounds):
+        run_round(fed, algo, r)
+    return fed.state_dict(), dict(fed.step_graphs.counts)
+
+
+@cuda
+@pytest.mark.parametrize("executor", ["sequential", "batched"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_captured_steps_replay_and_agree_with_uncaptured_ones_on_cuda(executor, optimizer):
+    captured, counts = cuda_run(executor, capture=True, optimizer=optimizer)
+    plain, _ = cuda_run(executor, capture=False, optimizer=optimizer)
+    assert counts["captured"] > 0 and counts["replayed"] > counts["captured"]
+    assert_close_state(captured, plain, rtol=1e-9, atol=1e-10)
+
+
+@cuda
+def test_captured_bf16_steps_run_on_cuda():
+    captured, counts = cuda_run("batched", capture=True, optimizer="sgd", autocast="bf16", dtype=torch.float32)
+    plain, _ = cuda_run("batched", capture=False, optimizer="sgd", autocast="bf16", dtype=torch.float32)
+    assert counts["replayed"] > 0
+    assert_close_state(captured, plain, rtol=1e-3, atol=1e-4)
