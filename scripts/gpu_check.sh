@@ -48,7 +48,8 @@ KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_br
 # The test files with CUDA tests (quick; `tests` runs the whole suite): the Triton kernels'
 # (on the GPU, not the interpreter), the executors, captured steps and augmentation on CUDA, the package.
 GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
-           tests/algorithms/engine/test_step_graphs.py tests/algorithms/test_augment.py tests/test_package.py)
+           tests/algorithms/engine/test_step_graphs.py tests/algorithms/engine/test_batched_eval.py
+           tests/algorithms/test_augment.py tests/test_package.py)
 # Stage caps in seconds (quick): the budget cuts the later ones short if the earlier ran long.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 [ "$stage" != dry-run ] || BUDGET_S=${GPU_CHECK_BUDGET_S:-3600}  # the interpreter on a CPU is slow

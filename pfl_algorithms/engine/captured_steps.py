@@ -72,7 +72,8 @@ def chunk_rows(graphs: StepGraphs, cohort, capacity: int, count: int) -> SimpleN
 def chunk_state(rows: SimpleNamespace, name: str, state: dict) -> dict:
     """``state`` (vectors [count, P], steps [count] on the host) with its vectors moved into the
     chunk's persistent rows for state ``name``; the host step count stays the caller's."""
-    return {vector: value if vector == "steps" else rows.chunk.rows(("state", name, vector), value, rows.count).copy_(value)
+    return {vector: value if vector == "steps" else
+            rows.chunk.rows(("state", name, vector), value, rows.count).copy_(value)
             for vector, value in state.items()}
 
 

@@ -72,6 +72,11 @@ class Executor(ABC):
         answer_statistics(fed, results)
         return results
 
+    def run_eval(self, fed, tasks: Sequence[Task], run_one: Callable[[Task], Result]) -> list[Result]:
+        """The evaluation tasks, in task order: each through ``run_one`` here; an executor that
+        scores clients its own way (batched) overrides it."""
+        return self.run(tasks, run_one)
+
     def close(self) -> None:
         """Release workers (the executor may be used again afterwards)."""
 

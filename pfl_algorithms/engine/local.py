@@ -110,10 +110,16 @@ def evaluate(module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, indi
         loss += F.cross_entropy(logits, y, reduction="sum").double()
         correct += (logits.argmax(1) == y).sum()
     module.train(was_training)
-    n = indices.numel()
+    return scores(correct, loss, indices.numel())
+
+
+def scores(correct, loss_sum, n: int) -> tuple[float, float, int]:
+    """(accuracy, mean loss, samples) from the count of correct predictions and the summed
+    loss over ``n`` samples: NaN for none, and NaN accuracy where the loss is not finite (a
+    diverged model is never scored)."""
     if n == 0:
         return float("nan"), float("nan"), 0
-    mean_loss = float(loss) / n
+    mean_loss = float(loss_sum) / n
     if not math.isfinite(mean_loss):
         return float("nan"), mean_loss, n
     return float(correct) / n, mean_loss, n

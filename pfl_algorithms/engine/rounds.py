@@ -236,7 +236,7 @@ def evaluation_summary(results: list[EvalResult], split: str = "test") -> dict:
 def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:
     """Personalized accuracy: every client's evaluation model on its own split, fine-tuned first
     when the run asks (``finetune_epochs``); means over clients."""
-    results = fed.executor.run(evaluation_tasks(fed, algorithm, split), lambda task: run_eval_task(fed, task))
+    results = fed.executor.run_eval(fed, evaluation_tasks(fed, algorithm, split), lambda task: run_eval_task(fed, task))
     return evaluation_summary(results, split)
 
 

@@ -148,23 +148,30 @@ class ConvBatchNormNet(torch.nn.Module):
         return self.head(self.body(x))
 
 
-def cuda_run(executor: str, *, capture: bool, optimizer: str, autocast=None, dtype=torch.float64, rounds=3):
-    """FedAvg on CUDA, BatchNorm model, unequal clients, kept state; (cohort state, step counts)."""
+def cuda_federation(executor: str, *, capture: bool, optimizer: str, autocast=None, dtype=torch.float64,
+                    rounds=3):
+    """FedAvg on CUDA: a BatchNorm CNN, unequal clients, kept optimizer state; (fed, algorithm)."""
     gen = torch.Generator().manual_seed(0)
     sizes = (64, 64, 75)
     inputs = torch.randn(sum(sizes), 1, 12, 12, generator=gen, dtype=dtype)
     labels = torch.randint(0, 4, (sum(sizes),), generator=gen)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     empty = torch.empty(0, dtype=torch.int64)
-    splits = [ClientSplit(train=torch.arange(s, s + n), val=empty, test=empty) for s, n in zip(starts, sizes)]
+    splits = [ClientSplit(train=torch.arange(s, s + n - 20), val=empty, test=torch.arange(s + n - 20, s + n))
+              for s, n in zip(starts, sizes)]
     settings = {"lr": 0.01} if optimizer == "adam" else {"lr": 0.05, "momentum": 0.9}
     engine = EngineSettings(rounds=rounds, eval_every=10 ** 6, optimizer=OptimizerSettings(optimizer, **settings),
                             schedule=LocalSchedule(batch_size=16, epochs=2), executor=executor,
                             optimizer_state="keep", autocast=autocast, cuda_graphs=capture)
     torch.manual_seed(0)
     algo = make_algorithm("fedavg")
-    fed = federation_for(algo, ConvBatchNormNet().to(dtype), inputs, labels, splits, engine,
-                         device="cuda")
+    return federation_for(algo, ConvBatchNormNet().to(dtype), inputs, labels, splits, engine, device="cuda"), algo
+
+
+def cuda_run(executor: str, *, capture: bool, optimizer: str, autocast=None, dtype=torch.float64, rounds=3):
+    """``rounds`` rounds of ``cuda_federation``; (federation state, step counts)."""
+    fed, algo = cuda_federation(executor, capture=capture, optimizer=optimizer, autocast=autocast, dtype=dtype,
+                                rounds=rounds)
     for r in range(rounds):
         run_round(fed, algo, r)
     return fed.state_dict(), dict(fed.step_graphs.counts)

@@ -1,0 +1,80 @@
+"""Evaluation on the batched executor: a chunk of clients of one cohort scored together, each
+batch of their test samples in one vmapped forward (eval mode, no autograd).
+
+A client's evaluation model is its bank row (or the extra state its ``Evaluation`` names) with
+the evaluation's download applied, as ``client.run_eval_task`` builds it; its samples go in
+batches of ``local.evaluate``'s size, and at each batch position the clients whose batches have
+the same size run together (no padding reaches a score).  Accuracy and loss follow
+``local.scores``: a client with a non-finite loss gets NaN accuracy.  The numbers equal
+``local.evaluate``'s up to float reassociation (a grouped convolution, per-client loss sums),
+as the batched executor's training equals the sequential executor's.  An evaluation that
+fine-tunes first (an ``Evaluation`` with a plan) runs on the threaded executor.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch.func import functional_call, vmap
+from torch.nn import functional as F
+
+from .client import EvalResult, apply_download
+from .local import conv_layout, gather_rows, scores
+
+# Samples per forward per client: local.evaluate's.
+EVAL_BATCH = 512
+
+
+def batchable_evaluation(task) -> bool:
+    """Whether ``task`` (an EvalTask) scores its model as it is (no fine-tuning first)."""
+    return not task.evaluation.plan
+
+
+@torch.no_grad()
+def evaluate_chunk(fed, cohort, tasks, batch_size: int = EVAL_BATCH) -> list[EvalResult]:
+    """Score ``tasks`` (evaluations of clients of ``cohort`` that read the same bank and
+    fine-tune nothing) together; nothing is stored."""
+    rows = [cohort.row(t.client) for t in tasks]
+    source = tasks[0].evaluation.params
+    bank = cohort.params if source == "params" else cohort.extra[source]
+    params, buffers = bank.data[rows].clone(), cohort.buffers.data[rows].clone()
+    int_buffers = cohort.int_buffers.data[rows].clone()
+    for i, task in enumerate(tasks):
+        apply_download(cohort, SimpleNamespace(params=params[i], buffers=buffers[i]), task.evaluation.download,
+                       task.client)
+    tensors = {**cohort.layout.views(params), **cohort.buffer_layout.views(buffers),
+               **cohort.int_buffer_layout.views(int_buffers)}
+    module = cohort.work.module
+
+    def logits_of(client_tensors, inputs):  # the module's forward, as local.evaluate calls it
+        return functional_call(module, client_tensors, (inputs,))
+
+    datas = [fed.clients[t.client] for t in tasks]
+    indices = [data.part(t.split) for data, t in zip(datas, tasks)]
+    correct = torch.zeros(len(tasks), dtype=torch.int64, device=params.device)
+    loss = torch.zeros(len(tasks), dtype=torch.float64, device=params.device)
+    was_training = module.training
+    module.eval()
+    try:
+        for start in range(0, max((i.numel() for i in indices), default=0), batch_size):
+            by_size: dict[int, list[int]] = {}
+            for k, index in enumerate(indices):
+                size = min(batch_size, index.numel() - start)
+                if size > 0:
+                    by_size.setdefault(size, []).append(k)
+            for members in by_size.values():
+                batches = [indices[k][start:start + batch_size] for k in members]
+                x = torch.stack([conv_layout(gather_rows(fed.inputs, b)) for b in batches])
+                y = torch.stack([fed.labels[b] if datas[k].label_map is None else datas[k].label_map[fed.labels[b]]
+                                 for k, b in zip(members, batches)])
+                whole = len(members) == len(tasks)
+                group = tensors if whole else {name: t[members] for name, t in tensors.items()}
+                logits = vmap(logits_of)(group, x)
+                at = torch.tensor(members, device=params.device)
+                per_sample = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(len(members), -1)
+                loss.index_add_(0, at, per_sample.sum(1).double())
+                correct.index_add_(0, at, (logits.argmax(2) == y).sum(1))
+    finally:
+        module.train(was_training)
+    return [EvalResult(task.client, *scores(c, l, index.numel()))
+            for task, c, l, index in zip(tasks, correct.tolist(), loss.tolist(), indices)]
