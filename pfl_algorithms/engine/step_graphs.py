@@ -12,13 +12,15 @@ optimizer steps with ``capturable=True``: its step count a device tensor).
 step's kernels depend on: shapes, the optimizer's settings, the trained ranges, ...) runs
 ``WARMUP`` eager steps on a side stream (what torch's CUDA-graph notes ask for: lazy
 initializations happen outside the capture), then captures the next step and replays it from
-then on.  Elsewhere it calls the function: the same code, uncaptured, which is what the CPU
-tests check against the executors' general step.  The graphs of one ``StepGraphs`` share one
+then on (a step whose capture fails, an op that cannot be captured, says so in one line and
+runs uncaptured).  Elsewhere it calls the function: the same code, uncaptured, which is what
+the CPU tests check against the executors' general step.  The graphs of one ``StepGraphs`` share one
 memory pool: they replay one at a time on one stream, and each writes its results into the
 persistent tensors, never into the pool, so no graph reads what another left there.
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Callable, Hashable, Optional
 
@@ -48,6 +50,7 @@ class StaticStep:
         self.fn, self.inputs = fn, inputs
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.warm = 0
+        self.refused = False  # its capture failed: it runs uncaptured
 
 
 class StepGraphs:
@@ -95,11 +98,19 @@ class StepGraphs:
             step.fn()
             self.counts["eager"] += 1
             return
-        if step.graph is None and step.warm < WARMUP:
+        if step.graph is None and (step.warm < WARMUP or step.refused):
             self._warm_up(step)
             return
         if step.graph is None:
-            step.graph = self._capture(step)
+            try:
+                step.graph = self._capture(step)
+            except RuntimeError as error:  # an op that cannot be captured: this key runs uncaptured
+                step.refused = True
+                reason = (str(error).strip().splitlines() or ["unknown"])[0]
+                print(f"pfl: a training step could not be captured as a CUDA graph ({reason}); it runs uncaptured",
+                      file=sys.stderr, flush=True)
+                self._warm_up(step)  # a capture records without running: the step is still to do
+                return
         step.graph.replay()
         self.counts["replayed"] += 1
 

@@ -9,6 +9,8 @@ sequential executor; here, that they ran, and how they mix with its general step
 (``scripts/gpu_check.sh``), captured and uncaptured runs must agree, and the graphs must replay."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from pfl_algorithms.engine.local import LocalSchedule
 from pfl_algorithms.engine.optim import OptimizerSettings
 from pfl_algorithms.engine.plan import Phase
 from pfl_algorithms.engine.rounds import federation_for, run_round
-from pfl_algorithms.engine.step_graphs import LIMIT, StaticStep, StepGraphs, capturable
+from pfl_algorithms.engine.step_graphs import LIMIT, WARMUP, StaticStep, StepGraphs, capturable
 
 from ..algorithms.federation_cases import BatchNormNet, make_federation
 from ..state_checks import assert_close_state, assert_same
@@ -126,6 +128,72 @@ def test_step_graphs_keep_at_most_limit_steps_and_persistent_tensors_once():
     assert len(graphs._steps) == LIMIT and 0 not in graphs._steps
     made = graphs.tensors("chunk", lambda: torch.zeros(3))
     assert graphs.tensors("chunk", lambda: torch.ones(3)) is made
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+class _Graph:
+    """A capture that records ``fn`` without running it, as a CUDA graph's does."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+@pytest.fixture
+def pretend_cuda(monkeypatch):
+    """StepGraphs' capture path on a CPU: streams that do nothing, captures that record."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(StepGraphs, "_capture", lambda self, step: (self.counts.__setitem__(
+        "captured", self.counts["captured"] + 1), _Graph(step.fn))[1])
+
+
+def test_each_step_runs_once_warmed_up_then_captured_then_replayed(pretend_cuda, monkeypatch, capsys):
+    """A key's first WARMUP steps run eagerly, the next is captured (recorded, not run) and
+    replayed, every later one replayed: every call does its step exactly once.  A key whose
+    capture fails says so in one line and runs uncaptured from then on."""
+    graphs = StepGraphs(torch.device("cpu"), capture=False)
+    graphs.capture = True
+    done = []
+    for _ in range(WARMUP + 3):
+        graphs.run(graphs.step("a", lambda: StaticStep(lambda: done.append("a"), {})))
+    assert done == ["a"] * (WARMUP + 3)
+    assert graphs.counts == {"eager": WARMUP, "captured": 1, "replayed": 3}
+
+    def refuse(self, step):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(StepGraphs, "_capture", refuse)
+    for _ in range(WARMUP + 2):
+        graphs.run(graphs.step("b", lambda: StaticStep(lambda: done.append("b"), {})))
+    assert done.count("b") == WARMUP + 2 and graphs._steps["b"].refused
+    err = capsys.readouterr().err
+    assert err.count("could not be captured") == 1 and "not permitted when stream is capturing)" in err
+
+
+def test_a_federation_whose_steps_are_replayed_trains_as_one_run_eagerly(pretend_cuda):
+    """Both executors, with the capture path taken (replays of recorded steps): bitwise the
+    uncaptured run, so the executors fill the static inputs before every replay."""
+    for executor in ("sequential", "batched"):
+        results = []
+        for capture in (False, True):
+            algo = make_algorithm("fedavg")
+            fed = make_federation(algo, rounds=2, epochs=2, executor=executor, sizes=(46, 58, 69),
+                                  optimizer_settings={"lr": 0.1, "momentum": 0.9}, optimizer_state="keep")
+            fed.step_graphs.capture = fed.step_graphs.static = capture
+            for r in range(2):
+                run_round(fed, algo, r)
+            results.append(fed.state_dict())
+            if capture:
+                assert fed.step_graphs.counts["replayed"] > 0
+        assert_same(results[1], results[0])
 
 
 def test_cuda_graphs_is_a_checked_setting():
