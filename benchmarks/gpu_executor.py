@@ -120,7 +120,9 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
                                     batch=batch, executor=executor, device=device, autocast=autocast,
                                     cuda_graphs=graphs)
         key = executor + ("+bf16" if autocast else "") + ("" if graphs else "-eager")
-        seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device)
+        # Two warm-up rounds where steps are captured (a short last batch's is captured in its
+        # second round), one where nothing is.
+        seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
         counts = dict(fed.step_graphs.counts)
         fed.close()
         rows.append({"job": name, "executor": key, "round_s": seconds[key],

@@ -57,7 +57,7 @@ CAP_BUILD=${GPU_CHECK_CAP_BUILD:-120}
 CAP_TESTS=${GPU_CHECK_CAP_TESTS:-120}
 CAP_BENCH=${GPU_CHECK_CAP_BENCH:-35}   # each kernel benchmark
 CAP_LAUNCH=${GPU_CHECK_CAP_LAUNCH:-40}
-CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-90}
+CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-120}  # captured and uncaptured executors, Table 1's 3 rounds
 XDIST_WORKERS=${GPU_CHECK_WORKERS:-8}
 
 build() {  # the C++ extension must match the installed torch
