@@ -114,14 +114,20 @@ class StepGraphs:
         step.graph.replay()
         self.counts["replayed"] += 1
 
-    def _warm_up(self, step: StaticStep) -> None:
+    def _side_stream(self) -> "torch.cuda.Stream":
+        """The one stream warm-ups and captures run on: libraries cache handles and workspaces
+        per stream (cuBLASLt's, pytorch/pytorch#187745), so a capture on another stream than its
+        warm-up's would create them mid-capture."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
+        return self._stream
+
+    def _warm_up(self, step: StaticStep) -> None:
+        side, current = self._side_stream(), torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
             step.fn()
-        current.wait_stream(self._stream)
+        current.wait_stream(side)
         step.warm += 1
         self.counts["eager"] += 1
 
@@ -132,7 +138,7 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream()):
             step.fn()
         self.counts["captured"] += 1
         return graph
