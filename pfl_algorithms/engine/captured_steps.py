@@ -85,9 +85,9 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
     ``optimizer``, each row at its ``chunk.lrs`` rate when ``lrs``, scaled by ``lr_scale`` (the
     chunk's persistent rows, or None); the caller fills its inputs 'x' and 'y', and ``chunk.steps``."""
     key = ("batched", cohort.name, chunk.chunk.capacity, chunk.count, tuple(x.shape), x.stride(), x.dtype,
-           tuple(y.shape),
-           optimizer, None if ranges is None else tuple(ranges), None if trained is None else frozenset(trained),
-           lrs, lr_scale is not None, autocast_mode, state_name, tuple(sorted(state)))
+           tuple(y.shape), optimizer, None if ranges is None else tuple(ranges),
+           None if trained is None else frozenset(trained), lrs, lr_scale is not None, autocast_mode, state_name,
+           tuple(sorted(state)))
 
     def build() -> StaticStep:
         inputs = {"x": static_like(x), "y": static_like(y)}
@@ -95,7 +95,6 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
         module = cohort.work.module
         layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
         count, samples = chunk.params.shape[0], y.shape[1]
-
         outputs = ModelOutputs(module)
 
         def client_logits(param_parts, buffer_parts, inputs_):
