@@ -10,6 +10,7 @@ sequential executor; here, that they ran, and how they mix with its general step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from pfl_algorithms.engine.plan import Phase
 from pfl_algorithms.engine.rounds import federation_for, run_round
 from pfl_algorithms.engine.step_graphs import LIMIT, WARMUP, StaticStep, StepGraphs, capturable
 
-from ..algorithms.federation_cases import BatchNormNet, make_federation
+from ..algorithms.federation_cases import BatchNormNet, TinyNet, make_federation
 from ..state_checks import assert_close_state, assert_same
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -55,6 +56,23 @@ def test_static_sequential_steps_are_bitwise_the_host_steps_under_sgd(name):
     static, counts = run(name, static=True)
     assert host_counts["eager"] == 0 and counts["eager"] > 0
     assert_same(static, host)
+
+
+def test_static_sequential_steps_under_bf16_autocast_are_bitwise_the_host_steps():
+    """A step captured under autocast must not keep autocast's cast cache (cache=False): the
+    values are the same."""
+    runs = []
+    for static in (False, True):
+        algo = make_algorithm("fedavg")
+        fed = make_federation(algo, rounds=2, epochs=2, executor="sequential", sizes=(30, 41, 50),
+                              dtype=torch.float32, models=TinyNet(), optimizer_state="keep")
+        fed.settings = dataclasses.replace(fed.settings, autocast="bf16")
+        fed.step_graphs.static = static
+        for r in range(2):
+            run_round(fed, algo, r)
+        runs.append(fed.state_dict())
+        assert fed.step_graphs.counts["eager"] == (28 if static else 0)  # (2 + 2 + 3) steps x 2 epochs x 2 rounds
+    assert_same(runs[1], runs[0])
 
 
 @pytest.mark.slow  # every algorithm, two runs each
