@@ -140,8 +140,10 @@ def run_sequential_phase(fed, view, phase_state: dict, *, optimizer, ranges, nam
     optimizer state ``phase_state`` (vectors [P], steps []) and ``totals`` are updated as the
     host steps update them."""
     graphs, work = fed.step_graphs, view._work
+    # Keyed by the working model itself (by identity), not its id: a key keeps it alive, so a
+    # later model can never be taken for it and be handed steps bound to another's tensors.
     vectors = tuple(sorted(v for v in phase_state if v != "steps"))
-    held = graphs.tensors(("sequential", id(work), vectors), lambda: SimpleNamespace(
+    held = graphs.tensors(("sequential", work, vectors), lambda: SimpleNamespace(
         vectors={v: torch.empty_like(work.params) for v in vectors},
         steps=torch.zeros((), dtype=torch.int64, device=work.params.device),
         loss=torch.zeros((), dtype=torch.float64, device=work.params.device), lr_scale=None))
@@ -155,7 +157,7 @@ def run_sequential_phase(fed, view, phase_state: dict, *, optimizer, ranges, nam
         held.lr_scale.copy_(lr_scale)
     mode = fed.settings.autocast
     for x, y in batches:
-        key = ("sequential", id(work), tuple(x.shape), x.stride(), x.dtype, tuple(y.shape), optimizer,
+        key = ("sequential", work, tuple(x.shape), x.stride(), x.dtype, tuple(y.shape), optimizer,
                None if ranges is None else tuple(ranges), tuple(names), lr_scale is not None, mode, vectors)
         step = graphs.step(key, lambda: _sequential_step(work, held, x, y, optimizer, ranges, lr_scale is not None,
                                                          mode))
