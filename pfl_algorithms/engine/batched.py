@@ -37,9 +37,12 @@ Per-FedAvg: steps computed client by client) runs on the threaded executor inste
 one-line notice.  On CUDA, evaluations are scored in chunks too (``batched_eval``); those that
 fine-tune first, and every evaluation on a CPU, run there too.  With ``threaded_hooks``
 (``--executor auto`` on a CPU), so do tasks whose plans have ``begin`` hooks or loss terms:
-those run client by client here, and on 2 CPU cores threads ran them faster (Fed-CMA 0.96 s threaded against
-1.32 s batched, FedGen 0.86 against 1.06, IFCA 0.61 against 0.65: the training time of 5
-rounds of 20 digits clients).
+those run client by client here, and on 2 CPU cores threads ran them faster (Fed-CMA 0.96 s
+threaded against 1.32 s batched, FedGen 0.86 against 1.06, IFCA 0.61 against 0.65: the
+training time of 5 rounds of 20 digits clients).
+
+A whole chunk's step in a plain phase (no hook inside a step) runs as a static step
+(``captured_steps``): replayed as a CUDA graph on CUDA, the same code uncaptured elsewhere.
 """
 from __future__ import annotations
 
@@ -55,13 +58,13 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
+from .batched_eval import batchable_evaluation, evaluate_chunk
+from .captured_steps import batched_step, chunk_rows, chunk_state
 from .client import (ClientView, TaskValues, TrainResult, apply_download, finish_train_task, initial_optimizer_state,
                      local_result, phase_lr_scale, phase_optimizer, phase_parameters, phase_schedule, trains_only,
                      training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
-from .batched_eval import batchable_evaluation, evaluate_chunk
-from .captured_steps import batched_step, chunk_rows, chunk_state
 from .local import client_batches
 from .model_call import ModelOutputs, autocast
 from .plan import Batch, Phase, state_names
@@ -358,20 +361,28 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             if not steps_on_device:
                 chunk.steps.copy_(state["steps"])
                 steps_on_device = True
-            x = torch.stack([batches[i][0] for i in members])
-            y = torch.stack([batches[i][1] for i in members])
-            step = batched_step(fed.step_graphs, cohort, chunk, x, y, optimizer=optimizer, ranges=ranges,
-                                trained=trained, state_name=state_name, state=state, lrs=lrs is not None,
-                                lr_scale=lr_scale, autocast_mode=fed.settings.autocast)
-            step.inputs["x"].copy_(x)
-            step.inputs["y"].copy_(y)
-            fed.step_graphs.run(step)
-            state["steps"] += 1
-            n = int(y.shape[1])
-            for i in members:
-                samples[i] += n
-                steps_taken[i] += 1
-                views[i].step += 1
+            _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, batches,
+                         views, samples, steps_taken)
+
+
+def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, batches, views,
+                 samples, steps_taken) -> None:
+    """One step of the whole chunk as its static step (``captured_steps.batched_step``), and the
+    host's bookkeeping of it: the step counts, samples and steps of every client."""
+    x = torch.stack([batches[i][0] for i in range(chunk.count)])
+    y = torch.stack([batches[i][1] for i in range(chunk.count)])
+    step = batched_step(fed.step_graphs, cohort, chunk, x, y, optimizer=optimizer, ranges=ranges, trained=trained,
+                        state_name=state_name, state=state, lrs=lrs is not None, lr_scale=lr_scale,
+                        autocast_mode=fed.settings.autocast)
+    step.inputs["x"].copy_(x)
+    step.inputs["y"].copy_(y)
+    fed.step_graphs.run(step)
+    state["steps"] += 1
+    n = int(y.shape[1])
+    for i in range(chunk.count):
+        samples[i] += n
+        steps_taken[i] += 1
+        views[i].step += 1
 
 
 def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params, buffers, int_buffers) -> None:
