@@ -41,6 +41,10 @@ Fed-CMA's loss term and upload both take its fixed batch as ``view.cached("fixed
 lambda: self._fixed_batch(view))``, drawn once a round; FedDAF's ``begin`` hook reports the α
 and θ it finds, and its upload hook never reads them.
 
+A gradient term or after-step hook that is tensor work on the view's parameters and gradients
+alone can say so with ``capturable_hook(hook, key)``: its phase's steps may then replay as CUDA
+graphs (Factorized-FL's and SimFed's L1 terms, pFedMB's projection of α).
+
 Optimizers for server-side state (a generator, a hypernetwork): ``SGD`` and ``Adam`` (``AdamW``:
 ``Adam(decoupled=True)``), ``make_optimizer`` by name, torch.optim's rules over tensors whose
 state is a plain dict of tensors (checkpointable as it is): the engine's own client optimizers.
@@ -68,7 +72,7 @@ from .engine.cohort_stats import Senders
 from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import Message, Sparse, Statistic
 from .engine.optim import SGD, Adam, OptimizerSettings, make_optimizer
-from .engine.plan import Batch, Phase
+from .engine.plan import Batch, Phase, capturable_hook
 from .engine.uploads import Uploads
 from .models.base import head_parameter_names
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
@@ -78,7 +82,7 @@ from .statistics import ClassMeans
 __all__ = ["ALGORITHMS", "Adam", "Algorithm", "BUFFERS", "Batch", "Capabilities", "ClassMeans", "ClientView", "Evaluation", "Fraction",
            "FEDPARA_LAYERS", "GroupRule", "Message", "NoSettings", "NonNegativeFloat", "NonNegativeInt", "OneOf", "OptimizerSettings", "Phase",
            "PositiveFloat", "PositiveInt", "Range", "SGD", "Senders", "Sparse", "StateSpec", "Statistic", "Uploads",
-           "algorithm_class", "fedpara", "head_parameter_names", "make_optimizer"]
+           "algorithm_class", "capturable_hook", "fedpara", "head_parameter_names", "make_optimizer"]
 
 ALGORITHMS: dict[str, type] = {}
 

@@ -44,7 +44,7 @@ from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, factorize, factor
 from pfl_kernels.ops import pairwise_cosine, similarity_weights, weighted_average
 
 from ..api import (BUFFERS, Algorithm, GroupRule, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase,
-                   PositiveFloat, PositiveInt, Range, Sparse)
+                   PositiveFloat, PositiveInt, Range, Sparse, capturable_hook)
 
 FACTORIZED = (FactorizedConv2d, FactorizedLinear)
 MATCH = "v_last"  # the penultimate layer's v, its own group so that α can send it alone
@@ -65,13 +65,14 @@ class FactorizedFLSettings:
 
 
 def l1_term(lam: float):
-    """The gradient term of λ‖μ‖₁ over the μ group: λ·sign(μ) (0 at μ = 0)."""
+    """The gradient term of λ‖μ‖₁ over the μ group: λ·sign(μ) (0 at μ = 0); tensor work on the
+    view's μ alone, so a captured step may replay it."""
     def l1(view):
         mu = view.group("mu")
         view.grad("mu").add_(torch.sign(mu), alpha=lam)
         return lam * mu.abs().sum()
 
-    return l1
+    return capturable_hook(l1, key=("factorized-fl-l1", lam))
 
 
 def matching_weights(v: torch.Tensor, *, tau: float, scale: float, min_keep: int) -> torch.Tensor:

@@ -68,7 +68,7 @@ from torch import nn
 from pfl_kernels.nn import MultiBranchConv2d, MultiBranchLinear, multibranch, multibranch_layers
 from pfl_kernels.ops import branch_aggregate, project_simplex_
 
-from ..api import GroupRule, OneOf, Phase, PositiveFloat, PositiveInt, head_parameter_names
+from ..api import GroupRule, OneOf, Phase, PositiveFloat, PositiveInt, capturable_hook, head_parameter_names
 from .fedavg import FedAvg
 
 MULTIBRANCH = (MultiBranchConv2d, MultiBranchLinear)
@@ -207,7 +207,8 @@ class PFedMB(FedAvg):
 
     def plan(self, client):
         s = self.settings
-        project = self._project_alpha if s.simplex == "projection" else None
+        project = (capturable_hook(self._project_alpha, key=("pfedmb-project", s.branches))
+                   if s.simplex == "projection" else None)
         alpha_scale = 1.0 / self._layers if s.shared_alpha and s.alpha_lr is None else 1.0
         dense_equivalent = self._dense_equivalent_rates if s.weight_lr is None else None
         return (Phase(groups=(ALPHA,), lr=s.alpha_lr, lr_scale=alpha_scale, state="alpha", after_step=project),

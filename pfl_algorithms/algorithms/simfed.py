@@ -50,7 +50,7 @@ import torch
 from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, factorize, factorized_layers
 from pfl_kernels.ops import pairwise_cosine, similarity_weights, weighted_average
 
-from ..api import Algorithm, GroupRule, Message, NonNegativeFloat, OneOf, Phase, Range
+from ..api import Algorithm, GroupRule, Message, NonNegativeFloat, OneOf, Phase, Range, capturable_hook
 
 FACTORS = ("u", "v", "mu")
 CRITERIA = "criteria"
@@ -68,7 +68,8 @@ class SimFedSettings:
 
 def l1_term(lam: float):
     """The gradient term of λ1 Σ ‖μ‖₁ over the model's factorized layers (each μ once, the
-    head's too): λ1·sign(μ) added to each μ's gradient."""
+    head's too): λ1·sign(μ) added to each μ's gradient; tensor work on the view's μ alone, so a
+    captured step may replay it."""
     def l1(view):
         names = {id(p): n for n, p in view.module.named_parameters()}
         mus = dict.fromkeys(names[id(layer.mu)] for layer in factorized_layers(view.module) if layer.mu is not None)
@@ -80,7 +81,7 @@ def l1_term(lam: float):
                 total = total + mu.abs().sum()
             return lam * total
 
-    return l1
+    return capturable_hook(l1, key=("simfed-l1", lam))
 
 
 def reflection_weights(embeddings: torch.Tensor, seen: torch.Tensor, clients: torch.Tensor, *, alpha: float,

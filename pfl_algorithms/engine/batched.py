@@ -362,18 +362,18 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
                 chunk.steps.copy_(state["steps"])
                 steps_on_device = True
             _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, batches,
-                         views, samples, steps_taken)
+                         [t.plan[index] for t in tasks], views, samples, steps_taken)
 
 
-def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, batches, views,
-                 samples, steps_taken) -> None:
+def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, batches, phases,
+                 views, samples, steps_taken) -> None:
     """One step of the whole chunk as its static step (``captured_steps.batched_step``), and the
     host's bookkeeping of it: the step counts, samples and steps of every client."""
     x = torch.stack([batches[i][0] for i in range(chunk.count)])
     y = torch.stack([batches[i][1] for i in range(chunk.count)])
     step = batched_step(fed.step_graphs, cohort, chunk, x, y, optimizer=optimizer, ranges=ranges, trained=trained,
                         state_name=state_name, state=state, lrs=lrs is not None, lr_scale=lr_scale,
-                        autocast_mode=fed.settings.autocast)
+                        autocast_mode=fed.settings.autocast, phases=phases, views=views)
     step.inputs["x"].copy_(x)
     step.inputs["y"].copy_(y)
     fed.step_graphs.run(step)

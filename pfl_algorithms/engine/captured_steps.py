@@ -27,7 +27,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .model_call import ModelOutputs, autocast, forward
-from .step_graphs import StaticStep, StepGraphs, static_like
+from .step_graphs import StaticStep, StepGraphs, hook_keys, static_like
 
 
 class ChunkTensors:
@@ -78,16 +78,18 @@ def chunk_state(rows: SimpleNamespace, name: str, state: dict) -> dict:
 
 
 def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, optimizer, ranges, trained,
-                 state_name: str, state: dict, lrs: bool, lr_scale: Optional[torch.Tensor],
-                 autocast_mode) -> StaticStep:
+                 state_name: str, state: dict, lrs: bool, lr_scale: Optional[torch.Tensor], autocast_mode,
+                 phases, views) -> StaticStep:
     """The static step of ``chunk`` (``chunk_rows``) for batches shaped as ``x`` and ``y``
     ([C, B, ...], [C, B]): it trains ``trained`` (None: every parameter) over ``ranges`` with
     ``optimizer``, each row at its ``chunk.lrs`` rate when ``lrs``, scaled by ``lr_scale`` (the
-    chunk's persistent rows, or None); the caller fills its inputs 'x' and 'y', and ``chunk.steps``."""
+    chunk's persistent rows, or None), each client's ``phases`` gradient terms and after-step
+    hook (capturable ones) run on its row view in ``views``; the caller fills its inputs 'x' and
+    'y', and ``chunk.steps``."""
     key = ("batched", cohort.name, chunk.chunk.capacity, chunk.count, tuple(x.shape), x.stride(), x.dtype,
            tuple(y.shape), optimizer, None if ranges is None else tuple(ranges),
            None if trained is None else frozenset(trained), lrs, lr_scale is not None, autocast_mode, state_name,
-           tuple(sorted(state)))
+           tuple(sorted(state)), tuple(hook_keys(phase) for phase in phases))
 
     def build() -> StaticStep:
         inputs = {"x": static_like(x), "y": static_like(y)}
@@ -96,6 +98,9 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
         layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
         count, samples = chunk.params.shape[0], y.shape[1]
         outputs = ModelOutputs(module)
+        terms = [phase.grad_terms for phase in phases]
+        afters = [phase.after_step for phase in phases]
+        rows = list(views)  # the views of the build: their tensors are the persistent rows
 
         def client_logits(param_parts, buffer_parts, inputs_):
             tensors = {"model." + name: t for parts in (param_parts, buffer_parts) for name, t in parts.items()}
@@ -124,16 +129,34 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
                         view.zero_()
                     else:
                         view.copy_(grad)
+                # Each client's terms add to its gradient row and report the loss they stand for,
+                # summed in float64 as the general step sums them.
+                extra = torch.stack([term_total(terms[k], rows[k]) for k in range(count)]) if any(terms) else None
                 optimizer.step(chunk.params, chunk.grads, {**vectors, "steps": chunk.steps}, ranges=ranges,
                                lr=chunk.lrs if lrs else None, lr_scale=lr_scale, capturable=True)
-                chunk.loss_sum.add_(per_client.detach().double() * samples)
+                for after, view in zip(afters, rows):
+                    if after is not None:
+                        after(view)
+                reported = per_client.detach().double()
+                chunk.loss_sum.add_((reported if extra is None else reported + extra) * samples)
 
         return StaticStep(fn, inputs)
 
     return graphs.step(key, build)
 
 
-def run_sequential_phase(fed, view, phase_state: dict, *, optimizer, ranges, names, lr_scale, batches,
+def term_total(terms, view) -> torch.Tensor:
+    """The losses ``terms`` (gradient terms) report for ``view``, summed in float64 on the device
+    (the general step sums them as host floats: the same values)."""
+    total = torch.zeros((), dtype=torch.float64, device=view.params.device)
+    for term in terms:
+        value = term(view)
+        if value is not None:
+            total = total + value.double()
+    return total
+
+
+def run_sequential_phase(fed, view, phase, phase_state: dict, *, optimizer, ranges, names, lr_scale, batches,
                          totals) -> None:
     """One phase of the sequential executor's plain steps on ``view``'s working model, as static
     steps (captured where ``fed.step_graphs`` captures): ``batches`` yields (x, y); the phase's
@@ -158,9 +181,10 @@ def run_sequential_phase(fed, view, phase_state: dict, *, optimizer, ranges, nam
     mode = fed.settings.autocast
     for x, y in batches:
         key = ("sequential", work, tuple(x.shape), x.stride(), x.dtype, tuple(y.shape), optimizer,
-               None if ranges is None else tuple(ranges), tuple(names), lr_scale is not None, mode, vectors)
+               None if ranges is None else tuple(ranges), tuple(names), lr_scale is not None, mode, vectors,
+               hook_keys(phase))
         step = graphs.step(key, lambda: _sequential_step(work, held, x, y, optimizer, ranges, lr_scale is not None,
-                                                         mode))
+                                                         mode, phase, view))
         step.inputs["x"].copy_(x)
         step.inputs["y"].copy_(y)
         graphs.run(step)
@@ -174,7 +198,10 @@ def run_sequential_phase(fed, view, phase_state: dict, *, optimizer, ranges, nam
     totals.loss.copy_(held.loss)
 
 
-def _sequential_step(work, held, x, y, optimizer, ranges, scaled: bool, mode: Optional[str]) -> StaticStep:
+def _sequential_step(work, held, x, y, optimizer, ranges, scaled: bool, mode: Optional[str], phase,
+                     view) -> StaticStep:
+    """The working model's static step (``view``: the build's, whose tensors are the working
+    model's; ``phase``'s capturable hooks run on it) as ``client._run_phase`` steps on the host."""
     inputs = {"x": static_like(x), "y": static_like(y)}
     samples = y.numel()
 
@@ -184,8 +211,15 @@ def _sequential_step(work, held, x, y, optimizer, ranges, scaled: bool, mode: Op
             logits, _ = forward(work.module, inputs["x"])
         loss = F.cross_entropy(logits.float() if mode else logits, inputs["y"])
         loss.backward()
+        extra = 0.0
+        for term in phase.grad_terms:
+            value = term(view)
+            if value is not None:
+                extra = extra + value
         optimizer.step(work.params, work.grads, {**held.vectors, "steps": held.steps}, ranges=ranges,
                        lr_scale=held.lr_scale if scaled else None, capturable=True)
-        held.loss.add_(loss.detach() * samples)
+        if phase.after_step is not None:
+            phase.after_step(view)
+        held.loss.add_((loss.detach() + extra) * samples)
 
     return StaticStep(fn, inputs)

@@ -452,7 +452,7 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
         lr_scale = phase_lr_scale(cohort, phase, view)
         indices = client_batches(data.train, phase_schedule(phase, fed.settings.schedule), generator)
         if fed.step_graphs.static and capturable(phase):  # captured on CUDA (captured_steps)
-            run_sequential_phase(fed, view, state, optimizer=optimizer, ranges=ranges, names=names,
+            run_sequential_phase(fed, view, phase, state, optimizer=optimizer, ranges=ranges, names=names,
                                  lr_scale=lr_scale, totals=totals,
                                  batches=(training_batch(fed, data, index, generator, augment) for index in indices))
             return

@@ -29,6 +29,10 @@ Hooks an algorithm can give a phase:
   ``begin``, for rates that depend on the client's state (pFedMB's lr / ‖α_l‖² per layer).
   The optimizer applies them as its own per-parameter rate (``engine.optim``'s ``lr_scale``),
   so they hold under SGD, momentum and Adam alike, where scaling gradients would not.
+
+A gradient term or after-step hook wrapped by :func:`capturable_hook` may run inside a step
+replayed as a CUDA graph (``engine.step_graphs``); a phase with any other hook inside its steps
+keeps its steps uncaptured.
 """
 from __future__ import annotations
 
@@ -73,6 +77,27 @@ CustomGradient = Callable[[Any, list], Tensor]
 Begin = Callable[[Any], None]
 AfterStep = Callable[[Any], None]
 LrScales = Union[Mapping[str, float], Callable[[Any], Mapping[str, float]]]
+
+
+class CapturableHook:
+    """A gradient term or after-step hook that a captured step may replay (:func:`capturable_hook`)."""
+
+    def __init__(self, hook: Callable, key):
+        self.hook, self.key = hook, key
+
+    def __call__(self, view):
+        return self.hook(view)
+
+
+def capturable_hook(hook: Callable, key) -> CapturableHook:
+    """``hook`` (a gradient term or an after-step hook), declared safe to capture in a CUDA graph:
+    it works only on the view's parameters and gradients (``group``, ``grad``, ``parameter``,
+    ``parameter_grad``) with tensor operations, reads nothing back to the host (no ``.item()``,
+    no ``if`` on a tensor's value), and reads no other state (not ``view.step``, not the
+    download): a replay re-runs its kernels on the same tensors, not its Python.  ``key`` (hashable)
+    names what it computes: hooks with equal keys must do the same to the same view (the L1 term
+    of one λ), so one captured step serves every client and round."""
+    return CapturableHook(hook, key)
 
 
 def _positive_or_none(name: str, value, *, allow_zero: bool) -> None:

@@ -26,6 +26,8 @@ from typing import Callable, Hashable, Optional
 
 import torch
 
+from .plan import CapturableHook
+
 # Eager steps per key before its capture (torch's notes warm up on a side stream first): one
 # initializes what is lazy (cuBLAS and cuDNN handles and workspaces, autograd's device threads);
 # a key seen once a round (a short last batch) is then captured in its second round.
@@ -36,10 +38,17 @@ LIMIT = 32
 
 def capturable(phase) -> bool:
     """Whether ``phase``'s steps are plain enough to capture: one batch per step, no custom
-    gradient, no loss terms, no gradient terms and no after-step hook (each of those is Python
-    that runs between the kernels, or reads values back)."""
-    return (phase.gradient is None and not phase.loss_terms and not phase.grad_terms and phase.after_step is None
-            and phase.batches_per_step == 1)
+    gradient, no loss terms, and gradient terms and an after-step hook only where each is a
+    ``plan.capturable_hook`` (any other is Python that runs between the kernels, reads values
+    back or reads tensors a replay would not)."""
+    hooks = (*phase.grad_terms, *(() if phase.after_step is None else (phase.after_step,)))
+    return (phase.gradient is None and not phase.loss_terms and phase.batches_per_step == 1
+            and all(isinstance(hook, CapturableHook) for hook in hooks))
+
+
+def hook_keys(phase) -> tuple:
+    """What a captured step of ``phase`` depends on of its hooks: their keys, in order."""
+    return (tuple(term.key for term in phase.grad_terms), None if phase.after_step is None else phase.after_step.key)
 
 
 class StaticStep:

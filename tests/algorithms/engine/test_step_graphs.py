@@ -20,7 +20,8 @@ from pfl_algorithms.data.partition import ClientSplit
 from pfl_algorithms.engine.federation import EngineSettings
 from pfl_algorithms.engine.local import LocalSchedule
 from pfl_algorithms.engine.optim import OptimizerSettings
-from pfl_algorithms.engine.plan import Phase
+from pfl_algorithms.algorithms.fedavg import FedAvg
+from pfl_algorithms.engine.plan import Phase, capturable_hook
 from pfl_algorithms.engine.rounds import federation_for, run_round
 from pfl_algorithms.engine.step_graphs import LIMIT, WARMUP, StaticStep, StepGraphs, capturable
 
@@ -45,13 +46,14 @@ def run(name, *, static: bool, executor="sequential", optimizer="sgd", settings=
     return (records, fed.state_dict(), algo.state_dict()), dict(fed.step_graphs.counts)
 
 
-PLAIN = ["fedavg", "fedrep", "pfedmb", "fedper", "local", "pfedpara"]
+PLAIN = ["fedavg", "fedrep", "pfedmb", "fedper", "local", "pfedpara", "factorized-fl-beta", "simfed"]
 
 
 @pytest.mark.parametrize("name", PLAIN)
 def test_static_sequential_steps_are_bitwise_the_host_steps_under_sgd(name):
     """Phases over some groups only (FedRep's head then body), per-parameter rates (pFedMB's
-    lr_scales), factorized and multi-branch models, kept momentum."""
+    lr_scales), factorized and multi-branch models, capturable L1 terms (Factorized-FL's and
+    SimFed's), kept momentum."""
     host, host_counts = run(name, static=False)
     static, counts = run(name, static=True)
     assert host_counts["eager"] == 0 and counts["eager"] > 0
@@ -73,6 +75,51 @@ def test_static_sequential_steps_under_bf16_autocast_are_bitwise_the_host_steps(
         runs.append(fed.state_dict())
         assert fed.step_graphs.counts["eager"] == (28 if static else 0)  # (2 + 2 + 3) steps x 2 epochs x 2 rounds
     assert_same(runs[1], runs[0])
+
+
+def decay_term(lam: float):
+    """(λ/2)‖head‖², a capturable gradient term whose key carries λ."""
+    def decay(view):
+        w = view.group("head")
+        view.grad("head").add_(w, alpha=lam)
+        return 0.5 * lam * w.square().sum()
+
+    return capturable_hook(decay, key=("decay", lam))
+
+
+def shrink_body(view):
+    view.group("body").mul_(0.99)
+
+
+class DecayingFedAvg(FedAvg):  # unnamed: not registered
+    """Each client's term has a λ of its own that grows every round, and an after-step hook."""
+
+    def plan(self, client):
+        lam = 0.01 * (1 + client) * (1 + self.server.round)
+        return (Phase(grad_terms=(decay_term(lam),), after_step=capturable_hook(shrink_body, key="shrink")),)
+
+
+def test_capturable_hooks_run_in_static_steps_each_client_and_round_its_own():
+    """A captured step runs the hooks of the task it was built for: its key carries their keys,
+    so a client or round whose λ differs gets a step of its own (a stale λ would show)."""
+    def decaying(executor, static):
+        algo = DecayingFedAvg()
+        fed = make_federation(algo, rounds=2, epochs=2, executor=executor, sizes=(46, 58, 69),
+                              optimizer_settings={"lr": 0.1, "momentum": 0.9}, optimizer_state="keep")
+        fed.step_graphs.static = static
+        for r in range(2):
+            run_round(fed, algo, r)
+        return (fed.state_dict(), algo.state_dict()), fed.step_graphs
+
+    host, _ = decaying("sequential", False)
+    static, graphs = decaying("sequential", True)
+    assert graphs.counts["eager"] > 0
+    assert_same(static, host)
+    batched, graphs = decaying("batched", False)
+    assert graphs.counts["eager"] > 0 and len([k for k in graphs._steps if k[0] == "batched"]) == 2  # one per round
+    assert_close_state(batched, host, rtol=1e-9, atol=1e-10)
+    assert capturable(Phase(grad_terms=(decay_term(0.1),)))
+    assert not capturable(Phase(grad_terms=(decay_term(0.1), lambda view: None)))
 
 
 @pytest.mark.slow  # every algorithm, two runs each
