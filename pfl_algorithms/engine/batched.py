@@ -65,7 +65,7 @@ from .client import (ClientView, TaskValues, TrainResult, apply_download, finish
                      training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
-from .local import client_batches
+from .local import client_batches, conv_layout, gather_rows
 from .model_call import ModelOutputs, autocast
 from .plan import Batch, Phase, state_names
 from .step_graphs import capturable
@@ -339,6 +339,10 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             lr_scale = chunk.chunk.rows("lr_scale", lr_scale, chunk.count).copy_(lr_scale)
     steps_on_device = False  # whether chunk.steps holds state["steps"] (a general step moves only the latter)
     everyone = list(range(len(tasks)))
+    datas = [fed.clients[t.client] for t in tasks]
+    # Without augmentation (which draws from each client's generator in turn) a batch is only its
+    # indices until it is trained: a whole chunk's step then gathers every client's batch at once.
+    gathered = _ChunkGather(fed, datas) if fed.augment is None else None
     while active:
         batches, finished = {}, []
         for i in active:
@@ -346,13 +350,17 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             if index_batch is None:
                 finished.append(i)
                 continue
-            batches[i] = training_batch(fed, fed.clients[tasks[i].client], index_batch, generators[i], fed.augment)
+            batches[i] = index_batch if gathered else training_batch(fed, datas[i], index_batch, generators[i],
+                                                                     fed.augment)
         active = [i for i in active if i not in finished]
         by_size: dict[int, list[int]] = {}
         for i in active:
-            by_size.setdefault(int(batches[i][1].numel()), []).append(i)
+            by_size.setdefault(int((batches[i] if gathered else batches[i][1]).numel()), []).append(i)
         for members in by_size.values():
             if not (static and members == everyone):
+                if gathered:
+                    for i in members:
+                        batches[i] = training_batch(fed, datas[i], batches[i], generators[i], None)
                 _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers,
                       members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast,
                       lr_scale=lr_scale)
@@ -361,16 +369,45 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
             if not steps_on_device:
                 chunk.steps.copy_(state["steps"])
                 steps_on_device = True
-            _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, batches,
+            if gathered:
+                x, y = gathered(batches)
+            else:
+                x = torch.stack([batches[i][0] for i in members])
+                y = torch.stack([batches[i][1] for i in members])
+            _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, x, y,
                          [t.plan[index] for t in tasks], views, samples, steps_taken)
 
 
-def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, batches, phases,
+class _ChunkGather:
+    """Every client's training batch of one step at once, as ``training_batch`` gives each one
+    without augmentation: one gather of the inputs and of the labels for the whole chunk, the
+    clients' label maps applied as one gather of their stacked rows."""
+
+    def __init__(self, fed, datas):
+        self.fed = fed
+        maps = [d.label_map for d in datas]
+        self.maps = None
+        if any(m is not None for m in maps):
+            size = next(m for m in maps if m is not None).numel()
+            identity = torch.arange(size, device=fed.labels.device)
+            self.maps = torch.stack([identity if m is None else m for m in maps])
+
+    def __call__(self, batches: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x [C, B, ...], y [C, B]) of ``batches`` (client position -> index batch, all of one size)."""
+        index = torch.cat([batches[i] for i in range(len(batches))])
+        count = len(batches)
+        x = conv_layout(gather_rows(self.fed.inputs, index))
+        y = self.fed.labels[index].view(count, -1)
+        if self.maps is not None:
+            y = self.maps.gather(1, y)
+        return x.view(count, -1, *x.shape[1:]), y
+
+
+def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, x, y, phases,
                  views, samples, steps_taken) -> None:
-    """One step of the whole chunk as its static step (``captured_steps.batched_step``), and the
-    host's bookkeeping of it: the step counts, samples and steps of every client."""
-    x = torch.stack([batches[i][0] for i in range(chunk.count)])
-    y = torch.stack([batches[i][1] for i in range(chunk.count)])
+    """One step of the whole chunk as its static step (``captured_steps.batched_step``) on its
+    batches ``x`` [C, B, ...] and ``y`` [C, B], and the host's bookkeeping of it: the step
+    counts, samples and steps of every client."""
     step = batched_step(fed.step_graphs, cohort, chunk, x, y, optimizer=optimizer, ranges=ranges, trained=trained,
                         state_name=state_name, state=state, lrs=lrs is not None, lr_scale=lr_scale,
                         autocast_mode=fed.settings.autocast, phases=phases, views=views)

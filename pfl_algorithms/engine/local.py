@@ -50,13 +50,14 @@ def client_batches(indices: torch.Tensor, schedule: LocalSchedule,
     while True:
         if schedule.steps is None and epoch >= schedule.epochs:
             return
-        order = (torch.randperm(n, generator=generator, device="cpu").to(indices.device)
-                 if schedule.shuffle else torch.arange(n, device=indices.device))
+        # One gather per epoch; each batch is a slice of it (a view, no work of its own).
+        shuffled = (indices[torch.randperm(n, generator=generator, device="cpu").to(indices.device)]
+                    if schedule.shuffle else indices)
         stop = n - n % schedule.batch_size if schedule.drop_last and n >= schedule.batch_size else n
         for start in range(0, stop, schedule.batch_size):
             if schedule.steps is not None and given >= schedule.steps:
                 return
-            yield indices[order[start:start + schedule.batch_size]]
+            yield shuffled[start:start + schedule.batch_size]
             given += 1
         epoch += 1
 

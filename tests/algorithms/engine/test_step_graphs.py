@@ -161,6 +161,26 @@ def test_the_batched_executor_mixes_static_and_general_steps():
     assert_close_state(batched, sequential, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("maps", [None, "some"], ids=["no-label-maps", "label-maps"])
+def test_a_whole_chunks_batches_gathered_at_once_are_each_clients_own(maps):
+    """Without augmentation the static step gathers every client's batch in one go (inputs,
+    labels, the label maps of the clients that have one): bitwise what the clients' own batches
+    give, so the batched run equals the sequential one as closely as ever."""
+    label_maps = None if maps is None else [torch.tensor([2, 0, 1]), None, torch.tensor([1, 2, 0])]
+    runs = {}
+    for executor in ("sequential", "batched"):
+        algo = make_algorithm("local")
+        fed = make_federation(algo, rounds=2, epochs=2, executor=executor, sizes=(46, 58, 69), label_maps=label_maps,
+                              optimizer_settings={"lr": 0.1, "momentum": 0.9})
+        records = [run_round(fed, algo, r).as_dict() for r in range(2)]
+        for r in records:
+            r.pop("wall_s")
+        runs[executor] = (records, fed.state_dict())
+        if executor == "batched":
+            assert fed.step_graphs.counts["eager"] == 6
+    assert_close_state(runs["batched"], runs["sequential"], rtol=1e-9, atol=1e-10)
+
+
 def test_chunks_of_any_size_share_their_cohorts_persistent_rows():
     """Chunks of 2 and 1 clients (chunk=2, 3 clients) both work in the rows of one capacity-2
     set of persistent tensors, the same ones every round (a captured step stays valid)."""
