@@ -65,7 +65,7 @@ from .client import (ClientView, TaskValues, TrainResult, apply_download, finish
                      training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
-from .local import client_batches, conv_layout, gather_rows
+from .local import ChunkGather, client_batches
 from .model_call import ModelOutputs, autocast
 from .plan import Batch, Phase, state_names
 from .step_graphs import capturable
@@ -342,7 +342,7 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
     datas = [fed.clients[t.client] for t in tasks]
     # Without augmentation (which draws from each client's generator in turn) a batch is only its
     # indices until it is trained: a whole chunk's step then gathers every client's batch at once.
-    gathered = _ChunkGather(fed, datas) if fed.augment is None else None
+    gathered = ChunkGather(fed.inputs, fed.labels, [d.label_map for d in datas]) if fed.augment is None else None
     while active:
         batches, finished = {}, []
         for i in active:
@@ -370,37 +370,12 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
                 chunk.steps.copy_(state["steps"])
                 steps_on_device = True
             if gathered:
-                x, y = gathered(batches)
+                x, y = gathered([batches[i] for i in members])
             else:
                 x = torch.stack([batches[i][0] for i in members])
                 y = torch.stack([batches[i][1] for i in members])
             _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, x, y,
                          [t.plan[index] for t in tasks], views, samples, steps_taken)
-
-
-class _ChunkGather:
-    """Every client's training batch of one step at once, as ``training_batch`` gives each one
-    without augmentation: one gather of the inputs and of the labels for the whole chunk, the
-    clients' label maps applied as one gather of their stacked rows."""
-
-    def __init__(self, fed, datas):
-        self.fed = fed
-        maps = [d.label_map for d in datas]
-        self.maps = None
-        if any(m is not None for m in maps):
-            size = next(m for m in maps if m is not None).numel()
-            identity = torch.arange(size, device=fed.labels.device)
-            self.maps = torch.stack([identity if m is None else m for m in maps])
-
-    def __call__(self, batches: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x [C, B, ...], y [C, B]) of ``batches`` (client position -> index batch, all of one size)."""
-        index = torch.cat([batches[i] for i in range(len(batches))])
-        count = len(batches)
-        x = conv_layout(gather_rows(self.fed.inputs, index))
-        y = self.fed.labels[index].view(count, -1)
-        if self.maps is not None:
-            y = self.maps.gather(1, y)
-        return x.view(count, -1, *x.shape[1:]), y
 
 
 def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, state, lrs, lr_scale, x, y, phases,

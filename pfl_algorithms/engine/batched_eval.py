@@ -19,7 +19,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .client import EvalResult, apply_download
-from .local import conv_layout, gather_rows, scores
+from .local import ChunkGather, scores
 
 # Samples per forward per client: local.evaluate's.
 EVAL_BATCH = 512
@@ -50,6 +50,7 @@ def evaluate_chunk(fed, cohort, tasks, batch_size: int = EVAL_BATCH) -> list[Eva
         return functional_call(module, client_tensors, (inputs,))
 
     datas = [fed.clients[t.client] for t in tasks]
+    gather = ChunkGather(fed.inputs, fed.labels, [data.label_map for data in datas])
     indices = [data.part(t.split) for data, t in zip(datas, tasks)]
     correct = torch.zeros(len(tasks), dtype=torch.int64, device=params.device)
     loss = torch.zeros(len(tasks), dtype=torch.float64, device=params.device)
@@ -63,10 +64,7 @@ def evaluate_chunk(fed, cohort, tasks, batch_size: int = EVAL_BATCH) -> list[Eva
                 if size > 0:
                     by_size.setdefault(size, []).append(k)
             for members in by_size.values():
-                batches = [indices[k][start:start + batch_size] for k in members]
-                x = torch.stack([conv_layout(gather_rows(fed.inputs, b)) for b in batches])
-                y = torch.stack([fed.labels[b] if datas[k].label_map is None else datas[k].label_map[fed.labels[b]]
-                                 for k, b in zip(members, batches)])
+                x, y = gather([indices[k][start:start + batch_size] for k in members], members)
                 whole = len(members) == len(tasks)
                 group = tensors if whole else {name: t[members] for name, t in tensors.items()}
                 logits = vmap(logits_of)(group, x)

@@ -91,6 +91,31 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t[index]
 
 
+class ChunkGather:
+    """The batches of several clients at once, as each gathers its own (``client.training_batch``
+    without augmentation, ``evaluate``): one gather of the inputs and one of the labels for all,
+    the clients' label maps (``label_maps``, one per client, None: none) applied as one gather of
+    their stacked rows."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, label_maps: list):
+        self.inputs, self.labels = inputs, labels
+        self.maps = None
+        if any(m is not None for m in label_maps):
+            identity = torch.arange(next(m for m in label_maps if m is not None).numel(), device=labels.device)
+            self.maps = torch.stack([identity if m is None else m for m in label_maps])
+
+    def __call__(self, batches: list, clients: Optional[list] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x [G, B, ...], y [G, B]) of ``batches`` (G index tensors of one size B), of the clients
+        at positions ``clients`` of the label maps (None: all, in order)."""
+        index = torch.cat(batches)
+        count = len(batches)
+        x = conv_layout(gather_rows(self.inputs, index))
+        y = self.labels[index].view(count, -1)
+        if self.maps is not None:
+            y = (self.maps if clients is None or len(clients) == len(self.maps) else self.maps[clients]).gather(1, y)
+        return x.view(count, -1, *x.shape[1:]), y
+
+
 @torch.no_grad()
 def evaluate(module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor, *,
              label_map: Optional[torch.Tensor] = None, batch_size: int = 512) -> tuple[float, float, int]:
