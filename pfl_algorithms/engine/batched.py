@@ -55,18 +55,17 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
-from torch.nn import functional as F
+from torch.func import functional_call
 
 from .batched_eval import batchable_evaluation, evaluate_chunk
-from .captured_steps import batched_step, chunk_rows, chunk_state
+from .captured_steps import (batched_step, chunk_rows, chunk_state, copy_gradients, stacked_forward,
+                             write_back)
 from .client import (ClientView, TaskValues, TrainResult, apply_download, finish_train_task, initial_optimizer_state,
                      local_result, phase_lr_scale, phase_optimizer, phase_parameters, phase_schedule, trains_only,
                      training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
 from .local import ChunkGather, client_batches
-from .model_call import ModelOutputs, autocast
 from .plan import Batch, Phase, state_names
 from .step_graphs import capturable
 
@@ -415,7 +414,7 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
     ``lr_scale``: [C, P] each client's per-parameter multipliers of it (None: none)."""
     idx = torch.tensor(members, device=params.device)
     whole = members == list(range(len(tasks)))
-    layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
+    layout = cohort.layout
     # One leaf per parameter tensor, [G, *shape]: slicing one stacked [G, P] leaf instead would
     # make every slice's backward write a whole [G, P] gradient (quadratic in the tensor count).
     # Only the tensors the phase trains get a gradient, as alone.
@@ -426,31 +425,14 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
     x = torch.stack([batches[i][0] for i in members])
     y = torch.stack([batches[i][1] for i in members])
 
-    outputs = ModelOutputs(module)
-
-    def client_outputs(param_parts, buffer_parts, inputs):
-        tensors = {"model." + name: t for parts in (param_parts, buffer_parts) for name, t in parts.items()}
-        return functional_call(outputs, tensors, (inputs,))
-
-    # The buffers go in as contiguous tensors [G, ...] of their own, copied back after:
-    # BatchNorm's in-place updates of its running statistics under vmap reach such a tensor, but
-    # not a strided view of the stacked rows (nor a view taken inside the vmapped function).
-    buffer_views = {**buffer_layout.views(chunk_buffers), **int_layout.views(chunk_int_buffers)}
-    parts = {name: view.clone() for name, view in buffer_views.items()}
-    with autocast(fed_autocast, x.device):
-        out = vmap(client_outputs)(leaves, parts, x)
-    logits, embeddings = (out, None) if isinstance(out, torch.Tensor) else out
-    # The loss in float32, as torch.autocast leaves it.
-    loss_logits = logits.float() if fed_autocast else logits
-    per_client = F.cross_entropy(loss_logits.flatten(0, 1), y.flatten(), reduction="none")
-    per_client = per_client.view(len(members), -1).mean(1)
+    per_client, logits, embeddings, statistics = stacked_forward(module, cohort, leaves, chunk_buffers,
+                                                                 chunk_int_buffers, x, y, fed_autocast)
+    parts = statistics[1]
     terms = [tasks[i].plan[index].loss_terms for i in members]
     if any(terms):
         per_client = torch.stack([_with_loss_terms(per_client[k], terms[k], module, leaves, parts, k, x, y, logits,
                                                    embeddings, views[i]) for k, i in enumerate(members)])
-    with torch.no_grad():  # after the loss terms, whose forwards may move BatchNorm statistics too
-        for name, view in buffer_views.items():
-            view.copy_(parts[name])
+    write_back(statistics)  # after the loss terms, whose forwards may move BatchNorm statistics too
     per_client.sum().backward()
     with torch.no_grad():
         if not whole:  # BatchNorm statistics moved in the gathered copies
@@ -458,12 +440,7 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
             int_buffers[idx] = chunk_int_buffers
         target = grads if whole else torch.zeros((len(members), grads.shape[1]), dtype=grads.dtype,
                                                  device=grads.device)
-        for name, view in layout.views(target).items():
-            grad = leaves[name].grad
-            if grad is None:
-                view.zero_()
-            else:
-                view.copy_(grad)
+        copy_gradients(layout, leaves, target)
         if not whole:
             grads[idx] = target
         extra = torch.zeros(len(members), dtype=torch.float64)

@@ -27,6 +27,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .model_call import ModelOutputs, autocast, forward
+from .plan import run_grad_terms
 from .step_graphs import StaticStep, StepGraphs, hook_keys, static_like
 
 
@@ -95,40 +96,20 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
         inputs = {"x": static_like(x), "y": static_like(y)}
         vectors = {vector: value for vector, value in state.items() if vector != "steps"}
         module = cohort.work.module
-        layout, buffer_layout, int_layout = cohort.layout, cohort.buffer_layout, cohort.int_buffer_layout
         count, samples = chunk.params.shape[0], y.shape[1]
-        outputs = ModelOutputs(module)
         terms = [phase.grad_terms for phase in phases]
         afters = [phase.after_step for phase in phases]
         rows = list(views)  # the views of the build: their tensors are the persistent rows
 
-        def client_logits(param_parts, buffer_parts, inputs_):
-            tensors = {"model." + name: t for parts in (param_parts, buffer_parts) for name, t in parts.items()}
-            out = functional_call(outputs, tensors, (inputs_,))
-            return out if isinstance(out, torch.Tensor) else out[0]
-
         def fn() -> None:
             leaves = {name: view.detach().requires_grad_(trained is None or name in trained)
-                      for name, view in layout.views(chunk.params).items()}
-            # BatchNorm's statistics as contiguous copies, written back after (batched.py's _step says why).
-            buffer_views = {**buffer_layout.views(chunk.buffers), **int_layout.views(chunk.int_buffers)}
-            parts = {name: view.clone() for name, view in buffer_views.items()}
-            with autocast(autocast_mode, inputs["x"].device, cache=False):
-                logits = vmap(client_logits)(leaves, parts, inputs["x"])
-            loss_logits = logits.float() if autocast_mode else logits
-            per_client = F.cross_entropy(loss_logits.flatten(0, 1), inputs["y"].flatten(), reduction="none")
-            per_client = per_client.view(count, -1).mean(1)
-            with torch.no_grad():
-                for name, view in buffer_views.items():
-                    view.copy_(parts[name])
+                      for name, view in cohort.layout.views(chunk.params).items()}
+            per_client, _, _, statistics = stacked_forward(module, cohort, leaves, chunk.buffers, chunk.int_buffers,
+                                                           inputs["x"], inputs["y"], autocast_mode, cache=False)
+            write_back(statistics)
             per_client.sum().backward()
             with torch.no_grad():
-                for name, view in layout.views(chunk.grads).items():
-                    grad = leaves[name].grad
-                    if grad is None:
-                        view.zero_()
-                    else:
-                        view.copy_(grad)
+                copy_gradients(cohort.layout, leaves, chunk.grads)
                 # Each client's terms add to its gradient row and report the loss they stand for,
                 # summed in float64 as the general step sums them.
                 extra = torch.stack([term_total(terms[k], rows[k]) for k in range(count)]) if any(terms) else None
@@ -143,6 +124,54 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
         return StaticStep(fn, inputs)
 
     return graphs.step(key, build)
+
+
+def stacked_forward(module, cohort, leaves: dict, buffers, int_buffers, x, y, autocast_mode, *,
+                    cache: bool = True):
+    """The vmapped forward of G clients of ``cohort`` on their batches ``x`` [G, B, ...] and ``y``
+    [G, B]: ``module`` run by ``functional_call`` on each client's ``leaves`` (parameter name ->
+    [G, *shape]) and buffer rows.  Returns (each client's mean cross-entropy [G], logits,
+    embeddings or None, statistics), ``statistics`` holding BatchNorm's buffers as the copies the
+    forward updated, for ``write_back`` to copy into the rows.  The batched executor's general
+    step and its static step both run it."""
+    outputs = ModelOutputs(module)
+
+    def client_outputs(param_parts, buffer_parts, inputs):
+        tensors = {"model." + name: t for parts in (param_parts, buffer_parts) for name, t in parts.items()}
+        return functional_call(outputs, tensors, (inputs,))
+
+    # The buffers go in as contiguous tensors [G, ...] of their own, copied back after:
+    # BatchNorm's in-place updates of its running statistics under vmap reach such a tensor, but
+    # not a strided view of the stacked rows (nor a view taken inside the vmapped function).
+    views = {**cohort.buffer_layout.views(buffers), **cohort.int_buffer_layout.views(int_buffers)}
+    parts = {name: view.clone() for name, view in views.items()}
+    with autocast(autocast_mode, x.device, cache=cache):
+        out = vmap(client_outputs)(leaves, parts, x)
+    logits, embeddings = (out, None) if isinstance(out, torch.Tensor) else out
+    # The loss in float32, as torch.autocast leaves it.
+    loss_logits = logits.float() if autocast_mode else logits
+    per_client = F.cross_entropy(loss_logits.flatten(0, 1), y.flatten(), reduction="none")
+    return per_client.view(x.shape[0], -1).mean(1), logits, embeddings, (views, parts)
+
+
+@torch.no_grad()
+def write_back(statistics) -> None:
+    """Copy the BatchNorm statistics a ``stacked_forward`` updated into the clients' buffer rows."""
+    views, parts = statistics
+    for name, view in views.items():
+        view.copy_(parts[name])
+
+
+@torch.no_grad()
+def copy_gradients(layout, leaves: dict, target: torch.Tensor) -> None:
+    """Each leaf's gradient into its span of the stacked flat gradient ``target`` [G, P]
+    (zeros for a leaf the phase does not train)."""
+    for name, view in layout.views(target).items():
+        grad = leaves[name].grad
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
 
 
 def term_total(terms, view) -> torch.Tensor:
@@ -211,11 +240,7 @@ def _sequential_step(work, held, x, y, optimizer, ranges, scaled: bool, mode: Op
             logits, _ = forward(work.module, inputs["x"])
         loss = F.cross_entropy(logits.float() if mode else logits, inputs["y"])
         loss.backward()
-        extra = 0.0
-        for term in phase.grad_terms:
-            value = term(view)
-            if value is not None:
-                extra = extra + value
+        extra = run_grad_terms(phase.grad_terms, view)
         optimizer.step(work.params, work.grads, {**held.vectors, "steps": held.steps}, ranges=ranges,
                        lr_scale=held.lr_scale if scaled else None, capturable=True)
         if phase.after_step is not None:

@@ -30,11 +30,11 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .groups import BUFFERS
+from .captured_steps import run_sequential_phase
 from .local import LocalResult, LocalSchedule, client_batches, conv_layout, evaluate, gather_rows
 from .messages import Message, Sparse
-from .captured_steps import run_sequential_phase
 from .model_call import autocast, forward
-from .plan import Batch, Phase, check_lr_scales, state_names
+from .plan import Batch, Phase, check_lr_scales, run_grad_terms, state_names
 from .step_graphs import capturable
 
 
@@ -473,11 +473,7 @@ def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augm
                 loss.backward()
             else:
                 loss = phase.gradient(view, batches)
-            extra = 0.0
-            for term in phase.grad_terms:
-                value = term(view)
-                if value is not None:
-                    extra = extra + value
+            extra = run_grad_terms(phase.grad_terms, view)
             optimizer.step(work.params, work.grads, state, ranges=ranges, lr_scale=lr_scale)
             if phase.after_step is not None:
                 phase.after_step(view)

@@ -100,6 +100,17 @@ def capturable_hook(hook: Callable, key) -> CapturableHook:
     return CapturableHook(hook, key)
 
 
+def run_grad_terms(terms, view):
+    """Run gradient ``terms`` on ``view`` in order (each adds to its gradient in place); the sum
+    of the losses they report (0.0 when none reports one)."""
+    total = 0.0
+    for term in terms:
+        value = term(view)
+        if value is not None:
+            total = total + value
+    return total
+
+
 def _positive_or_none(name: str, value, *, allow_zero: bool) -> None:
     if value is None:
         return
