@@ -19,10 +19,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .client import EvalResult, apply_download
-from .local import ChunkGather, scores
-
-# Samples per forward per client: local.evaluate's.
-EVAL_BATCH = 512
+from .local import EVAL_BATCH, ChunkGather, scores
 
 
 def batchable_evaluation(task) -> bool:

@@ -116,9 +116,13 @@ class ChunkGather:
         return x.view(count, -1, *x.shape[1:]), y
 
 
+# Samples per forward of an evaluation (per client, where clients are scored in chunks).
+EVAL_BATCH = 512
+
+
 @torch.no_grad()
 def evaluate(module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor, *,
-             label_map: Optional[torch.Tensor] = None, batch_size: int = 512) -> tuple[float, float, int]:
+             label_map: Optional[torch.Tensor] = None, batch_size: int = EVAL_BATCH) -> tuple[float, float, int]:
     """(accuracy, mean loss, samples) of ``module`` on ``indices``, in eval mode, without autograd.
 
     A non-finite loss (a diverged model: NaN or infinite logits) gives NaN accuracy, not the
