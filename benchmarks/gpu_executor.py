@@ -21,7 +21,8 @@ Every executor runs as a user gets it, its plain steps replayed as CUDA graphs
 (``--cuda-graphs``, the default), and uncaptured (``-eager``), so each target is met or not
 against the sequential executor as it runs by default, and the rows show what capture gives.
 
-Rows go to ``benchmarks/results/executor_gpu_<device>.json``.  ``--dry-run`` runs every job on
+Rows go to ``benchmarks/results/executor_gpu_<device>.json``, written after every job (its
+``complete`` is false until the last one ends).  ``--dry-run`` runs every job on
 the CPU at tiny sizes (3 clients, 1 round, small batches; its timings mean nothing) and writes
 to a temporary folder: ``tests/algorithms/engine/test_gpu_executor_script.py`` runs it in CI.
 """
@@ -188,12 +189,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = "cpu" if args.dry_run else "cuda"
     sizes = DRY if args.dry_run else (dict(FULL, rounds=1) if args.quick else FULL)
     name = "dry run (CPU)" if args.dry_run else torch.cuda.get_device_name()
-    rows = speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True)
+    path = args.json or (DRY_RUN_RESULTS if args.dry_run else RESULTS) / f"executor_gpu_{sanitize(name)}.json"
+    result = {"suite": "executor_gpu", "machine": {"device": name, "torch": torch.__version__,
+                                                   "platform": platform.platform(), "dry_run": args.dry_run},
+              "complete": False, "rows": [], "bf16_accuracy": None, "table1": None}
+
+    def save() -> None:
+        # After every job, so that a run cut short (gpu_check.sh's stage timeout) keeps the jobs
+        # that finished; "complete" says whether every job did.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+
+    rows = result["rows"]
+    rows += speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True)
+    save()
     rows += speed_job("resnet9-factorized", "resnet9", True, sizes["resnet_samples"], 128 if not args.dry_run else 8,
                       3.0, sizes, device, bf16=False)
-    accuracy = accuracy_effect(sizes, device)
+    save()
+    accuracy = result["bf16_accuracy"] = accuracy_effect(sizes, device)
+    save()
     with tempfile.TemporaryDirectory() as scratch:
-        table1 = table1_job(sizes, device, Path(scratch), rounds=3 if args.quick else None)
+        table1 = result["table1"] = table1_job(sizes, device, Path(scratch), rounds=3 if args.quick else None)
+    result["complete"] = True
+    save()
     for row in rows:
         print(f"{row['job']:<20} {row['executor']:<18} {row['round_s'] * 1e3:9.1f} ms/round "
               f"{row['samples_per_s']:10.0f} samples/s  x{row['speedup_vs_sequential']:.2f} "
@@ -204,11 +222,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"factorized-fl-table1 end to end: {table1['rounds_run']} rounds in {table1['wall_s']:.1f} s, "
           f"{table1['paper_rounds']} rounds {'projected' if table1['rounds_run'] < table1['paper_rounds'] else 'took'} "
           f"{table1['projected_s']:.1f} s (target <= 300 s: {'met' if table1['met'] else 'NOT met'})")
-    path = args.json or (DRY_RUN_RESULTS if args.dry_run else RESULTS) / f"executor_gpu_{sanitize(name)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"suite": "executor_gpu", "machine": {
-        "device": name, "torch": torch.__version__, "platform": platform.platform(), "dry_run": args.dry_run},
-        "rows": rows, "bf16_accuracy": accuracy, "table1": table1}, indent=2))
     print(f"saved {path}")
     return 0
 

@@ -13,8 +13,10 @@
 #   bash scripts/gpu_check.sh dry-run      # every stage of quick in its dry-run form, on a CPU
 #
 # quick: each stage runs under its own `timeout`, capped by what is left of a 6-minute budget
-# (GPU_CHECK_BUDGET_S, default 360), so the whole check ends in time even when a stage hangs;
-# a stage that fails or times out is reported and the next one still runs.  Its log and the
+# (GPU_CHECK_BUDGET_S, default 360) less the floors of the stages still to come, so the whole
+# check ends in time even when a stage hangs, and a stage that runs long cannot starve the
+# later ones (the executor jobs, last, keep at least their floor); a stage that fails or times
+# out is reported and the next one still runs.  Its log and the
 # JSON of the 7 benchmark suites it ran (8 files) go to $OUT where it is set; the JSON also
 # stays in benchmarks/results/ under the device's name.  The closing lines list each stage's
 # status and time.
@@ -50,14 +52,18 @@ KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_br
 GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
            tests/algorithms/engine/test_step_graphs.py tests/algorithms/engine/test_batched_eval.py
            tests/algorithms/test_augment.py tests/test_package.py)
-# Stage caps in seconds (quick): the budget cuts the later ones short if the earlier ran long.
+# Stage caps and floors in seconds (quick).  A stage runs for at most its cap, and never into
+# the floors of the stages after it: their sum is held back from the budget until they run.
+# Time a stage leaves unused goes to the later ones.  The caps sum to more than the budget on
+# purpose (an early stage that ends fast hands its time on); the floors sum to well under it.
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 [ "$stage" != dry-run ] || BUDGET_S=${GPU_CHECK_BUDGET_S:-3600}  # the interpreter on a CPU is slow
-CAP_BUILD=${GPU_CHECK_CAP_BUILD:-120}
-CAP_TESTS=${GPU_CHECK_CAP_TESTS:-120}
-CAP_BENCH=${GPU_CHECK_CAP_BENCH:-35}   # each kernel benchmark
-CAP_LAUNCH=${GPU_CHECK_CAP_LAUNCH:-40}
-CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-120}  # captured and uncaptured executors, Table 1's 3 rounds
+CAP_BUILD=${GPU_CHECK_CAP_BUILD:-120};       FLOOR_BUILD=${GPU_CHECK_FLOOR_BUILD:-30}
+CAP_TESTS=${GPU_CHECK_CAP_TESTS:-120};       FLOOR_TESTS=${GPU_CHECK_FLOOR_TESTS:-60}
+CAP_BENCH=${GPU_CHECK_CAP_BENCH:-35};        FLOOR_BENCH=${GPU_CHECK_FLOOR_BENCH:-15}  # each kernel benchmark
+CAP_LAUNCH=${GPU_CHECK_CAP_LAUNCH:-40};      FLOOR_LAUNCH=${GPU_CHECK_FLOOR_LAUNCH:-20}
+# captured and eager executors, Table 1's 3 rounds
+CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-120}; FLOOR_EXECUTOR=${GPU_CHECK_FLOOR_EXECUTOR:-90}
 XDIST_WORKERS=${GPU_CHECK_WORKERS:-8}
 
 build() {  # the C++ extension must match the installed torch
@@ -99,12 +105,15 @@ start_s=$SECONDS
 summary=()
 failed=0
 
-# run_stage NAME CAP COMMAND...: COMMAND under `timeout` (CAP, or what is left of the budget),
-# its output into the log; records the stage's status and time.
+# The floors of the stages not yet run (quick); run_stage takes each stage's own off as it starts.
+held_back=0
+# run_stage NAME CAP FLOOR COMMAND...: COMMAND under `timeout` (CAP, or what is left of the
+# budget after the later stages' floors), its output into the log; records its status and time.
 run_stage() {
-  local name=$1 cap=$2 left status t0=$SECONDS
-  shift 2
-  left=$((BUDGET_S - (SECONDS - start_s)))
+  local name=$1 cap=$2 floor=$3 left status t0=$SECONDS
+  shift 3
+  held_back=$((held_back - floor))
+  left=$((BUDGET_S - (SECONDS - start_s) - held_back))
   if [ "$left" -lt 5 ]; then
     echo "== stage $name: skipped, the ${BUDGET_S}s budget is spent" | tee -a "$log"
     summary+=("$name: skipped (budget spent)"); failed=1
@@ -133,19 +142,24 @@ finish() {
 
 if [ "$stage" = quick ]; then
   stamp=$(mktemp)  # the JSON written after it is this run's
-  run_stage build "$CAP_BUILD" bash -c "set -eo pipefail; build"
+  held_back=$((FLOOR_BUILD + FLOOR_TESTS + ${#KERNEL_BENCHMARKS[@]} * FLOOR_BENCH + FLOOR_LAUNCH + FLOOR_EXECUTOR))
+  if [ "$held_back" -gt "$BUDGET_S" ]; then
+    echo "gpu_check: the stages' floors ($held_back s) exceed the budget GPU_CHECK_BUDGET_S=$BUDGET_S" >&2; exit 2
+  fi
+  run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build"
   timeout 120 bash -c header 2>&1 | tee -a "$log" || true
   xdist=(-n "$XDIST_WORKERS" --dist loadfile)
   if ! "$PY" -c "import xdist" 2>/dev/null; then
     echo "pytest-xdist is not installed here: the tests run in one process" | tee -a "$log"
     xdist=()
   fi
-  run_stage tests "$CAP_TESTS" "$PY" -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs -m "not slow" "${xdist[@]}"
+  run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "$PY" -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs \
+    -m "not slow" "${xdist[@]}"
   for script in "${KERNEL_BENCHMARKS[@]}"; do
-    run_stage "$script" "$CAP_BENCH" "$PY" "benchmarks/$script.py" --quick
+    run_stage "$script" "$CAP_BENCH" "$FLOOR_BENCH" "$PY" "benchmarks/$script.py" --quick
   done
-  run_stage gpu_launch "$CAP_LAUNCH" "$PY" benchmarks/gpu_launch.py --quick
-  run_stage gpu_executor "$CAP_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick
+  run_stage gpu_launch "$CAP_LAUNCH" "$FLOOR_LAUNCH" "$PY" benchmarks/gpu_launch.py --quick
+  run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick
   finish
   if [ -n "${OUT:-}" ]; then
     # at most 8 files come back from $OUT: the log and this run's JSON (one per suite)
@@ -157,15 +171,15 @@ fi
 
 if [ "$stage" = dry-run ]; then
   export TRITON_INTERPRET=1  # before triton is imported: the launchers run on CPU tensors
-  run_stage build 120 bash -c "set -eo pipefail; dry_build"
-  run_stage tests 300 "$PY" -m pytest "${GPU_TESTS[@]}" -qq -p no:cacheprovider -m "not slow" --collect-only \
+  run_stage build 120 0 bash -c "set -eo pipefail; dry_build"
+  run_stage tests 300 0 "$PY" -m pytest "${GPU_TESTS[@]}" -qq -p no:cacheprovider -m "not slow" --collect-only \
     -p xdist -n 0
   for script in "${KERNEL_BENCHMARKS[@]}"; do
-    run_stage "$script" 300 "$PY" "benchmarks/$script.py" --dry-run
+    run_stage "$script" 300 0 "$PY" "benchmarks/$script.py" --dry-run
   done
-  run_stage gpu_branch_shared 300 "$PY" benchmarks/gpu_branch.py --shared --dry-run
-  run_stage gpu_launch 300 "$PY" benchmarks/gpu_launch.py --dry-run
-  run_stage gpu_executor 300 "$PY" benchmarks/gpu_executor.py --dry-run
+  run_stage gpu_branch_shared 300 0 "$PY" benchmarks/gpu_branch.py --shared --dry-run
+  run_stage gpu_launch 300 0 "$PY" benchmarks/gpu_launch.py --dry-run
+  run_stage gpu_executor 300 0 "$PY" benchmarks/gpu_executor.py --dry-run
   finish
   exit $failed
 fi

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.heavy(seconds=25)  # scheduled first under xdist (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -125,12 +127,31 @@ def test_a_stage_that_hangs_or_fails_is_reported_and_the_rest_still_runs(tmp_pat
     assert "gpu_executor: ok" in log and any(c.startswith("benchmarks/gpu_executor.py") for c in calls)
 
 
+NO_FLOORS = {f"GPU_CHECK_FLOOR_{stage}": "0" for stage in ("BUILD", "TESTS", "BENCH", "LAUNCH", "EXECUTOR")}
+
+
 def test_the_budget_caps_every_stage(tmp_path):
-    """A 12 s budget: the slow build stage takes it all, and what is left is skipped."""
-    proc, calls, out = run_check(tmp_path, "quick", FAKE_SLOW="pip install", GPU_CHECK_BUDGET_S="12")
+    """A 6 s budget and no floors: the slow build stage takes it all, and what is left is skipped."""
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_SLOW="pip install", GPU_CHECK_BUDGET_S="6", **NO_FLOORS)
     assert proc.returncode == 1
     log = (out / "gpu_check_quick.log").read_text()
-    assert "build: TIMED OUT after 12s" in log and "gpu_executor: skipped (budget spent)" in log
+    assert "build: TIMED OUT after 6s" in log and "gpu_executor: skipped (budget spent)" in log
+
+
+def test_a_slow_stage_leaves_the_later_stages_their_floors(tmp_path):
+    """A 14 s budget with 8 s held back for the later stages (7 s of it the executor's): the slow
+    build is cut at 6 s, the stages left less than 5 s are skipped, the executor still runs."""
+    floors = dict(NO_FLOORS, GPU_CHECK_FLOOR_BUILD="1", GPU_CHECK_FLOOR_TESTS="1", GPU_CHECK_FLOOR_EXECUTOR="7")
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_SLOW="pip install", GPU_CHECK_BUDGET_S="14", **floors)
+    assert proc.returncode == 1
+    log = (out / "gpu_check_quick.log").read_text()
+    assert "build: TIMED OUT after 6s" in log and "tests: skipped (budget spent)" in log
+    assert "gpu_executor: ok" in log and any(c.startswith("benchmarks/gpu_executor.py") for c in calls)
+
+
+def test_floors_beyond_the_budget_are_refused(tmp_path):
+    proc, calls, out = run_check(tmp_path, "quick", GPU_CHECK_BUDGET_S="100")
+    assert proc.returncode == 2 and "GPU_CHECK_BUDGET_S=100" in proc.stderr and calls == []
 
 
 def test_dry_run_runs_every_stage_in_its_dry_run_form(tmp_path):

@@ -9,6 +9,8 @@ import torch
 
 from benchmarks import gpu_executor
 
+pytestmark = pytest.mark.heavy(seconds=40)  # scheduled first under xdist (tests/conftest.py)
+
 
 def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     path = tmp_path / "executor.json"
@@ -23,8 +25,29 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     assert all(r["steps"]["captured"] == 0 for r in result["rows"])
     assert all(r["steps"]["eager"] > 0 for r in result["rows"] if r["executor"].startswith("batched"))
     assert set(result["bf16_accuracy"]) == {"float32", "bf16"}
-    assert result["table1"]["rounds"] == 1 and result["machine"]["dry_run"] is True
+    assert result["table1"]["rounds"] == 1 and result["machine"]["dry_run"] is True and result["complete"] is True
     assert "factorized-fl-table1 end to end" in capsys.readouterr().out
+
+
+def test_a_run_cut_short_keeps_the_jobs_that_finished(tmp_path, monkeypatch):
+    """gpu_check.sh kills a stage at its timeout: the JSON written so far must hold every job that
+    ended (here the jobs are stand-ins, and the last one dies instead of being killed)."""
+    def rows(name, *args, **kwargs):
+        return [{"job": name, "executor": "batched", "round_s": 1.0}]
+
+    def dies(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_executor, "speed_job", rows)
+    monkeypatch.setattr(gpu_executor, "accuracy_effect", lambda sizes, device: {"float32": 0.5, "bf16": 0.5})
+    monkeypatch.setattr(gpu_executor, "table1_job", dies)
+    path = tmp_path / "executor.json"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_executor.main(["--dry-run", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["complete"] is False and result["table1"] is None
+    assert {r["job"] for r in result["rows"]} == {"lenet5", "resnet9-factorized"}
+    assert set(result["bf16_accuracy"]) == {"float32", "bf16"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
