@@ -18,9 +18,11 @@ PFL_WITH_FLOWER=1 bash scripts/setup.sh || { echo "test.sh: setup failed (see ab
 PY=${PFL_VENV:-.venv}/bin/python
 # Test files run in parallel (pytest-xdist), one worker per core up to 4 (each file whole on
 # one worker, so a file's fixtures are built once); PFL_TEST_WORKERS=0 runs in this process.
+# Files go out in collection order, the ones marked heavy first (tests/conftest.py), not in
+# xdist's default order (most tests first), which left the long few-test files for last.
 cores=$(nproc 2>/dev/null || echo 2)
 WORKERS=${PFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 PHASES=${PFL_TEST_PHASES:-info main slow no-extension triton benchmarks floor}
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT

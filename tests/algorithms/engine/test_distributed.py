@@ -22,6 +22,8 @@ from pfl_algorithms.engine.executors import CHOICES, choose_executor
 from pfl_algorithms.runner import run
 from tests.algorithms.state_checks import assert_same
 
+pytestmark = pytest.mark.heavy(seconds=90)  # scheduled first under xdist (tests/conftest.py)
+
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with the gloo backend is not available in this torch build")
 

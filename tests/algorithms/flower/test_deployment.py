@@ -33,6 +33,8 @@ from pfl_algorithms.flower.strategy import NO_REPLY  # noqa: E402
 
 from .common import native_metrics, small_config  # noqa: E402
 
+pytestmark = pytest.mark.heavy(seconds=100)  # scheduled first under xdist (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[3]
 CLIENTS, KILLED = 3, 2
 # How long the server waits for a round's replies: a live node answers in a few seconds (3 s

@@ -15,6 +15,8 @@ from pfl_algorithms.flower.strategy import NO_REPLY  # noqa: E402
 
 from .common import as_json, assert_same_run, native_metrics, small_config  # noqa: E402
 
+pytestmark = pytest.mark.heavy(seconds=40)  # scheduled first under xdist (tests/conftest.py)
+
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
 ARCHITECTURES = ["digits-cnn(embedding_dim=32)", "mlp(hidden=(64, 32))", "fedgen-cnn"]
