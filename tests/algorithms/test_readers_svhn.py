@@ -1,5 +1,7 @@
 """SVHN read back from tiny MATLAB files (X [32, 32, 3, N], y [N, 1] with 10 for zero), its
 errors, and the torchvision path."""
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +87,101 @@ def test_torchvision_gives_the_same_tensors(tmp_path, monkeypatch):
     monkeypatch.setattr(torchvision.datasets.SVHN, "_check_integrity", lambda self: True)  # tiny files, other MD5s
     through = load_dataset("svhn", root=tmp_path, extra=True)
     assert_same_dataset(direct, through)
+
+
+# ---------------------------------------------------------------- headers read before the arrays
+
+def _v5_matrix(order: str, name: bytes, array: np.ndarray) -> bytes:
+    """One uncompressed uint8 miMATRIX element of a MATLAB v5 file in byte order ``order``
+    (scipy writes only the machine's order; this writes either)."""
+    def element(kind: int, payload: bytes) -> bytes:
+        return struct.pack(order + "II", kind, len(payload)) + payload + b"\0" * (-len(payload) % 8)
+
+    body = (element(6, struct.pack(order + "II", 9, 0))  # miUINT32 array flags: mxUINT8_CLASS
+            + element(5, struct.pack(order + f"{array.ndim}i", *array.shape))  # miINT32 dims
+            + element(1, name)  # miINT8 name
+            + element(2, array.tobytes(order="F")))  # miUINT8 data, column-major
+    return struct.pack(order + "II", 14, len(body)) + body
+
+
+def _v5_file(order: str, variables: dict) -> bytes:
+    text = b"MATLAB 5.0 MAT-file, written by the tests".ljust(116, b" ")
+    header = text + b"\0" * 8 + struct.pack(order + "H", 0x0100) + (b"IM" if order == "<" else b"MI")
+    return header + b"".join(_v5_matrix(order, name.encode(), array) for name, array in variables.items())
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_declared_variables_of_a_file_in_either_byte_order(tmp_path, order):
+    from pfl_algorithms.data.readers.matlab import declared_variables
+
+    rng = np.random.default_rng(4)
+    x, y = rng.integers(0, 256, (32, 32, 3, 3), dtype=np.uint8), np.array([[1], [10], [4]], np.uint8)
+    path = tmp_path / "train_32x32.mat"
+    path.write_bytes(_v5_file(order, {"X": x, "y": y}))
+    assert declared_variables(path) == {"X": ("uint8", (32, 32, 3, 3)), "y": ("uint8", (3, 1))}
+    mat = scipy_io.loadmat(str(path))  # scipy agrees on what the hand-written file holds
+    assert np.array_equal(mat["X"], x) and np.array_equal(mat["y"], y)
+    from pfl_algorithms.data.readers.svhn import read_mat
+
+    images, labels = read_mat(path)
+    assert np.array_equal(images, x) and labels.tolist() == [1, 10, 4]
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_declared_variables_agree_with_scipy(tmp_path, compressed):
+    from pfl_algorithms.data.readers.matlab import declared_variables
+
+    path = tmp_path / "many.mat"
+    scipy_io.savemat(str(path), {"X": np.zeros((32, 32, 3, 2), np.uint8), "y": np.ones((2, 1)), "e": np.array([]),
+                                 "name_of_sixty_three_characters_" + "x" * 32: np.arange(3.0), "s": "text",
+                                 "i": np.arange(6, dtype=np.int16).reshape(2, 3)}, do_compression=compressed)
+    declared = declared_variables(path)
+    assert [(name, shape) for name, (_, shape) in declared.items()] == [
+        (name, tuple(shape)) for name, shape, _ in scipy_io.whosmat(str(path), chars_as_strings=False)]
+    assert {name: kind for name, (kind, _) in declared.items()} == {
+        "X": "uint8", "y": "float64", "e": "float64", "name_of_sixty_three_characters_" + "x" * 32: "float64",
+        "s": "char", "i": "int16"}
+    scipy_io.savemat(str(tmp_path / "v4.mat"), {"X": np.zeros((2, 3))}, format="4")
+    assert declared_variables(tmp_path / "v4.mat") is None  # not v5: left to loadmat
+
+
+@pytest.mark.parametrize("variables,message", [
+    ({"X": np.zeros((32, 32, 5, 4000), np.uint8), "y": np.ones((4000, 1))},
+     r"X must be \[32, 32, 3, N\] uint8, got uint8 \[32, 32, 5, 4000\]"),
+    ({"X": np.zeros((32, 32, 3, 4000), np.uint8), "y": np.ones((3, 1))}, "4000 images in X but 3 labels in y"),
+    ({"x": np.zeros((32, 32, 3, 4000), np.uint8)}, r"no X and y in the file \(it has \['x'\]\)"),
+])
+def test_a_misshapen_file_is_refused_from_its_headers_before_any_array_is_read(tmp_path, monkeypatch, variables,
+                                                                               message):
+    """A compressed file of a few kilobytes declaring megabytes (gigabytes in the hostile case):
+    refused from the declared shapes, loadmat never called."""
+    path = tmp_path / "test_32x32.mat"
+    scipy_io.savemat(str(path), variables, do_compression=True)
+    assert path.stat().st_size < 100_000
+
+    def loadmat(*args, **kwargs):
+        raise AssertionError("loadmat read the arrays of a file its headers refuse")
+
+    monkeypatch.setattr(scipy_io, "loadmat", loadmat)
+    from pfl_algorithms.data.readers.svhn import read_mat
+
+    with pytest.raises(ValueError, match=message):
+        read_mat(path)
+
+
+def test_truncated_and_garbled_v5_files_name_the_file(tmp_path):
+    from pfl_algorithms.data.readers.svhn import read_mat
+
+    path = tmp_path / "train_32x32.mat"
+    for compressed in (False, True):
+        scipy_io.savemat(str(path), {"X": np.ones((32, 32, 3, 50), np.uint8), "y": np.ones((50, 1))},
+                         do_compression=compressed)
+        whole = path.read_bytes()
+        path.write_bytes(whole[:len(whole) // 2])
+        with pytest.raises(ValueError, match=f"{path}: truncated MATLAB file"):
+            read_mat(path)
+    garbled = bytearray(whole)
+    garbled[136:150] = b"\xff" * 14  # the first variable's zlib stream (after its 8-byte tag)
+    path.write_bytes(bytes(garbled))
+    with pytest.raises(ValueError, match=f"{path}: the variable at byte 128 is not valid compressed data"):
+        read_mat(path)

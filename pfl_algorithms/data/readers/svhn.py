@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .common import RawData, check_download, check_labels, find_file, nchw_tensor, pool_splits, torchvision_datasets
+from .matlab import declared_variables
 
 SVHN_URL = "http://ufldl.stanford.edu/housenumbers/"
 SVHN_HOW = (f"download train_32x32.mat and test_32x32.mat (and extra_32x32.mat for extra=True) from {SVHN_URL} "
@@ -26,26 +27,40 @@ def read_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
     Raises:
         ImportError: scipy is not installed.
-        ValueError: naming the file, when it is not a MATLAB file or lacks or misshapes X or y.
+        ValueError: naming the file, when it is not a MATLAB file or lacks or misshapes X or y
+            (for a v5 file, from its variables' headers, before any array is read).
     """
     try:
         from scipy.io import loadmat
     except ImportError as error:
         raise ImportError("svhn: reading the .mat files needs scipy: pip install scipy") from error
+    # What the file declares is checked before loadmat allocates it: a small compressed file
+    # can declare gigabytes (the checks repeat on the arrays read, for files that are not v5).
+    declared = declared_variables(path)
+    if declared is not None:
+        _check_arrays(path, {name: variable for name, variable in declared.items() if name in ("X", "y")},
+                      sorted(declared))
     try:
-        mat = loadmat(str(path))
+        mat = loadmat(str(path), variable_names=("X", "y"))
     except Exception as error:  # noqa: BLE001  scipy raises several types for a damaged file
         raise ValueError(f"{path}: not a readable MATLAB file ({type(error).__name__}: {error})") from error
-    missing = [key for key in ("X", "y") if key not in mat]
+    _check_arrays(path, {key: (mat[key].dtype.name, mat[key].shape) for key in ("X", "y") if key in mat},
+                  sorted(key for key in mat if not key.startswith("__")))
+    return mat["X"], mat["y"].reshape(-1).astype(np.int64)
+
+
+def _check_arrays(path: Path, arrays: dict, present: list) -> None:
+    """``arrays``: name -> (dtype name, shape) of X and y where present: X [32, 32, 3, N] uint8
+    and N labels in y, else a ValueError naming the file (``present``: every variable's name)."""
+    missing = [key for key in ("X", "y") if key not in arrays]
     if missing:
-        present = sorted(key for key in mat if not key.startswith("__"))
         raise ValueError(f"{path}: no {' and '.join(missing)} in the file (it has {present})")
-    images, labels = mat["X"], mat["y"]
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[:3] != (32, 32, 3):
-        raise ValueError(f"{path}: X must be [32, 32, 3, N] uint8, got {images.dtype} {list(images.shape)}")
-    if labels.size != images.shape[3]:
-        raise ValueError(f"{path}: {images.shape[3]} images in X but {labels.size} labels in y")
-    return images, labels.reshape(-1).astype(np.int64)
+    (dtype, shape), (_, label_shape) = arrays["X"], arrays["y"]
+    if dtype != "uint8" or len(shape) != 4 or tuple(shape[:3]) != (32, 32, 3):
+        raise ValueError(f"{path}: X must be [32, 32, 3, N] uint8, got {dtype} {list(shape)}")
+    labels = int(np.prod(label_shape))
+    if labels != shape[3]:
+        raise ValueError(f"{path}: {shape[3]} images in X but {labels} labels in y")
 
 
 def _raw_split(pixels: torch.Tensor, labels: np.ndarray, source) -> RawData:
