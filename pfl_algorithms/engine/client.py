@@ -3,7 +3,8 @@
 A training task is a function of (download, client state, client data, plan, generator)
 that returns (upload, new state, metrics): it loads the client's bank rows into the worker's
 working model, applies the download, runs the plan's phases, asks the algorithm what to
-upload, and writes the new state back to the rows only if it stayed finite.  An evaluation
+upload, and writes the new state back to the rows only if it stayed finite (its parameters,
+its loss and every floating value of its upload; else the client is skipped).  An evaluation
 task applies the algorithm's evaluation download to a scratch copy of the client's state,
 fine-tunes it if the evaluation has a plan, and evaluates; it never writes state.
 
@@ -21,6 +22,7 @@ and no hook reads what another hook left anywhere else:
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -514,6 +516,32 @@ def all_finite(t: Tensor) -> bool:
     return bool(t.mul(0).sum() == 0)
 
 
+def message_finite(message: Message) -> bool:
+    """Whether every floating value ``message`` carries is finite: its tensors, and the tensors
+    and float numbers among its extras (nested in dicts, lists and tuples); one device sync."""
+    floats, numbers = [], []
+
+    def walk(value) -> None:
+        if isinstance(value, Tensor):
+            if value.is_floating_point():
+                floats.append(value)
+        elif isinstance(value, float):
+            numbers.append(value)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk([message.dense(name) for name in message.tensors])
+    walk(message.extras)
+    if not all(math.isfinite(number) for number in numbers):
+        return False
+    # x·0 is 0 for a finite x and NaN otherwise (all_finite), summed over every tensor at once
+    return not floats or bool(sum(t.detach().mul(0).sum(dtype=torch.float64) for t in floats) == 0)
+
+
 def run_plan(fed, view: ClientView, plan: Sequence[Phase], generator, *, keep_state: bool,
              augment=None) -> tuple[LocalResult, dict]:
     """Run ``plan``'s phases on the loaded client; returns its result and the optimizer states
@@ -546,7 +574,8 @@ def run_train_task(fed, algorithm, task: TrainTask) -> TrainResult:
 
 def finish_train_task(fed, algorithm, view: ClientView, result: LocalResult, states: dict) -> TrainResult:
     """The end of a training task whose working model holds the client's new state (``view``):
-    nothing when it is not finite; else the algorithm's upload with the task's reported values,
+    nothing when it is not finite, or when that upload holds a non-finite value (``message_finite``);
+    else the algorithm's upload with the task's reported values,
     then the rows stored (parameters, buffers, extra state and, when kept, the optimizer
     ``states``: name -> vectors and steps)."""
     if not result.finite:
@@ -557,6 +586,10 @@ def finish_train_task(fed, algorithm, view: ClientView, result: LocalResult, sta
     if reported:
         upload = (Message(extras=dict(reported), num_examples=view.num_examples) if upload is None
                   else replace(upload, extras={**upload.extras, **reported}))
+    if upload is not None and not message_finite(upload):
+        # Finite parameters can still give a non-finite upload (an overflowing delta, an infinite
+        # loss in the extras): the client is skipped, as Flower's server refuses such a reply.
+        return TrainResult(view.client, replace(result, finite=False))
     view._work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
     for name, value in view._extra.items():
         cohort.extra[name].row(row).copy_(value)

@@ -29,7 +29,7 @@ from typing import Mapping, Optional
 import torch
 
 from ..config import RunConfig, check, config_from
-from ..engine.client import EvalTask, TrainTask, all_finite, run_eval_task, run_train_task
+from ..engine.client import EvalTask, TrainTask, message_finite, run_eval_task, run_train_task
 from ..engine.cohort_stats import answer_statistics
 from ..engine.executors import one_intra_op_thread
 from ..engine.rounds import evaluation_task, prepare_kept_state
@@ -179,7 +179,7 @@ def train(session, message, context, faults: Optional[Faults] = None):
             poisoned = dict(result.upload.tensors, **{first: torch.full_like(result.upload.dense(first), float("nan"))})
             result.upload = replace(result.upload, tensors=poisoned)
         answer_statistics(fed, [result])  # from this client's stored rows, before anything is sent
-    finite = result.finite and (result.upload is None or _finite(result.upload))
+    finite = result.finite and (result.upload is None or message_finite(result.upload))
     content = RecordDict({TRAIN_METRICS: MetricRecord({"loss": result.local.loss, "samples": result.local.samples,
                                                        "steps": result.local.steps, "finite": int(finite)})})
     if finite and result.upload is not None:
@@ -188,11 +188,6 @@ def train(session, message, context, faults: Optional[Faults] = None):
     if finite:  # a non-finite client keeps the state it had (run_train_task left its rows alone)
         context.state[STATE] = records.state_record(client_rows(fed, client))
     return content
-
-
-def _finite(message) -> bool:
-    tensors = [message.dense(name) for name in message.tensors]
-    return all(all_finite(t) for t in tensors if t.is_floating_point())
 
 
 def evaluate(session, message, context):

@@ -165,6 +165,61 @@ def test_non_finite_update_is_not_aggregated():
     assert fed.comm.by_client[("up", 1)] == 0 and fed.comm.by_client[("up", 0)] > 0
 
 
+class LoudFedAvg(FedAvg):
+    """FedAvg whose upload also carries an extra: non-finite for client 1 (``bad``: a float
+    number, a tensor nested in a list, or a tensor of the upload itself)."""
+
+    def __init__(self, bad):
+        super().__init__()
+        self.bad = bad
+
+    def upload(self, view):
+        message = super().upload(view)
+        if view.client != 1:
+            return replace(message, extras={"loss": 0.5, "parts": [torch.ones(2)]})
+        if self.bad == "number":
+            return replace(message, extras={"loss": float("inf"), "parts": [torch.ones(2)]})
+        if self.bad == "tensor":
+            return replace(message, extras={"loss": 0.5, "parts": [torch.tensor([1.0, float("nan")])]})
+        first = next(iter(message.tensors))
+        return replace(message, tensors={**message.tensors, first: message.dense(first) * 1e308 * 10})
+
+
+@pytest.mark.parametrize("executor", ["sequential", "threaded", "batched"])
+@pytest.mark.parametrize("bad", ["number", "tensor", "payload"])
+def test_a_non_finite_upload_skips_its_client_as_flower_does(bad, executor):
+    """Finite parameters, non-finite upload: the client is skipped (its rows kept, nothing of it
+    aggregated), as Flower's server refuses a reply holding a non-finite value; before, the native
+    executors aggregated it."""
+    algo = LoudFedAvg(bad)
+    fed = make_federation(algo, steps=1, executor=executor, workers=2 if executor == "threaded" else 1)
+    before = row(fed, 1).clone()
+    record = run_round(fed, algo, 0)
+    assert record.skipped == [1]
+    torch.testing.assert_close(row(fed, 1), before, rtol=0, atol=0)
+    assert all(torch.isfinite(v).all() for v in algo.global_model.values())
+    clean = FedAvg()
+    fed = make_federation(clean, steps=1, executor=executor, workers=2 if executor == "threaded" else 1)
+    fed.inputs[fed.clients[1].train] = float("nan")  # the same round with client 1 non-finite in training
+    run_round(fed, clean, 0)
+    for name, value in algo.global_model.items():
+        torch.testing.assert_close(value, clean.global_model[name], rtol=0, atol=0)
+
+
+def test_message_finite_looks_at_every_floating_value():
+    from pfl_algorithms.engine.client import message_finite
+    from pfl_algorithms.engine.messages import Message
+
+    ok = Message(tensors={"w": torch.ones(3, dtype=torch.bfloat16)},
+                 extras={"n": 3, "x": 1.5, "deep": {"a": [(torch.zeros(2), 2.0)], "i": torch.tensor([7])},
+})
+    assert message_finite(ok) and message_finite(Message())
+    assert not message_finite(replace(ok, tensors={"w": torch.tensor([1.0, float("-inf")])}))
+    assert not message_finite(replace(ok, extras={"deep": {"a": [(torch.zeros(2), float("nan"))]}}))
+    assert not message_finite(replace(ok, extras={"deep": {"a": [(torch.tensor([float("nan")]), 2.0)]}}))
+    assert message_finite(replace(ok, extras={"big": torch.tensor([3e38]), "ints": torch.tensor([2 ** 62])}))
+
+
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_a_few_rounds_learn_the_blobs(name):
     algo = make_algorithm(name)
