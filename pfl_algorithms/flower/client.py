@@ -178,8 +178,10 @@ def train(session, message, context, faults: Optional[Faults] = None):
             first = next(iter(result.upload.tensors))
             poisoned = dict(result.upload.tensors, **{first: torch.full_like(result.upload.dense(first), float("nan"))})
             result.upload = replace(result.upload, tensors=poisoned)
+            # finish_train_task checked the upload before it was poisoned: check it again, as it did
+            result.local = replace(result.local, finite=message_finite(result.upload))
         answer_statistics(fed, [result])  # from this client's stored rows, before anything is sent
-    finite = result.finite and (result.upload is None or message_finite(result.upload))
+    finite = result.finite  # parameters, loss and upload (finish_train_task)
     content = RecordDict({TRAIN_METRICS: MetricRecord({"loss": result.local.loss, "samples": result.local.samples,
                                                        "steps": result.local.steps, "finite": int(finite)})})
     if finite and result.upload is not None:
