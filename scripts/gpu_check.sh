@@ -59,12 +59,13 @@ GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 [ "$stage" != dry-run ] || BUDGET_S=${GPU_CHECK_BUDGET_S:-3600}  # the interpreter on a CPU is slow
 CAP_BUILD=${GPU_CHECK_CAP_BUILD:-120};       FLOOR_BUILD=${GPU_CHECK_FLOOR_BUILD:-30}
-CAP_TESTS=${GPU_CHECK_CAP_TESTS:-120};       FLOOR_TESTS=${GPU_CHECK_FLOOR_TESTS:-60}
-CAP_BENCH=${GPU_CHECK_CAP_BENCH:-35};        FLOOR_BENCH=${GPU_CHECK_FLOOR_BENCH:-15}  # each kernel benchmark
+CAP_TESTS=${GPU_CHECK_CAP_TESTS:-150};       FLOOR_TESTS=${GPU_CHECK_FLOOR_TESTS:-60}
+CAP_BENCH=${GPU_CHECK_CAP_BENCH:-40};        FLOOR_BENCH=${GPU_CHECK_FLOOR_BENCH:-20}  # each kernel benchmark
 CAP_LAUNCH=${GPU_CHECK_CAP_LAUNCH:-40};      FLOOR_LAUNCH=${GPU_CHECK_FLOOR_LAUNCH:-20}
 # captured and eager executors, Table 1's 3 rounds
-CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-120}; FLOOR_EXECUTOR=${GPU_CHECK_FLOOR_EXECUTOR:-90}
-XDIST_WORKERS=${GPU_CHECK_WORKERS:-8}
+CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-120}; FLOOR_EXECUTOR=${GPU_CHECK_FLOOR_EXECUTOR:-70}
+# One worker per core (16 on the H100/H200 machines): at 8, the tests ran past 120 s there.
+XDIST_WORKERS=${GPU_CHECK_WORKERS:-$(nproc)}
 
 build() {  # the C++ extension must match the installed torch
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
@@ -153,13 +154,14 @@ if [ "$stage" = quick ]; then
     echo "pytest-xdist is not installed here: the tests run in one process" | tee -a "$log"
     xdist=()
   fi
+  # --durations: which tests set the stage's time (the next run's cap and worker count).
   run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "$PY" -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs \
-    -m "not slow" "${xdist[@]}"
+    -m "not slow" --durations=15 "${xdist[@]}"
   for script in "${KERNEL_BENCHMARKS[@]}"; do
     run_stage "$script" "$CAP_BENCH" "$FLOOR_BENCH" "$PY" "benchmarks/$script.py" --quick
   done
   run_stage gpu_launch "$CAP_LAUNCH" "$FLOOR_LAUNCH" "$PY" benchmarks/gpu_launch.py --quick
-  run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick
+  run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick --profile
   finish
   if [ -n "${OUT:-}" ]; then
     # at most 8 files come back from $OUT: the log and this run's JSON (one per suite)
@@ -179,7 +181,7 @@ if [ "$stage" = dry-run ]; then
   done
   run_stage gpu_branch_shared 300 0 "$PY" benchmarks/gpu_branch.py --shared --dry-run
   run_stage gpu_launch 300 0 "$PY" benchmarks/gpu_launch.py --dry-run
-  run_stage gpu_executor 300 0 "$PY" benchmarks/gpu_executor.py --dry-run
+  run_stage gpu_executor 300 0 "$PY" benchmarks/gpu_executor.py --dry-run --profile
   finish
   exit $failed
 fi

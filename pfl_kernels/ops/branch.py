@@ -21,6 +21,7 @@ import torch
 
 from ..reference import branch as ref
 from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, has_values
+from ._memo import metadata_cached
 from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
@@ -194,6 +195,38 @@ def _branch_combine_backward_vmap(info, in_dims, grad_w, weights, alpha, output_
     return unfold_gradients(grads, list(output_mask), unfold)
 
 
+@metadata_cached
+def _combine_expands(weights, alpha, shared_weights) -> bool:
+    """The checks of ``branch_combine`` (errors that name the argument), once per signature
+    (``metadata_cached``); whether the weights are shared and must be expanded over K."""
+    check_tensor("alpha", alpha, dims=(1, 2))
+    if not isinstance(weights, torch.Tensor) or weights.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"weights must be a floating torch.Tensor, got {getattr(weights, 'dtype', type(weights))}")
+    check_same("alpha", alpha, "weights", weights)
+    n_branches = alpha.shape[-1]
+    if n_branches < 1:
+        raise ValueError(f"alpha must have B >= 1 branches (its last dim), got shape {list(alpha.shape)}")
+    if alpha.dim() == 2:
+        per_client = weights.dim() >= 2 and tuple(weights.shape[:2]) == tuple(alpha.shape)
+        shared = weights.dim() >= 1 and weights.shape[0] == n_branches
+        if shared_weights is None:
+            if per_client and shared:
+                raise ValueError(
+                    f"weights {list(weights.shape)} reads both as [K, B, *shape] and as shared [B, *shape] "
+                    f"for alpha {list(alpha.shape)}: pass shared_weights=True or False")
+            shared_weights = shared and not per_client
+        if shared_weights:
+            if not shared:
+                raise ValueError(f"shared weights must be [B={n_branches}, *shape], got {list(weights.shape)}")
+            return True
+    elif shared_weights is False:
+        raise ValueError("shared_weights=False needs alpha with a client dimension [K, B]")
+    if weights.dim() < alpha.dim() or tuple(weights.shape[: alpha.dim()]) != tuple(alpha.shape):
+        raise ValueError(f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape] or "
+                         f"[{n_branches}, *shape] to match alpha {list(alpha.shape)}, got {list(weights.shape)}")
+    return False
+
+
 def branch_combine(weights: torch.Tensor, alpha: torch.Tensor, *,
                    shared_weights: Optional[bool] = None) -> torch.Tensor:
     """Combine branches with simplex weights: ``W = Σ_b alpha[..., b] · weights[..., b, *shape]``.
@@ -215,31 +248,8 @@ def branch_combine(weights: torch.Tensor, alpha: torch.Tensor, *,
         TypeError: non-floating or differing dtypes.  ValueError: shapes that do not fit,
         B < 1, devices that differ, or an ambiguous shared/per-client reading.
     """
-    check_tensor("alpha", alpha, dims=(1, 2))
-    if not isinstance(weights, torch.Tensor) or weights.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"weights must be a floating torch.Tensor, got {getattr(weights, 'dtype', type(weights))}")
-    check_same("alpha", alpha, "weights", weights)
-    n_branches = alpha.shape[-1]
-    if n_branches < 1:
-        raise ValueError(f"alpha must have B >= 1 branches (its last dim), got shape {list(alpha.shape)}")
-    if alpha.dim() == 2:
-        per_client = weights.dim() >= 2 and tuple(weights.shape[:2]) == tuple(alpha.shape)
-        shared = weights.dim() >= 1 and weights.shape[0] == n_branches
-        if shared_weights is None:
-            if per_client and shared:
-                raise ValueError(
-                    f"weights {list(weights.shape)} reads both as [K, B, *shape] and as shared [B, *shape] "
-                    f"for alpha {list(alpha.shape)}: pass shared_weights=True or False")
-            shared_weights = shared and not per_client
-        if shared_weights:
-            if not shared:
-                raise ValueError(f"shared weights must be [B={n_branches}, *shape], got {list(weights.shape)}")
-            weights = weights.expand(alpha.shape[0], *weights.shape)
-    elif shared_weights is False:
-        raise ValueError("shared_weights=False needs alpha with a client dimension [K, B]")
-    if weights.dim() < alpha.dim() or tuple(weights.shape[: alpha.dim()]) != tuple(alpha.shape):
-        raise ValueError(f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape] or "
-                         f"[{n_branches}, *shape] to match alpha {list(alpha.shape)}, got {list(weights.shape)}")
+    if _combine_expands(weights, alpha, shared_weights):
+        weights = weights.expand(alpha.shape[0], *weights.shape)
     return torch.ops.pfl.branch_combine(weights, alpha)
 
 

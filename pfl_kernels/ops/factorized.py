@@ -21,6 +21,7 @@ import torch
 from .._layout import layout_geometry
 from ..reference import factorized as ref
 from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, client_count
+from ._memo import metadata_cached
 from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
@@ -245,6 +246,36 @@ def _factorized_weight_backward_vmap(info, in_dims, grad_w, u, v, mu, mask, *, s
     return unfold_gradients(grads, asked, unfold)
 
 
+@metadata_cached
+def _check_wrapper_args(u, v, mu, mask, shape, layout) -> Optional[int]:
+    """The wrapper's checks of ``factorized_weight`` (errors that name the argument), once per
+    signature (``metadata_cached``); returns the client count K, or None."""
+    rows, cols, _, _ = layout_geometry(shape, layout)
+    check_tensor("u", u, dims=(2, 3))
+    check_tensor("v", v, dims=(2, 3))
+    check_same("u", u, "v", v)
+    if mu is not None:
+        check_tensor("mu", mu, dims=(2, 3))
+        check_same("u", u, "mu", mu)
+    if mask is not None:
+        if mu is None:
+            raise ValueError("mask was given without mu: the mask multiplies the sparse bias mu")
+        check_tensor("mask", mask, dims=(2, 3))
+        check_same("u", u, "mask", mask)
+    if u.shape[-2] != rows:
+        raise ValueError(f"u must have R={rows} rows for shape {list(shape)} and layout {layout!r}, "
+                         f"got u of shape {list(u.shape)}")
+    if u.shape[-1] < 1:
+        raise ValueError(f"u must have rank >= 1 (its last dim), got shape {list(u.shape)}")
+    if v.shape[-2] != u.shape[-1] or v.shape[-1] != cols:
+        raise ValueError(f"v must have shape [..., {u.shape[-1]}, {cols}] (rank of u, C for shape "
+                         f"{list(shape)} and layout {layout!r}), got {list(v.shape)}")
+    for name, t in (("mu", mu), ("mask", mask)):
+        if t is not None and tuple(t.shape[-2:]) != (rows, cols):
+            raise ValueError(f"{name} must have shape [..., {rows}, {cols}], got {list(t.shape)}")
+    return client_count({"u": u, "v": v, "mu": mu, "mask": mask}, base_dims=2)
+
+
 def factorized_weight(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tensor] = None,
                       mask: Optional[torch.Tensor] = None, *, shape: Sequence[int],
                       layout: str = "spatial") -> torch.Tensor:
@@ -272,32 +303,9 @@ def factorized_weight(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tenso
         ValueError: unknown layout, factor shapes that do not fit ``shape``, devices that differ,
             mask without mu, client counts that differ.
     """
-    rows, cols, _, _ = layout_geometry(shape, layout)
-    check_tensor("u", u, dims=(2, 3))
-    check_tensor("v", v, dims=(2, 3))
-    check_same("u", u, "v", v)
-    if mu is not None:
-        check_tensor("mu", mu, dims=(2, 3))
-        check_same("u", u, "mu", mu)
-    if mask is not None:
-        if mu is None:
-            raise ValueError("mask was given without mu: the mask multiplies the sparse bias mu")
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-            mask = mask.to(u.dtype)
-        check_tensor("mask", mask, dims=(2, 3))
-        check_same("u", u, "mask", mask)
-    if u.shape[-2] != rows:
-        raise ValueError(f"u must have R={rows} rows for shape {list(shape)} and layout {layout!r}, "
-                         f"got u of shape {list(u.shape)}")
-    if u.shape[-1] < 1:
-        raise ValueError(f"u must have rank >= 1 (its last dim), got shape {list(u.shape)}")
-    if v.shape[-2] != u.shape[-1] or v.shape[-1] != cols:
-        raise ValueError(f"v must have shape [..., {u.shape[-1]}, {cols}] (rank of u, C for shape "
-                         f"{list(shape)} and layout {layout!r}), got {list(v.shape)}")
-    for name, t in (("mu", mu), ("mask", mask)):
-        if t is not None and tuple(t.shape[-2:]) != (rows, cols):
-            raise ValueError(f"{name} must have shape [..., {rows}, {cols}], got {list(t.shape)}")
-    k = client_count({"u": u, "v": v, "mu": mu, "mask": mask}, base_dims=2)
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        mask = mask.to(u.dtype) if isinstance(u, torch.Tensor) else mask
+    k = _check_wrapper_args(u, v, mu, mask, list(shape), layout)
     if k is not None:
         u, v, mu, mask = (None if t is None else (t if t.dim() == 3 else t.expand(k, *t.shape))
                           for t in (u, v, mu, mask))

@@ -48,8 +48,12 @@ import triton.language as tl
 from ..ops import aggregate as _ops  # (also defines the schemas implemented here)
 from . import register_cuda
 from ..ops._checks import may_overlap
-from ..ops.aggregate import _check_op_args
+from ..ops.aggregate import _check_op_args as _check_op_args_uncached
+from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from .factorized import _check_devices, _device_guard, _launch
+
+# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
+_check_op_args = metadata_cached(_check_op_args_uncached)
 
 # Dense tiles: up to 64 rows of out x 128 columns, 32 rows of params per step (tl.dot needs
 # at least 16 in every dimension).  Tests shrink these.
@@ -131,7 +135,7 @@ def _sparse_kernel(
 
 
 def _block_k(k: int) -> int:
-    return max(16, min(_MAX_BLOCK_K, triton.next_power_of_2(max(k, 1))))
+    return max(16, min(_MAX_BLOCK_K, next_power_of_2(max(k, 1))))
 
 
 def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
@@ -184,20 +188,20 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         _ops.gemm_weighted_average(w, params, out)  # handles an out that overlaps params
         return
     block_k = _block_k(k)
-    if may_overlap(out, params) and (sparse or triton.cdiv(k, block_k) > 1 or not _rows_of(out, params)):
+    if may_overlap(out, params) and (sparse or cdiv(k, block_k) > 1 or not _rows_of(out, params)):
         params = params.clone()
     with _device_guard(params):
         if sparse:
             ptr, cols, vals = _csr(w)
-            grid = (k * triton.cdiv(p, _SPARSE_BLOCK_P),)
+            grid = (k * cdiv(p, _SPARSE_BLOCK_P),)
             _launch(_sparse_kernel)[grid](
                 ptr, cols, vals, params, out, k, p, params.stride(0), out.stride(0),
                 ACC_F64=acc == torch.float64, BLOCK_P=_SPARSE_BLOCK_P,
                 num_warps=max(1, min(8, _SPARSE_BLOCK_P // 256)),
             )
             return
-        n_kb = triton.cdiv(k, block_k)
-        _launch(_dense_kernel)[(n_kb * triton.cdiv(p, _BLOCK_P),)](
+        n_kb = cdiv(k, block_k)
+        _launch(_dense_kernel)[(n_kb * cdiv(p, _BLOCK_P),)](
             w, params, out, k, m, p, n_kb, params.stride(0), out.stride(0),
             BLOCK_K=block_k, BLOCK_M=_BLOCK_M, BLOCK_P=_BLOCK_P, num_warps=4,
         )

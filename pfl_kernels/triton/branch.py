@@ -38,9 +38,14 @@ import triton.language as tl
 
 from ..ops import branch as _ops  # noqa: F401  (defines the schemas implemented here)
 from . import register_cuda
-from ..ops.branch import _check_op_args, _check_project_args
+from ..ops.branch import _check_op_args as _check_op_args_uncached, _check_project_args as _check_project_args_uncached
+from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from ..reference import branch as _ref
 from .factorized import _acc_dtype, _check_devices, _device_guard, _launch
+
+# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
+_check_op_args = metadata_cached(_check_op_args_uncached)
+_check_project_args = metadata_cached(_check_project_args_uncached)
 
 # Block budget: BLOCK_N = 4096 is 16 fp32 values per thread at 8 warps, enough bytes in
 # flight per SM to saturate HBM.  A launch with few blocks (K = 1, a small layer) uses
@@ -60,11 +65,11 @@ def _sm_count(index: int) -> int:
 
 def _block_n(kk: int, n: int, device: torch.device) -> int:
     """BLOCK_N: _MAX_BLOCK_N, halved (not below _MIN_BLOCK_N) while the grid is small."""
-    block = min(_MAX_BLOCK_N, triton.next_power_of_2(max(n, 1)))
+    block = min(_MAX_BLOCK_N, next_power_of_2(max(n, 1)))
     floor = min(_MIN_BLOCK_N, block)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    while block > floor and kk * triton.cdiv(n, block) < _WAVES * sms:
+    while block > floor and kk * cdiv(n, block) < _WAVES * sms:
         block //= 2
     return block
 
@@ -237,18 +242,31 @@ def _project_simplex_kernel(
     tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=m2)
 
 
-def _launch_params(weights: torch.Tensor, alpha: torch.Tensor):
-    """(K, B, N, weights as [K, B, N], alpha strides (client, branch), BLOCK_N, blocks per client)."""
+@metadata_cached
+def _plan(weights, alpha, grad_w, max_block_n, min_block_n, unroll_b):
+    """A combine call's geometry after the op's checks, one run per signature
+    (``metadata_cached``; the block limits are arguments so that a test that changes them
+    gets a plan of its own): (W's shape, K, B, N, alpha's (client, branch) strides, BLOCK_N,
+    blocks per client, B_UNROLL)."""
+    out_shape = _check_op_args(weights, alpha) if grad_w is None else _check_op_args(weights, alpha, grad_w)
+    _check_devices(alpha, weights, grad_w)
     kk = alpha.shape[0] if alpha.dim() == 2 else 1
-    nb_ = alpha.shape[-1]
+    nbr = alpha.shape[-1]
     n = 1
     for d in weights.shape[alpha.dim():]:
         n *= int(d)
-    w = weights if alpha.dim() == 2 else weights.unsqueeze(0)
-    w3 = _as_kbn(w, 2, (kk, nb_, n))
     sa = (alpha.stride(0), alpha.stride(1)) if alpha.dim() == 2 else (0, alpha.stride(0))
     block = _block_n(kk, n, weights.device)
-    return kk, nb_, n, w3, sa, block, triton.cdiv(n, block)
+    return tuple(out_shape), kk, nbr, n, sa, block, cdiv(n, block), min(nbr, unroll_b)
+
+
+def _launch_params(weights: torch.Tensor, alpha: torch.Tensor, grad_w=None):
+    """(W's shape, K, B, N, weights as [K, B, N], alpha strides (client, branch), BLOCK_N,
+    blocks per client, B_UNROLL)."""
+    out_shape, kk, nbr, n, sa, block, n_nb, unroll = _plan(weights, alpha, grad_w, _MAX_BLOCK_N, _MIN_BLOCK_N,
+                                                           _UNROLL_B)
+    w3 = _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
+    return out_shape, kk, nbr, n, w3, sa, block, n_nb, unroll
 
 
 def branch_combine_triton(weights: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -259,16 +277,14 @@ def branch_combine_triton(weights: torch.Tensor, alpha: torch.Tensor) -> torch.T
     returns a contiguous W [K?, *shape] in alpha's dtype.  Trailing dims of weights that
     are not one strided run (e.g. channels_last) are copied first (once, not K times).
     """
-    out_shape = _check_op_args(weights, alpha)
-    _check_devices(alpha, weights)
+    out_shape, kk, nbr, n, w3, (sa_k, sa_b), block, n_nb, unroll = _launch_params(weights, alpha)
     w = alpha.new_empty(out_shape)
     if w.numel() == 0:
         return w
-    kk, nbr, n, w3, (sa_k, sa_b), block, n_nb = _launch_params(weights, alpha)
     with _device_guard(alpha):
         _launch(_branch_combine_kernel)[(kk * n_nb,)](
             w3, alpha, w, n, nbr, kk, *w3.stride(), sa_k, sa_b,
-            B_UNROLL=min(nbr, _UNROLL_B), ACC_F64=alpha.dtype == torch.float64,
+            B_UNROLL=unroll, ACC_F64=alpha.dtype == torch.float64,
             BLOCK_N=block, num_warps=_num_warps(block),
         )
     return w
@@ -283,12 +299,10 @@ def branch_combine_backward_triton(grad_w: torch.Tensor, weights: torch.Tensor, 
     per-block partial sums: deterministic.  A gradient not asked for by ``output_mask`` is
     ``alpha.new_empty(0)``, as in the reference.  grad_w and weights may have any strides.
     """
-    _check_op_args(weights, alpha, grad_w)
-    _check_devices(alpha, weights, grad_w)
+    _, kk, nbr, n, w3, (sa_k, sa_b), block, n_nb, unroll = _launch_params(weights, alpha, grad_w)
     need_w, need_a = bool(output_mask[0]), bool(output_mask[1])
     if not (need_w or need_a):
         return alpha.new_empty(0), alpha.new_empty(0)
-    kk, nbr, n, w3, (sa_k, sa_b), block, n_nb = _launch_params(weights, alpha)
     acc = _acc_dtype(alpha.dtype)
     gw = alpha.new_empty(weights.shape) if need_w else alpha
     if kk * n == 0:  # nothing to read: grad_alpha is an empty sum
@@ -301,7 +315,7 @@ def branch_combine_backward_triton(grad_w: torch.Tensor, weights: torch.Tensor, 
         _launch(_branch_combine_backward_kernel)[(kk * n_nb,)](
             g2, w3, alpha, gw, ga_part, n, nbr, kk, n_nb,
             *g2.stride(), *w3.stride(), sa_k, sa_b,
-            NEED_W=need_w, NEED_ALPHA=need_a, B_UNROLL=min(nbr, _UNROLL_B),
+            NEED_W=need_w, NEED_ALPHA=need_a, B_UNROLL=unroll,
             ACC_F64=acc == torch.float64, BLOCK_N=block, num_warps=_num_warps(block),
         )
     grad_alpha = alpha.new_empty(0)
@@ -312,7 +326,7 @@ def branch_combine_backward_triton(grad_w: torch.Tensor, weights: torch.Tensor, 
 
 def _simplex_blocks(b: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_B, BLOCK_J): the [rows, i, j] tile within _SIMPLEX_TILE elements."""
-    block_b = triton.next_power_of_2(b)
+    block_b = next_power_of_2(b)
     block_j = block_b if block_b * block_b <= _SIMPLEX_TILE else max(1, _SIMPLEX_TILE // block_b)
     block_r = max(1, min(64, _SIMPLEX_TILE // (block_b * block_j)))
     return block_r, block_b, block_j
@@ -348,7 +362,7 @@ def project_simplex_triton_(x: torch.Tensor) -> None:
     block_r, block_b, block_j = _simplex_blocks(b)
     n_rows = rows.shape[0]
     with _device_guard(x):
-        _launch(_project_simplex_kernel)[(triton.cdiv(n_rows, block_r),)](
+        _launch(_project_simplex_kernel)[(cdiv(n_rows, block_r),)](
             rows, n_rows, b, rows.stride(0), rows.stride(1),
             ACC_F64=x.dtype == torch.float64, BLOCK_R=block_r, BLOCK_B=block_b, BLOCK_J=block_j,
             num_warps=4,

@@ -24,9 +24,14 @@ import triton.language as tl
 from ..ops import branch_aggregate as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
 from ..ops._checks import may_overlap
-from ..ops.branch_aggregate import _check_op_args, check_branch_values
+from ..ops.branch_aggregate import _check_op_args as _check_op_args_uncached
+from ..ops._memo import cdiv, metadata_cached, next_power_of_2
+from ..ops.branch_aggregate import check_branch_values
 from ..reference import branch_aggregate as _ref
 from .factorized import _check_devices, _device_guard, _launch
+
+# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
+_check_op_args = metadata_cached(_check_op_args_uncached)
 
 # 4096 fp32 per program at 8 warps: 16 values in flight per thread per client.  With few
 # programs (small P) the block shrinks, down to _MIN_BLOCK_P, to give every SM work.
@@ -36,9 +41,9 @@ _TARGET_PROGRAMS = 4 * 132  # about four waves on an H100
 
 
 def _block_p(b: int, p: int) -> int:
-    block = min(_MAX_BLOCK_P, triton.next_power_of_2(max(p, 1)))
+    block = min(_MAX_BLOCK_P, next_power_of_2(max(p, 1)))
     floor = min(_MIN_BLOCK_P, block)
-    while block > floor and b * triton.cdiv(p, block) < _TARGET_PROGRAMS:
+    while block > floor and b * cdiv(p, block) < _TARGET_PROGRAMS:
         block //= 2
     return block
 
@@ -86,7 +91,7 @@ def _aggregate_into(branch_params: torch.Tensor, alpha: torch.Tensor, counts: to
     coef = _ref.coefficients(alpha, counts, acc).contiguous()
     block = _block_p(b, p)
     with _device_guard(branch_params):
-        _launch(_branch_aggregate_kernel)[(b * triton.cdiv(p, block),)](
+        _launch(_branch_aggregate_kernel)[(b * cdiv(p, block),)](
             w3, coef, out, k, b, p, *w3.stride(), out.stride(0),
             ACC_F64=acc == torch.float64, BLOCK_P=block, num_warps=max(1, min(8, block // 512)),
         )

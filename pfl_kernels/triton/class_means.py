@@ -18,9 +18,15 @@ import triton.language as tl
 
 from ..ops import class_means as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
-from ..ops.class_means import _check_op_args, check_label_values, check_output_size
+from ..ops.class_means import _check_op_args as _check_op_args_uncached, check_output_size as _check_output_size_uncached
+from ..ops._memo import cdiv, metadata_cached, next_power_of_2
+from ..ops.class_means import check_label_values
 from ..reference import class_means as _ref
 from .factorized import _check_devices, _device_guard, _launch
+
+# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
+_check_op_args = metadata_cached(_check_op_args_uncached)
+check_output_size = metadata_cached(_check_output_size_uncached)
 
 _MAX_BLOCK_D = 256
 
@@ -73,8 +79,8 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
         return means, counts.reshape(counts_shape)
     order = torch.sort(keys, stable=True).indices  # flat sample indices k·N + n, grouped by segment
     start = torch.cumsum(counts, 0) - counts
-    block = min(_MAX_BLOCK_D, triton.next_power_of_2(d))
-    n_db = triton.cdiv(d, block)
+    block = min(_MAX_BLOCK_D, next_power_of_2(d))
+    n_db = cdiv(d, block)
     with _device_guard(features):
         _launch(_class_means_kernel)[(segments * n_db,)](
             f, order, start, counts, means, n, d, n_db, *f.stride(), c,

@@ -35,9 +35,15 @@ import triton
 import triton.language as tl
 
 from .._layout import layout_geometry
-from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
 from . import register_cuda
-from ..ops.factorized import _check_op_args, _check_soft_threshold_args
+from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
+from ..ops.factorized import _check_op_args as _check_op_args_uncached, _check_soft_threshold_args as _check_soft_threshold_args_uncached
+from ..ops._memo import cdiv, metadata_cached, next_power_of_2, tracing
+
+# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
+_check_op_args = metadata_cached(_check_op_args_uncached)
+_check_soft_threshold_args = metadata_cached(_check_soft_threshold_args_uncached)
+layout_geometry = metadata_cached(layout_geometry)
 
 try:  # torch >= 2.6: launches that torch.compile, make_fx and torch.export can trace
     from torch.library import wrap_triton as _wrap_triton
@@ -55,19 +61,6 @@ _MAX_BLOCK_R = 64
 _SOFT_BLOCK = 4096
 
 
-def _tracing() -> bool:
-    """Whether a launch is being traced rather than run: under dynamo (torch.compile tracing
-    a launcher's Python) or with a torch dispatch mode active (make_fx's proxy mode, a
-    FakeTensorMode, functionalization).  A launcher that runs as an op's kernel sees none of
-    these in eager mode: the dispatcher calls it after every mode has had its turn.
-
-    Private torch API: nothing public tells whether a dispatch mode is active (torch's own
-    ``is_in_torch_dispatch_mode``, pytorch/pytorch#122339, is in the private
-    ``torch.utils._python_dispatch``).  tests/kernels/test_launch_path_triton.py covers it:
-    a FakeTensorMode call goes through wrap_triton, an eager one does not."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-
-
 def _launch(kernel):
     """What to index with the grid and call: the kernel itself in eager mode, and
     ``wrap_triton(kernel)`` (where torch has it) when the launch is traced.
@@ -75,7 +68,7 @@ def _launch(kernel):
     ``wrap_triton`` is what puts the kernel into a traced graph (and lets fake tensors, which
     have no memory, through), but in eager mode its higher-order op costs about 300 µs of host
     time per launch, against about 100 µs for the whole op launched directly (issue 30)."""
-    if _wrap_triton is None or not _tracing():
+    if _wrap_triton is None or not tracing():
         return kernel
     try:
         return _wrap_triton(kernel)
@@ -83,13 +76,19 @@ def _launch(kernel):
         return kernel
 
 
+_SAME_DEVICE = contextlib.nullcontext()  # stateless, so one instance serves every call
+
+
 def _device_guard(t: torch.Tensor):
-    """Launch on the tensor's GPU, not the current one (Triton launches on the current)."""
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    """Launch on the tensor's GPU, not the current one (Triton launches on the current); no
+    device switch (two driver calls) when it is the current one already."""
+    device = t.device
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(device)
 
 
+@metadata_cached
 def _check_devices(*tensors: Optional[torch.Tensor]) -> None:
     """A kernel reads raw pointers: every operand must be on the first one's device."""
     dev = tensors[0].device
@@ -110,10 +109,10 @@ def _mode(a: int, b: int) -> int:
     return MODE_GENERAL
 
 
-def _blocks(rows: int, cols: int) -> tuple[int, int]:
+def _blocks(rows: int, cols: int, max_tile: int, max_block_r: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_C): all of R in one tile when R is small (conv kernels: 1..25)."""
-    block_r = min(triton.next_power_of_2(rows), _MAX_BLOCK_R)
-    block_c = min(triton.next_power_of_2(cols), max(1, _MAX_TILE // block_r))
+    block_r = min(next_power_of_2(rows), max_block_r)
+    block_c = min(next_power_of_2(cols), max(1, max_tile // block_r))
     return block_r, block_c
 
 
@@ -271,6 +270,25 @@ def _soft_threshold_kernel(
     tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=m)
 
 
+@metadata_cached
+def _forward_plan(u, v, mu, mask, shape, layout, max_tile, max_block_r):
+    """(W's shape, grid, the kernel's scalar arguments, its meta-parameters) of a forward call,
+    after the op's checks: one run per signature (``metadata_cached``); the tile limits are
+    arguments so that a test that shrinks them gets a plan of its own."""
+    lead = _check_op_args(u, v, mu, mask, shape, layout)
+    _check_devices(u, v, mu, mask)
+    rows, cols, outer, inner = layout_geometry(shape, layout)
+    block_r, block_c = _blocks(rows, cols, max_tile, max_block_r)
+    n_rb, n_cb = cdiv(rows, block_r), cdiv(cols, block_c)
+    kk = lead[0] if lead else 1
+    scalars = (rows, cols, inner, n_rb, n_cb, *_strides3(u), *_strides3(v), *_strides3(mu), *_strides3(mask),
+               rows * cols, rows * inner, inner, 1)
+    meta = dict(RANK=u.shape[-1], MODE=_mode(outer, inner), HAS_MU=mu is not None, HAS_MASK=mask is not None,
+                ACC_F64=u.dtype == torch.float64, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=_num_warps(block_r, block_c))
+    return tuple(lead) + tuple(int(s) for s in shape), (kk * n_rb * n_cb,), scalars, meta
+
+
 def factorized_weight_triton(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tensor] = None,
                              mask: Optional[torch.Tensor] = None, *, shape: Sequence[int],
                              layout: str = "spatial") -> torch.Tensor:
@@ -280,29 +298,40 @@ def factorized_weight_triton(u: torch.Tensor, v: torch.Tensor, mu: Optional[torc
     v [K?, r, C], mu/mask [K?, R, C] (any strides, stride 0 for shared factors); returns a
     contiguous W [K?, *shape] in u's dtype.
     """
-    lead = _check_op_args(u, v, mu, mask, shape, layout)
-    _check_devices(u, v, mu, mask)
-    rows, cols, outer, inner = layout_geometry(shape, layout)
-    rank = u.shape[-1]
-    kk = lead[0] if lead else 1
-    w = torch.empty(lead + [int(s) for s in shape], dtype=u.dtype, device=u.device)
+    w_shape, grid, scalars, meta = _forward_plan(u, v, mu, mask, shape, layout, _MAX_TILE, _MAX_BLOCK_R)
+    w = torch.empty(w_shape, dtype=u.dtype, device=u.device)
     if w.numel() == 0:
         return w
-    block_r, block_c = _blocks(rows, cols)
-    n_rb, n_cb = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
-    su, sv = _strides3(u), _strides3(v)
-    smu, smk = _strides3(mu), _strides3(mask)
     with _device_guard(u):
-        _launch(_factorized_weight_kernel)[(kk * n_rb * n_cb,)](
-            u, v, u if mu is None else mu, u if mask is None else mask, w,
-            rows, cols, inner, n_rb, n_cb,
-            *su, *sv, *smu, *smk,
-            rows * cols, rows * inner, inner, 1,
-            RANK=rank, MODE=_mode(outer, inner), HAS_MU=mu is not None,
-            HAS_MASK=mask is not None, ACC_F64=u.dtype == torch.float64,
-            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_num_warps(block_r, block_c),
-        )
+        _launch(_factorized_weight_kernel)[grid](
+            u, v, u if mu is None else mu, u if mask is None else mask, w, *scalars, **meta)
     return w
+
+
+@metadata_cached
+def _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, max_tile, max_block_r):
+    """The backward call's geometry after the op's checks, one run per signature (see
+    ``_forward_plan``): (lead dims, (K, R, C, A, B, rank, row blocks, column blocks), the
+    partial sums' dtype, the factors' strides, the kernel's meta-parameters); None when no
+    gradient is asked for."""
+    lead = _check_op_args(u, v, mu, mask, shape, layout, grad_w)
+    _check_devices(u, v, mu, mask, grad_w)
+    rows, cols, outer, inner = layout_geometry(shape, layout)
+    need_u, need_v = bool(output_mask[0]), bool(output_mask[1])
+    need_mu = bool(output_mask[2]) and mu is not None
+    need_mask = bool(output_mask[3]) and mask is not None
+    if not (need_u or need_v or need_mu or need_mask):
+        return None
+    acc = _acc_dtype(u.dtype)
+    block_r, block_c = _blocks(rows, cols, max_tile, max_block_r)
+    geometry = (lead[0] if lead else 1, rows, cols, outer, inner, u.shape[-1],
+                cdiv(rows, block_r), cdiv(cols, block_c))
+    factor_strides = (*_strides3(u), *_strides3(v), *_strides3(mu), *_strides3(mask))
+    meta = dict(RANK=u.shape[-1], MODE=_mode(outer, inner), HAS_MASK=mask is not None,
+                NEED_U=need_u, NEED_V=need_v, NEED_MU=need_mu, NEED_MASK=need_mask,
+                ACC_F64=acc == torch.float64, BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=_num_warps(block_r, block_c))
+    return lead, geometry, acc, factor_strides, meta
 
 
 def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
@@ -315,20 +344,11 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
     grad_mask = G * mu.  A gradient not asked for by ``output_mask`` (or whose input is
     None) is ``u.new_empty(0)``, as in the reference.  grad_w may have any strides.
     """
-    lead = _check_op_args(u, v, mu, mask, shape, layout, grad_w)
-    _check_devices(u, v, mu, mask, grad_w)
-    rows, cols, outer, inner = layout_geometry(shape, layout)
-    rank = u.shape[-1]
-    kk = lead[0] if lead else 1
-    need_u, need_v = bool(output_mask[0]), bool(output_mask[1])
-    need_mu = bool(output_mask[2]) and mu is not None
-    need_mask = bool(output_mask[3]) and mask is not None
-    if not (need_u or need_v or need_mu or need_mask):
+    plan = _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, _MAX_TILE, _MAX_BLOCK_R)
+    if plan is None:
         return tuple(u.new_empty(0) for _ in range(4))
-
-    acc = _acc_dtype(u.dtype)
-    block_r, block_c = _blocks(rows, cols)
-    n_rb, n_cb = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
+    lead, (kk, rows, cols, outer, inner, rank, n_rb, n_cb), acc, factor_strides, meta = plan
+    need_u, need_v, need_mu, need_mask = meta["NEED_U"], meta["NEED_V"], meta["NEED_MU"], meta["NEED_MASK"]
     # grad_w as [K, A, R, B] through its own strides; copy only if they cannot say it.
     g = grad_w if lead else grad_w.unsqueeze(0)
     try:
@@ -349,13 +369,7 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
                 g, u, v, u if mu is None else mu, u if mask is None else mask,
                 gu_part, gv_part, gmu, gmask,
                 rows, cols, inner, n_rb, n_cb,
-                *g.stride(),
-                *_strides3(u), *_strides3(v), *_strides3(mu), *_strides3(mask),
-                RANK=rank, MODE=_mode(outer, inner), HAS_MASK=mask is not None,
-                NEED_U=need_u, NEED_V=need_v, NEED_MU=need_mu, NEED_MASK=need_mask,
-                ACC_F64=acc == torch.float64, BLOCK_R=block_r, BLOCK_C=block_c,
-                num_warps=_num_warps(block_r, block_c),
-            )
+                *g.stride(), *factor_strides, **meta)
     # Finish the cross-tile reductions (deterministic: a fixed-order torch.sum).
     grad_u = grad_v = None
     if need_u:
@@ -366,6 +380,7 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
                  ((grad_u, need_u), (grad_v, need_v), (gmu, need_mu), (gmask, need_mask)))
 
 
+@metadata_cached
 def _dense_span(t: torch.Tensor) -> bool:
     """Whether t's elements fill a contiguous block of memory (any order, no overlap)."""
     expected = 1
@@ -404,7 +419,7 @@ def soft_threshold_triton_(mu: torch.Tensor, threshold: float) -> None:
         mu.copy_(tmp)
         return
     with _device_guard(mu):
-        _launch(_soft_threshold_kernel)[(triton.cdiv(n, _SOFT_BLOCK),)](
+        _launch(_soft_threshold_kernel)[(cdiv(n, _SOFT_BLOCK),)](
             target, thr, n, sizes[1], sizes[2], sizes[3], *strides, BLOCK=_SOFT_BLOCK, num_warps=4,
         )
 

@@ -46,10 +46,16 @@ import triton.language as tl
 
 from ..ops import similarity as _ops  # (also defines the schemas implemented here)
 from . import register_cuda
-from ..ops.similarity import _check_pair, _check_weights_args, check_weights_values
+from ..ops.similarity import _check_pair as _check_pair_uncached, _check_weights_args as _check_weights_args_uncached
+from ..ops._memo import cdiv, metadata_cached, next_power_of_2
+from ..ops.similarity import check_weights_values
 from ..reference import similarity as _ref
 from .branch import _sm_count
 from .factorized import _check_devices, _device_guard, _launch
+
+# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
+_check_pair = metadata_cached(_check_pair_uncached)
+_check_weights_args = metadata_cached(_check_weights_args_uncached)
 
 # Tiles of the product: 64 x 64 outputs, 64 of D per step (tests shrink them).
 _BLOCK_K = 64
@@ -214,11 +220,11 @@ def _scratch(like: torch.Tensor, shapes) -> list[torch.Tensor]:
 
 def _split(k: int, m: int, d: int, device: torch.device) -> int:
     """Programs per output tile along D: enough for _WAVES programs per SM, within the cap."""
-    tiles = triton.cdiv(k, _BLOCK_K) * triton.cdiv(m, _BLOCK_M)
+    tiles = cdiv(k, _BLOCK_K) * cdiv(m, _BLOCK_M)
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 132
-    split = max(1, triton.cdiv(_WAVES * sms, tiles))
-    split = min(split, triton.cdiv(max(d, 1), _BLOCK_D), max(1, _MAX_PARTIAL_BYTES // (4 * max(k * m, 1))))
+    split = max(1, cdiv(_WAVES * sms, tiles))
+    split = min(split, cdiv(max(d, 1), _BLOCK_D), max(1, _MAX_PARTIAL_BYTES // (4 * max(k * m, 1))))
     return max(1, split)
 
 
@@ -244,11 +250,11 @@ def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
     yy = x if y is None else y
     split = _split(k, m, d, x.device)
     # Each split's share of D, a multiple of BLOCK_D.
-    d_per_split = triton.cdiv(triton.cdiv(max(d, 1), split), _BLOCK_D) * _BLOCK_D
-    split = triton.cdiv(max(d, 1), d_per_split)
+    d_per_split = cdiv(cdiv(max(d, 1), split), _BLOCK_D) * _BLOCK_D
+    split = cdiv(max(d, 1), d_per_split)
     part, nx, ny, mx, my = _scratch(x, [(split, k, m), (split, k), (split, m), (split, k), (split, m)])
     m_high = math.sqrt(_Q_HIGH / max(d, 1))
-    grid = (triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M), split)
+    grid = (cdiv(k, _BLOCK_K), cdiv(m, _BLOCK_M), split)
     with _device_guard(x):
         for fix in (False, True):  # the second pass redoes only tiles with an extreme row
             _launch(_product_kernel)[grid](
@@ -257,7 +263,7 @@ def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
                 IEEE=x.dtype == torch.float32, FIX=fix, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D,
                 num_warps=4,
             )
-        _launch(_epilogue_kernel)[(triton.cdiv(k, _BLOCK_K), triton.cdiv(m, _BLOCK_M))](
+        _launch(_epilogue_kernel)[(cdiv(k, _BLOCK_K), cdiv(m, _BLOCK_M))](
             part, nx, ny, mx, my, out, k, m, split, eps, _M_LOW, m_high,
             MODE=mode, SYMMETRIC=y is None, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, num_warps=4,
         )
@@ -333,7 +339,7 @@ def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_k
     if out.numel() == 0:
         return out
     own = self_index.to(torch.int64) if self_index is not None else out
-    block = triton.next_power_of_2(m)
+    block = next_power_of_2(m)
     with _device_guard(sim):
         _launch(_weights_kernel)[(k,)](
             sim, own, out, m, sim.stride(0), sim.stride(1), tau, scale, min(min_keep, m),
