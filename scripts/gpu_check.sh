@@ -149,10 +149,16 @@ if [ "$stage" = quick ]; then
   fi
   run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build"
   timeout 120 bash -c header 2>&1 | tee -a "$log" || true
-  xdist=(-n "$XDIST_WORKERS" --dist loadfile)
+  # worksteal, not loadfile: twice on the H200 the stage stopped at 94% with one long file left
+  # on one worker (8 and then 16 workers, 120 s).  A test that runs past 60 s fails with its
+  # stack (pytest-timeout) instead of taking the stage's whole cap and its --durations report.
+  xdist=(-n "$XDIST_WORKERS" --dist worksteal)
   if ! "$PY" -c "import xdist" 2>/dev/null; then
     echo "pytest-xdist is not installed here: the tests run in one process" | tee -a "$log"
     xdist=()
+  fi
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    xdist+=(--timeout="${GPU_CHECK_TEST_TIMEOUT:-60}")
   fi
   # --durations: which tests set the stage's time (the next run's cap and worker count).
   run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "$PY" -m pytest "${GPU_TESTS[@]}" -q -p no:cacheprovider -rs \
