@@ -20,8 +20,8 @@ GPU, sets the pace) it
    ``TARGET_US`` = 25 µs (issue 30).
 
 An op served by a library call rather than a Triton kernel at a shape (dense
-``weighted_average`` and long float32 pairwise rows take cuBLAS, see ``python -m
-pfl_kernels``) records no launch; its row compares the public op with that bare library
+``weighted_average``, long float32 pairwise rows and ``class_means`` with C <= D take cuBLAS,
+see ``python -m pfl_kernels``) records no launch; its row compares the public op with that bare library
 call (``torch.mm``) and says so in its ``path``.  An op that syncs (it reads values: the
 weights' NaN check, a band check) pays the device time in its host time; the row's device
 time shows it.
@@ -263,8 +263,11 @@ def server_cases(dev, k, p, d, dry: bool) -> list[Case]:
     n, c = (64, 10) if dry else (4096, 10)
     feats = torch.randn(n, 128 if not dry else 16, device=dev, generator=g)
     labels = torch.randint(0, c, (n,), device=dev, generator=g)
+    # C <= D: the one-hot GEMM serves (ops.class_means.cuda_path), compared with that GEMM alone
+    onehot = (labels[None, :] == torch.arange(c, device=dev)[:, None]).to(feats.dtype)
     cases.append(Case("class_means", f"N={n} D={feats.shape[1]} C={c}", lambda: class_means(feats, labels, c),
-                      lambda: ref_cm.class_means(feats.double(), labels, c), got=lambda r: r[0]))
+                      lambda: ref_cm.class_means(feats.double(), labels, c), got=lambda r: r[0],
+                      library=lambda: torch.mm(onehot, feats)))
     return cases
 
 
@@ -372,13 +375,13 @@ def _routing_on_cpu(dry: bool):
     if not dry:
         yield
         return
-    from pfl_kernels.triton import aggregate as ta, similarity as ts
-    saved = ta._GEMM_DEVICES, ts._GEMM_DEVICES
-    ta._GEMM_DEVICES = ts._GEMM_DEVICES = ("cuda", "cpu")
+    from pfl_kernels.triton import aggregate as ta, class_means as tc, similarity as ts
+    saved = ta._GEMM_DEVICES, ts._GEMM_DEVICES, tc._GEMM_DEVICES
+    ta._GEMM_DEVICES = ts._GEMM_DEVICES = tc._GEMM_DEVICES = ("cuda", "cpu")
     try:
         yield
     finally:
-        ta._GEMM_DEVICES, ts._GEMM_DEVICES = saved
+        ta._GEMM_DEVICES, ts._GEMM_DEVICES, tc._GEMM_DEVICES = saved
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -8,13 +8,16 @@ from ._backends import main
 
 
 def format_cuda_paths() -> str:
-    """The per-shape CUDA paths of ``weighted_average`` and the pairwise similarity ops, with
-    the thresholds in force (``ops.aggregate.cuda_path``, ``ops.similarity.cuda_pairwise_path``)."""
+    """The per-shape CUDA paths of ``weighted_average``, the pairwise similarity ops and
+    ``class_means``, with the thresholds in force (``ops.aggregate.cuda_path``,
+    ``ops.similarity.cuda_pairwise_path``, ``ops.class_means.cuda_path``)."""
     from .ops import aggregate, similarity
+    from .ops.class_means import cuda_path as class_means_path
 
     tf32 = torch.backends.cuda.matmul.allow_tf32
     dense = aggregate.cuda_path(1, 1, 1, torch.float32, tf32)
     pair = similarity.cuda_pairwise_path(similarity.GEMM_MIN_DIM, torch.float32, tf32)
+    means = class_means_path(1, 1, torch.float32, tf32)
     gemm_dim = f"D >= {similarity.GEMM_MIN_DIM}"
     rows = [
         ("weighted_average", f"nonzero weights < {aggregate.SPARSE_DENSITY:g}*K*M", "triton (CSR gather)"),
@@ -28,6 +31,10 @@ def format_cuda_paths() -> str:
          else "triton (fused kernel: TF32 is allowed, which the GEMM would use)"),
         ("pairwise_cosine/sqdist", f"float32, D < {similarity.GEMM_MIN_DIM}; bfloat16, float16",
          "triton (fused kernel)"),
+        ("class_means", "C <= D",
+         "gemm (one-hot bmm; segment kernel when the sums are not finite)" if means == "gemm"
+         else "triton (segment kernel: TF32 is allowed, which the GEMM would use)"),
+        ("class_means", "C > D", "triton (segment kernel)"),
     ]
     width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     lines = ["", "CUDA paths per shape (issue 30):", f"{'op':<{width[0]}}  {'shapes':<{width[1]}}  path"]

@@ -67,6 +67,36 @@ def check_label_values(labels, num_classes) -> None:
         raise ValueError(f"labels must be in [0, num_classes={num_classes}), got labels[{where}] = {int(labels[idx])}")
 
 
+def cuda_path(num_classes: int, dim: int, dtype: torch.dtype, tf32: bool) -> str:
+    """Which implementation serves ``class_means`` on CUDA: 'gemm' (``gemm_class_sums``: the
+    one-hot matrix [C, N] times the features, one cuBLAS GEMM per client) or 'triton' (the
+    segment kernel).
+
+    On an H200 (issue 30) the segment kernel took 2.2 ms at N = 100,000, D = 256, C = 10
+    against 0.31 ms for ``index_add_``: with few classes its grid has few programs, each adding
+    thousands of rows in turn.  The GEMM reads the features once, whatever C, and is
+    deterministic; it serves where its one-hot matrix is no larger than the features (C <= D)
+    and, in float32, where torch's matmuls may not use TF32, which would lose three decimal
+    digits of the sums (``torch.backends.cuda.matmul.allow_tf32``, off by default)."""
+    if num_classes > max(dim, 1) or (tf32 and dtype != torch.float64):
+        return "triton"
+    return "gemm"
+
+
+def gemm_class_sums(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Per-class sums [K, C, D] in the accumulation dtype of features [K, N, D] with labels
+    [K, N] (int64), as ``onehot(labels)ᵀ @ features``: one batched GEMM (cuBLAS on CUDA).
+
+    A label outside [0, C) matches no class (its row adds nothing; the kernels check labels
+    separately).  0·NaN = NaN, so a NaN/Inf feature makes its column non-finite in every
+    class's sum, not only its own: a caller must take a non-finite result as "recompute" (the
+    sums are all finite exactly when the features hold no NaN/Inf and no sum overflows)."""
+    acc = ref.acc_dtype(features.dtype)
+    classes = torch.arange(num_classes, device=labels.device)
+    onehot = (labels[:, None, :] == classes[None, :, None]).to(acc)
+    return torch.bmm(onehot, features.to(acc))
+
+
 _INT64_MAX = 2**63 - 1
 
 

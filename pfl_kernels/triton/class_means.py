@@ -9,6 +9,11 @@ without a sample stores 0.
 
 Labels outside [0, num_classes) raise ValueError, as in every kernel of the op (one device
 sync, ``ops.class_means.check_label_values``).
+
+With few classes that grid is small (C = 10: ten programs per D-block, each adding N/10 rows
+in turn), so where C <= D the sums come from a one-hot GEMM instead (issue 30, item 2; see
+``class_means_triton``), and the segment kernel serves more classes than feature dims, TF32
+matmuls, and features holding NaN/Inf.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from ..ops import class_means as _ops  # noqa: F401  (defines the schema impleme
 from . import register_cuda
 from ..ops.class_means import _check_op_args as _check_op_args_uncached, check_output_size as _check_output_size_uncached
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2
-from ..ops.class_means import check_label_values
+from ..ops.class_means import check_label_values, cuda_path, gemm_class_sums
 from ..reference import class_means as _ref
 from .factorized import _check_devices, _device_guard, _launch
 
@@ -29,6 +34,9 @@ _check_op_args = metadata_cached(_check_op_args_uncached)
 check_output_size = metadata_cached(_check_output_size_uncached)
 
 _MAX_BLOCK_D = 256
+# Devices whose sums may come from the one-hot GEMM (``ops.class_means.cuda_path``); the
+# interpreter tests add "cpu" to check the routing.
+_GEMM_DEVICES = ("cuda",)
 
 
 @triton.jit
@@ -59,21 +67,39 @@ def _class_means_kernel(
 
 
 def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
-    """Triton ``pfl::class_means``: (means [K?, C, D] in the accumulation dtype, counts [K?, C] int64)."""
+    """Triton ``pfl::class_means``: (means [K?, C, D] in the accumulation dtype, counts [K?, C] int64).
+
+    Where ``ops.class_means.cuda_path`` says 'gemm' (C <= D, no TF32), the sums come from one
+    one-hot GEMM per client, checked together with the labels in one device sync; sums that
+    are not all finite (NaN/Inf features, which the GEMM spreads to every class) are
+    recomputed by the segment kernel, which keeps each in its own class as the reference does.
+    """
     means_shape, counts_shape = _check_op_args(features, labels, num_classes)
     check_output_size(features, num_classes)
     _check_devices(features, labels)
-    check_label_values(labels, num_classes)
     acc = _ref.acc_dtype(features.dtype)
     batched = features.dim() == 3
     f = features if batched else features.unsqueeze(0)
     lab = (labels if batched else labels.unsqueeze(0)).to(torch.int64)
     k, n, d = f.shape
     c = num_classes
+    gemm = (k * n > 0 and d > 0 and features.device.type in _GEMM_DEVICES
+            and cuda_path(c, d, features.dtype, torch.backends.cuda.matmul.allow_tf32) == "gemm")
+    if not gemm:
+        check_label_values(labels, num_classes)
     segments = k * c
     valid = (lab >= 0) & (lab < c)
     keys = torch.where(valid, lab + torch.arange(k, device=lab.device)[:, None] * c, segments).reshape(-1)
     counts = torch.bincount(keys, minlength=segments + 1)[:segments]
+    if gemm:
+        sums = gemm_class_sums(f, lab, c)
+        # One device sync for both: the labels' range and whether the GEMM's sums can be used.
+        bad_labels, bad_sums = torch.stack([(~valid).sum(), (~torch.isfinite(sums)).sum()]).tolist()
+        if bad_labels:
+            check_label_values(labels, num_classes)  # raises, naming the first label outside the range
+        if not bad_sums:
+            means = sums.div_(counts.reshape(k, c, 1).clamp_min(1).to(acc))
+            return means.reshape(means_shape), counts.reshape(counts_shape)
     means = torch.zeros(means_shape, dtype=acc, device=features.device)
     if k * n == 0 or d == 0:
         return means, counts.reshape(counts_shape)

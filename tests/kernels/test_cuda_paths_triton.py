@@ -20,8 +20,10 @@ pytestmark = [*MARKS, interpreter_only]
 if RUNNABLE:
     from pfl_kernels.ops import similarity as sim_ops
     from pfl_kernels.reference import aggregate as ref_agg
+    from pfl_kernels.reference import class_means as ref_cm
     from pfl_kernels.reference import similarity as ref_sim
     from pfl_kernels.triton import aggregate as ta
+    from pfl_kernels.triton import class_means as tc
     from pfl_kernels.triton import similarity as ts
 
 
@@ -36,6 +38,7 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(ta, "_launch", launch)
     monkeypatch.setattr(ts, "_launch", launch)
+    monkeypatch.setattr(tc, "_launch", launch)
     return seen
 
 
@@ -43,6 +46,7 @@ def launches(monkeypatch):
 def routed(monkeypatch):
     monkeypatch.setattr(ta, "_GEMM_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(ts, "_GEMM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(tc, "_GEMM_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(sim_ops, "GEMM_MIN_DIM", 64)
 
 
@@ -109,3 +113,71 @@ def test_bfloat16_rows_keep_the_kernel(routed, launches):
     x = torch.randn(4, 64).to(torch.bfloat16).to(DEVICE)
     ts.pairwise_cosine_triton(x, None, 1e-8)
     assert launches and launches[0] is ts._product_kernel
+
+
+def class_data(shape, c, dtype=torch.float32, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+    labels = torch.randint(0, c, shape[:-1], generator=g).to(DEVICE)
+    return features, labels
+
+
+def expected_means(features, labels, c):
+    means, counts = ref_cm.class_means(features.to(F64), labels, c)
+    return means, counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", [(37, 9), (3, 29, 9)], ids=["N,D", "K,N,D"])
+def test_few_classes_take_the_one_hot_gemm(routed, launches, shape, dtype):
+    features, labels = class_data(shape, 5, dtype)
+    labels.view(-1)[0] = 4  # class 4 seen; with 5 classes over ~30 rows, some may be empty
+    means, counts = tc.class_means_triton(features, labels, 5)
+    want_means, want_counts = expected_means(features, labels, 5)
+    assert launches == []
+    assert means.dtype == ref_cm.acc_dtype(dtype) and torch.equal(counts, want_counts)
+    assert_close(means, want_means, torch.float32 if dtype != torch.float64 else torch.float64)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_feature_stays_in_its_class(routed, launches, value):
+    """The GEMM spreads 0·NaN to every class: the segment kernel recomputes, and only the
+    feature's own class holds it, as in the reference."""
+    features, labels = class_data((2, 23, 8), 4)
+    features[1, 5, 3] = value
+    means, counts = tc.class_means_triton(features, labels, 4)
+    want, _ = expected_means(features, labels, 4)
+    assert launches == [tc._class_means_kernel]
+    bad = ~torch.isfinite(means)
+    assert torch.equal(bad, ~torch.isfinite(want)) and int(bad.sum()) == 1
+    assert_close(means[~bad], want[~bad], torch.float32)
+
+
+def test_an_overflowing_sum_is_recomputed(routed, launches):
+    features, labels = class_data((30, 4), 3)
+    labels[:3] = 2
+    features[:3, 0] = 3e38  # finite, but their sum overflows float32 in class 2 only
+    means, _ = tc.class_means_triton(features, labels, 3)
+    want, _ = expected_means(features.double(), labels, 3)  # float64 sums: finite
+    assert launches == [tc._class_means_kernel]
+    assert torch.isinf(means[2, 0]) and torch.isfinite(means[:2]).all() and torch.isfinite(means[2, 1:]).all()
+    assert_close(means[:2], want[:2], torch.float32)
+
+
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_labels_out_of_range_fail_as_on_the_kernel_path(routed, launches, bad):
+    features, labels = class_data((2, 11, 6), 4)
+    labels[1, 7] = bad
+    with pytest.raises(ValueError, match=rf"labels\[1, 7\] = {bad}"):
+        tc.class_means_triton(features, labels, 4)
+
+
+def test_more_classes_than_dims_and_tf32_keep_the_segment_kernel(routed, launches, tf32):
+    features, labels = class_data((40, 3), 5)
+    tc.class_means_triton(features, labels, 5)  # C > D
+    assert launches == [tc._class_means_kernel]
+    launches.clear()
+    features, labels = class_data((40, 8), 5)
+    means, _ = tc.class_means_triton(features, labels, 5)
+    assert launches == ([tc._class_means_kernel] if tf32 else [])
+    assert_close(means, expected_means(features, labels, 5)[0], torch.float32)
