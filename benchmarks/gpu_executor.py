@@ -8,6 +8,7 @@ evaluation unless said, SGD lr 0.01, both executors from the same initial state)
 1. ``lenet5``: 20 clients x 500 samples, LeNet-5, batch 64, 1 epoch a round.  Target: batched
    >= 10x sequential.  Also batched under bfloat16 autocast (``--autocast bf16``), and the
    effect of bf16 on accuracy: the train-set accuracy after a few rounds, float32 against bf16.
+   Each job also times the batched executor with cuDNN's autotuner on ("+cudnn-benchmark").
 2. ``resnet9-factorized``: 20 clients x 512 samples, ResNet-9 with every layer factorized,
    batch 128.  Target: batched >= 3x sequential.
 3. ``factorized-fl-table1``: one Factorized-FL CIFAR-10 setting of its Table 1 end to end
@@ -114,18 +115,28 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
     """Each executor's round time (captured, and uncaptured: '-eager'), and its speed-up over the
     sequential executor as it runs by default (captured) and uncaptured."""
     rows, seconds = [], {}
-    variants = [("sequential", None, False), ("sequential", None, True), ("batched", None, False),
-                ("batched", None, True)] + ([("batched", "bf16", True)] if bf16 else [])
-    for executor, autocast, graphs in variants:
-        fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"], samples=samples,
-                                    batch=batch, executor=executor, device=device, autocast=autocast,
-                                    cuda_graphs=graphs)
-        key = executor + ("+bf16" if autocast else "") + ("" if graphs else "-eager")
-        # Two warm-up rounds where steps are captured (a short last batch's is captured in its
-        # second round), one where nothing is.
-        seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
-        counts = dict(fed.step_graphs.counts)
-        fed.close()
+    variants = [("sequential", None, False, False), ("sequential", None, True, False), ("batched", None, False, False),
+                ("batched", None, True, False)] + ([("batched", "bf16", True, False)] if bf16 else [])
+    # cuDNN's autotuner on (torch.backends.cudnn.benchmark): the batched round's grouped
+    # convolutions (vmap of per-client weights) spent a third of the GPU time of an H200 round
+    # in one weight-gradient kernel; whether the autotuner finds a faster one is measured here.
+    variants.append(("batched", None, True, True))
+    for executor, autocast, graphs, tuned in variants:
+        before = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = tuned
+        try:
+            fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"], samples=samples,
+                                        batch=batch, executor=executor, device=device, autocast=autocast,
+                                        cuda_graphs=graphs)
+            key = (executor + ("+bf16" if autocast else "") + ("+cudnn-benchmark" if tuned else "")
+                   + ("" if graphs else "-eager"))
+            # Two warm-up rounds where steps are captured (a short last batch's is captured in
+            # its second round), one where nothing is.
+            seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
+            counts = dict(fed.step_graphs.counts)
+            fed.close()
+        finally:
+            torch.backends.cudnn.benchmark = before
         rows.append({"job": name, "executor": key, "round_s": seconds[key],
                      "samples_per_s": sizes["clients"] * samples / seconds[key], "steps": counts})
     for row in rows:
@@ -247,7 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result["complete"] = True
     save()
     for row in rows:
-        print(f"{row['job']:<20} {row['executor']:<18} {row['round_s'] * 1e3:9.1f} ms/round "
+        print(f"{row['job']:<20} {row['executor']:<26} {row['round_s'] * 1e3:9.1f} ms/round "
               f"{row['samples_per_s']:10.0f} samples/s  x{row['speedup_vs_sequential']:.2f} "
               f"(x{row['speedup_vs_sequential_eager']:.2f} over sequential-eager)"
               + (f"  target >= {row['target']:g}: {'met' if row['met'] else 'NOT met'}" if row["target"] else ""))
