@@ -206,16 +206,26 @@ def _epilogue_kernel(
     tl.store(out_ptr + i * M + j, v, mask=m2)
 
 
-def _scratch(like: torch.Tensor, shapes) -> list[torch.Tensor]:
-    """Contiguous float32 buffers of ``shapes`` carved from one allocation (one allocator call
-    per op call instead of one per buffer), each starting 16-byte aligned as Triton assumes."""
-    sizes = [math.prod(shape) for shape in shapes]
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total += -(-size // 4) * 4  # whole 16-byte units
+def _scratch_layout(shapes) -> tuple[int, tuple]:
+    """(total elements, ((shape, strides, offset) per buffer)) of contiguous buffers of
+    ``shapes`` in one allocation, each starting 16-byte aligned as Triton assumes."""
+    views, total = [], 0
+    for shape in shapes:
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.insert(0, step)
+            step *= size
+        views.append((tuple(shape), tuple(strides), total))
+        total += -(-math.prod(shape) // 4) * 4  # whole 16-byte units
+    return total, tuple(views)
+
+
+def _scratch(like: torch.Tensor, layout) -> list[torch.Tensor]:
+    """Float32 buffers of ``layout`` (``_scratch_layout``) carved from one allocation: one
+    allocator call and one view per buffer (a slice and a view each cost twice that)."""
+    total, views = layout
     flat = like.new_empty(total, dtype=torch.float32)
-    return [flat[start:start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+    return [flat.as_strided(shape, strides, offset) for shape, strides, offset in views]
 
 
 def _split(k: int, m: int, d: int, device: torch.device) -> int:
@@ -234,27 +244,42 @@ _M_LOW = 2.0 ** -32
 _Q_HIGH = torch.finfo(torch.float32).max / 8
 
 
-def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
-    shape = _check_pair(x, y, eps if mode == MODE_COSINE else None)
+@metadata_cached
+def _pairwise_plan(x, y, mode, eps, tf32, tuning):
+    """A pairwise call's checks and geometry, once per signature (``metadata_cached``): None
+    where the reference (float64) or the GEMM form serves, else (K, M, D, D per split, the
+    scratch layout, the product grid, the row band's upper end).  ``tuning`` holds the block
+    sizes and routing settings read here (tests change them), so that they are in the key."""
+    k, m = _check_pair(x, y, eps if mode == MODE_COSINE else None)
     _check_devices(x, y)
-    if x.dtype == torch.float64:
-        return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
-    k, m = shape
     d = x.shape[1]
-    if x.device.type in _GEMM_DEVICES and _ops.cuda_pairwise_path(
-            d, x.dtype, torch.backends.cuda.matmul.allow_tf32) == "gemm":
-        return _ops.gemm_pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ops.gemm_pairwise_sqdist(x, y)
-    out = x.new_empty((k, m), dtype=torch.float32)
-    if out.numel() == 0:
-        return out
-    yy = x if y is None else y
+    if x.dtype == torch.float64 or (x.device.type in _GEMM_DEVICES
+                                    and _ops.cuda_pairwise_path(d, x.dtype, tf32) == "gemm"):
+        return None
+    if k == 0 or m == 0:  # an empty result: nothing to launch
+        return k, m, d, 0, 0, None, None, 0.0
     split = _split(k, m, d, x.device)
     # Each split's share of D, a multiple of BLOCK_D.
     d_per_split = cdiv(cdiv(max(d, 1), split), _BLOCK_D) * _BLOCK_D
     split = cdiv(max(d, 1), d_per_split)
-    part, nx, ny, mx, my = _scratch(x, [(split, k, m), (split, k), (split, m), (split, k), (split, m)])
-    m_high = math.sqrt(_Q_HIGH / max(d, 1))
+    layout = _scratch_layout([(split, k, m), (split, k), (split, m), (split, k), (split, m)])
     grid = (cdiv(k, _BLOCK_K), cdiv(m, _BLOCK_M), split)
+    return k, m, d, d_per_split, split, layout, grid, math.sqrt(_Q_HIGH / max(d, 1))
+
+
+def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
+    tuning = (_BLOCK_K, _BLOCK_M, _BLOCK_D, _WAVES, _MAX_PARTIAL_BYTES, _GEMM_DEVICES, _ops.GEMM_MIN_DIM)
+    plan = _pairwise_plan(x, y, mode, eps, torch.backends.cuda.matmul.allow_tf32, tuning)
+    if plan is None:
+        if x.dtype == torch.float64:
+            return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
+        return _ops.gemm_pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ops.gemm_pairwise_sqdist(x, y)
+    k, m, d, d_per_split, split, layout, grid, m_high = plan
+    out = x.new_empty((k, m), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    yy = x if y is None else y
+    part, nx, ny, mx, my = _scratch(x, layout)
     with _device_guard(x):
         for fix in (False, True):  # the second pass redoes only tiles with an extreme row
             _launch(_product_kernel)[grid](
