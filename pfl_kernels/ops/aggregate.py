@@ -37,7 +37,7 @@ weighted average.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -115,17 +115,49 @@ def gemm_weighted_average(weights: torch.Tensor, params: torch.Tensor,
     ``out``: written in place (any row stride, unit column stride); it may overlap params or
     weights (then the product goes to a new tensor first).  Returns the result (``out`` when
     given), in params' dtype."""
+    product = gemm_product(weights, params, out)
+    return gemm_finish(product, bool(torch.isfinite(product.result[0]).all()) if product.checkable else True, out)
+
+
+class GemmProduct(NamedTuple):
+    """``gemm_product``'s result: the product (in the accumulation dtype; ``out`` itself where
+    it was written in place), the operands in that dtype, params' own dtype, whether the
+    product went straight into ``out``, and whether it has a row 0 to check (K, P and M all
+    nonzero)."""
+
+    result: torch.Tensor
+    weights: torch.Tensor
+    params: torch.Tensor
+    dtype: torch.dtype
+    direct: bool
+    checkable: bool
+
+
+def gemm_product(weights: torch.Tensor, params: torch.Tensor, out: Optional[torch.Tensor] = None) -> GemmProduct:
+    """The GEMM of ``gemm_weighted_average`` without its check: ``w @ θ`` in the accumulation
+    dtype, into ``out`` when that can be written directly (its dtype, no overlap).  A caller
+    reads ``isfinite(result[0]).all()`` (with whatever else it must read in the same device
+    sync) and passes it to ``gemm_finish``."""
     acc = ref.accumulation_dtype(params.dtype)
     w = weights.to(acc)
     theta = params.to(acc)
     direct = (out is not None and out.dtype == acc and not may_overlap(out, params)
               and not may_overlap(out, weights))
     result = torch.mm(w, theta, out=out) if direct else torch.mm(w, theta)
-    if result.shape[0] and result.shape[1] and theta.shape[0] and not bool(torch.isfinite(result[0]).all()):
+    return GemmProduct(result, w, theta, params.dtype, direct,
+                       bool(result.shape[0] and result.shape[1] and theta.shape[0]))
+
+
+def gemm_finish(product: GemmProduct, row0_finite: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``gemm_weighted_average``'s result from its product and the check of row 0: the product
+    where row 0 is finite, else the reference's (the fix-up); in params' dtype, written into
+    ``out`` when given."""
+    result, direct = product.result, product.direct
+    if not row0_finite:
         result = None  # the product is freed before the fix-up allocates its own
-        result = ref.weighted_average(w, theta)
+        result = ref.weighted_average(product.weights, product.params)
         direct = False
-    result = result.to(params.dtype)
+    result = result.to(product.dtype)
     if out is None:
         return result
     if not direct:

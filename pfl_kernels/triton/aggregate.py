@@ -32,6 +32,9 @@ float64 params: the sparse kernel accumulates in float64; dense float64 weights 
 the GEMM form (cuBLAS dgemm), which is what a float64 Triton dot would lower to at best.
 
 Weights are checked for NaN/Inf here too (one device sync, shared with counting the nonzeros).
+Syncs per call: one for those stats, a second for the GEMM's check of row 0 or for nothing
+on the sparse path (``nonzero_static`` with the count known); a new result whose signature
+took the GEMM last time runs it first and reads stats and check in one sync.
 
 ``out=``: out may overlap params.  The dense kernel with a single K-block reads the whole
 params block of its columns before it writes the same columns of out, so an overlap in
@@ -40,6 +43,8 @@ the same bank) is safe there; every other overlap (several K-blocks, the sparse 
 shifted or differently strided view) first copies params.  Offsets are int64.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -158,31 +163,77 @@ def _weights_stats(w: torch.Tensor) -> int:
     return int(nnz)
 
 
-def _csr(w: torch.Tensor):
-    """(row pointers int64 [K+1], columns int32 [nnz], values [nnz]) of w's nonzeros, row-major."""
+def _csr(w: torch.Tensor, nnz: int):
+    """(row pointers int64 [K+1], columns int32 [nnz], values [nnz]) of w's ``nnz`` nonzeros,
+    row-major.  ``nonzero_static`` with the count already known makes no device sync, where
+    ``nonzero`` makes one to learn the count (a second sync per call, after ``_weights_stats``)."""
     mask = w != 0
     ptr = torch.zeros(w.shape[0] + 1, dtype=torch.int64, device=w.device)
     torch.cumsum(mask.sum(1), 0, out=ptr[1:])
-    rows, cols = mask.nonzero(as_tuple=True)
+    try:
+        index = torch.nonzero_static(mask, size=nnz)
+    except (NotImplementedError, RuntimeError):  # a torch or device without it
+        index = mask.nonzero()
+    rows, cols = index[:, 0], index[:, 1]
     return ptr, cols.to(torch.int32), w[rows, cols].contiguous()
 
 
-def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
+# The path each signature of (weights, params) took last: a new result whose signature took
+# the GEMM last time runs it before the weights' stats are read (``_speculative_gemm``).
+_LAST_PATH: dict = {}
+_LAST_PATH_ENTRIES = 1024
+
+
+def _speculative_gemm(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> Optional[int]:
+    """The GEMM form into ``out`` (a new tensor of the op's, so writing it early loses nothing)
+    with one device sync for both the weights' stats and the product's check, where the path
+    is known only after the first: returns None when the GEMM served (out holds the result),
+    else the weights' nonzero count for the path that serves instead (out is then rewritten).
+    Raises ValueError on NaN/Inf weights, as ``_weights_stats``."""
+    product = _ops.gemm_product(w, params, out)
+    row0 = product.result[0] if product.checkable else product.result.new_zeros(1)
+    nnz, bad, row0_bad = torch.stack([(w != 0).sum(), (~torch.isfinite(w)).sum(),
+                                      (~torch.isfinite(row0)).sum()]).tolist()
+    if bad:
+        raise ValueError("weights must be finite (they hold NaN or Inf)")
+    k, m = w.shape
+    if _ops.cuda_path(k, m, int(nnz), params.dtype, torch.backends.cuda.matmul.allow_tf32, _SPARSE_DENSITY) != "gemm":
+        return int(nnz)
+    _ops.gemm_finish(product, not row0_bad, out)
+    return None
+
+
+def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
+                           fresh: bool = False) -> None:
+    """out <- the op's result.  ``fresh``: out is the op's own new tensor (not the caller's),
+    so it may be written before the path is known."""
     k, p = out.shape
     m = params.shape[0]
     acc = torch.float64 if params.dtype == torch.float64 else torch.float32
     w = weights.to(acc).contiguous()
-    if may_overlap(out, w):
+    if not fresh and may_overlap(out, w):
         w = w.clone()
-    nnz = _weights_stats(w)
+    if p > 1 and params.stride(1) != 1:
+        params = params.contiguous()
+    key = (weights.shape, weights.dtype, params.shape, params.dtype, params.device)
+    gemm_device = acc == torch.float64 or out.device.type in _GEMM_DEVICES
+    nnz = None
+    if fresh and k and p and m and gemm_device and _LAST_PATH.get(key) == "gemm":
+        # One device sync instead of two (stats, then the product's check) when the path holds.
+        nnz = _speculative_gemm(w, params, out)
+        if nnz is None:
+            return
+    if nnz is None:
+        nnz = _weights_stats(w)
     if k == 0 or p == 0:
         return
     if m == 0:
         out.zero_()
         return
-    if p > 1 and params.stride(1) != 1:
-        params = params.contiguous()
     path = _ops.cuda_path(k, m, nnz, params.dtype, torch.backends.cuda.matmul.allow_tf32, _SPARSE_DENSITY)
+    if len(_LAST_PATH) >= _LAST_PATH_ENTRIES:
+        _LAST_PATH.clear()
+    _LAST_PATH[key] = path
     sparse = path == "sparse"
     if not sparse and (acc == torch.float64 or (path == "gemm" and out.device.type in _GEMM_DEVICES)):
         _ops.gemm_weighted_average(w, params, out)  # handles an out that overlaps params
@@ -192,7 +243,7 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         params = params.clone()
     with _device_guard(params):
         if sparse:
-            ptr, cols, vals = _csr(w)
+            ptr, cols, vals = _csr(w, nnz)
             grid = (k * cdiv(p, _SPARSE_BLOCK_P),)
             _launch(_sparse_kernel)[grid](
                 ptr, cols, vals, params, out, k, p, params.stride(0), out.stride(0),
@@ -213,7 +264,7 @@ def weighted_average_triton(weights: torch.Tensor, params: torch.Tensor) -> torc
     shape = _check_op_args(weights, params)
     _check_devices(params, weights)
     out = params.new_empty(shape)
-    _weighted_average_into(weights, params, out)
+    _weighted_average_into(weights, params, out, fresh=True)
     return out
 
 

@@ -167,9 +167,20 @@ def test_non_finite_weights_raise():
 
 def test_csr():
     w = torch.tensor([[0.0, 2.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.5]], device=DEVICE)
-    ptr, cols, vals = ta._csr(w)
+    ptr, cols, vals = ta._csr(w, 4)
     assert ptr.tolist() == [0, 2, 2, 4] and cols.tolist() == [1, 3, 0, 3] and vals.tolist() == [2, 3, 1, 0.5]
     assert cols.dtype == torch.int32
+
+
+def test_csr_without_nonzero_static(monkeypatch):
+    """A torch (or device) without ``nonzero_static`` gets the same CSR through ``nonzero``."""
+    def missing(*args, **kwargs):
+        raise NotImplementedError("nonzero_static")
+
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    w = torch.tensor([[0.0, 2.0], [1.0, 0.0], [0.0, 0.0]], device=DEVICE)
+    ptr, cols, vals = ta._csr(w, 2)
+    assert ptr.tolist() == [0, 1, 2, 2] and cols.tolist() == [1, 0] and vals.tolist() == [2, 1]
 
 
 @interpreter_only

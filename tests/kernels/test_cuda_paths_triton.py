@@ -181,3 +181,58 @@ def test_more_classes_than_dims_and_tf32_keep_the_segment_kernel(routed, launche
     means, _ = tc.class_means_triton(features, labels, 5)
     assert launches == ([tc._class_means_kernel] if tf32 else [])
     assert_close(means, expected_means(features, labels, 5)[0], torch.float32)
+
+
+@pytest.fixture
+def fresh_paths(monkeypatch):
+    """An empty memory of the paths each signature took, restored after the test."""
+    monkeypatch.setattr(ta, "_LAST_PATH", {})
+
+
+def test_a_repeated_dense_signature_runs_the_gemm_first(routed, launches, fresh_paths, monkeypatch):
+    """The second call of a signature that took the GEMM runs it before reading the weights'
+    stats (one device sync for both): the same result, the reference's fix-up included."""
+    stats = []
+    monkeypatch.setattr(ta, "_weights_stats", lambda w: stats.append(w) or int((w != 0).sum()))
+    params = torch.randn(6, 40, device=DEVICE)
+    first = ta.weighted_average_triton(weights(5, 6, 1.0), params)
+    assert len(stats) == 1 and first.shape == (5, 40)
+    w = weights(5, 6, 1.0)
+    w[:, 2] = 0
+    params[2, 7] = math.inf  # only zero weights meet it: the product's row 0 is NaN, fixed up
+    second = ta.weighted_average_triton(w, params)
+    assert len(stats) == 1 and launches == []
+    expected = ref_agg.weighted_average(w.double(), params.double())
+    assert torch.isfinite(second).all()
+    assert_close(second, expected, torch.float32)
+
+
+def test_a_signature_whose_weights_turn_sparse_takes_the_sparse_kernel(routed, launches, fresh_paths):
+    params = torch.randn(20, 33, device=DEVICE)
+    ta.weighted_average_triton(weights(10, 20, 1.0), params)
+    w = weights(10, 20, 0.1)
+    out = ta.weighted_average_triton(w, params)
+    assert launches == [ta._sparse_kernel]
+    assert_close(out, ref_agg.weighted_average(w.double(), params.double()), torch.float32)
+
+
+def test_non_finite_weights_fail_on_the_speculative_path_too(routed, fresh_paths):
+    params = torch.randn(6, 40, device=DEVICE)
+    ta.weighted_average_triton(weights(5, 6, 1.0), params)
+    w = weights(5, 6, 1.0)
+    w[1, 1] = math.nan
+    with pytest.raises(ValueError, match="weights must be finite"):
+        ta.weighted_average_triton(w, params)
+
+
+def test_the_out_overload_never_writes_out_before_the_checks(routed, fresh_paths):
+    """``out=`` is the caller's: nothing speculative is written into it."""
+    params = torch.randn(6, 40, device=DEVICE)
+    out = torch.full((5, 40), 7.0, device=DEVICE)
+    ta.weighted_average_out_triton(weights(5, 6, 1.0), params, out=out)
+    out.fill_(7.0)
+    w = weights(5, 6, 1.0)
+    w[0, 0] = math.inf
+    with pytest.raises(ValueError, match="weights must be finite"):
+        ta.weighted_average_out_triton(w, params, out=out)
+    assert bool((out == 7.0).all())
