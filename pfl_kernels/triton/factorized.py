@@ -28,6 +28,7 @@ Offsets inside one client are int32; the client offset is int64.
 from __future__ import annotations
 
 import contextlib
+import struct
 from typing import Optional, Sequence
 
 import torch
@@ -247,9 +248,9 @@ def _factorized_weight_backward_kernel(
                      mask=cm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["thr_bits"])  # one compiled kernel whatever the threshold
 def _soft_threshold_kernel(
-    x_ptr, thr_ptr, n, size1, size2, size3, st0, st1, st2, st3, BLOCK: tl.constexpr,
+    x_ptr, thr_bits, n, size1, size2, size3, st0, st1, st2, st3, ACC_F64: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Element i of the (up to 4-D, row-major) index space sits at sum(index_d * stride_d);
     # a dense tensor is passed as one dim (sizes 1, which Triton specializes away).
@@ -263,7 +264,13 @@ def _soft_threshold_kernel(
     i0 = rest // size1
     ptrs = x_ptr + i0 * st0 + i1 * st1 + i2 * st2 + i3 * st3
     x = tl.load(ptrs, mask=m, other=0)
-    thr = tl.load(thr_ptr)
+    # The threshold arrives as the bits of a float64 (a Python float argument would be float32,
+    # not exact enough for float64 mu) and is rounded to the accumulation dtype here, as
+    # ``torch.full((1,), threshold, dtype=acc)`` would round it.
+    # (Triton passes an int that fits in 32 bits as int32, and 1 as a constant: widen first.)
+    thr = tl.full([], thr_bits, tl.int64).to(tl.float64, bitcast=True)
+    if not ACC_F64:
+        thr = thr.to(tl.float32)
     xa = x.to(thr.dtype)
     # sign(x) * max(|x| - t, 0); ``x * 0`` keeps the reference's NaN (and the sign of 0).
     y = tl.where(xa > thr, xa - thr, tl.where(xa < -thr, xa + thr, xa * 0))
@@ -403,9 +410,8 @@ def soft_threshold_triton_(mu: torch.Tensor, threshold: float) -> None:
     n = mu.numel()
     if n == 0:
         return
-    # The threshold travels as a 1-element tensor: a float argument would be fp32, which
-    # is not exact enough for float64 mu.
-    thr = torch.full((1,), float(threshold), dtype=_acc_dtype(mu.dtype), device=mu.device)
+    # No tensor for the threshold (a fill kernel and an allocation per call): its float64 bits.
+    thr_bits = struct.unpack("<q", struct.pack("<d", float(threshold)))[0]
     if _dense_span(mu):
         flat = mu.as_strided((n,), (1,), mu.storage_offset())
         target, sizes, strides = flat, [n, 1, 1, 1], [1, 0, 0, 0]
@@ -420,7 +426,8 @@ def soft_threshold_triton_(mu: torch.Tensor, threshold: float) -> None:
         return
     with _device_guard(mu):
         _launch(_soft_threshold_kernel)[(cdiv(n, _SOFT_BLOCK),)](
-            target, thr, n, sizes[1], sizes[2], sizes[3], *strides, BLOCK=_SOFT_BLOCK, num_warps=4,
+            target, thr_bits, n, sizes[1], sizes[2], sizes[3], *strides, ACC_F64=mu.dtype == torch.float64,
+            BLOCK=_SOFT_BLOCK, num_warps=4,
         )
 
 

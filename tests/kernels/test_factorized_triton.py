@@ -216,6 +216,20 @@ def test_soft_threshold(view, dtype):
     assert_close(f"soft_threshold_ ({view})", base.nan_to_num(), want_all.nan_to_num(), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("threshold", [0.1, 1 / 3, 1e-8, 0.0, 2.0 ** -130, 5e-324])
+def test_soft_threshold_rounds_the_threshold_as_the_reference(dtype, threshold):
+    """The threshold travels as float64 bits and is rounded to float32 in the kernel for
+    float32 mu: bitwise the reference's result, at thresholds float32 cannot hold exactly
+    (and ones below its normal range; 5e-324 has the bits 1, which Triton passes as a constant)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 7, 11, generator=g, dtype=F64) * 0.3).to(DEVICE, dtype)
+    x[0, 0, :4] = torch.tensor([threshold, -threshold, 0.1, 1 / 3], dtype=F64).to(dtype)
+    want = _soft_reference(x, threshold)
+    tf.soft_threshold_triton_(x, threshold)
+    assert torch.equal(x, want)
+
+
 def test_soft_threshold_rejects_overlap():
     assert_rejects_overlap(tf.soft_threshold_triton_, 0.1)
 
