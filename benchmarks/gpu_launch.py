@@ -3,6 +3,7 @@
 
     python benchmarks/gpu_launch.py [--quick]
     TRITON_INTERPRET=1 python benchmarks/gpu_launch.py --dry-run   # check the script on a CPU
+    python benchmarks/gpu_launch.py --host      # on a CPU: the host path with launches skipped
 
 For every case (an op with a Triton kernel, at a shape small enough that the host, not the
 GPU, sets the pace) it
@@ -384,8 +385,69 @@ def _routing_on_cpu(dry: bool):
         ta._GEMM_DEVICES, ts._GEMM_DEVICES, tc._GEMM_DEVICES = saved
 
 
+class _Stub:
+    """Stands in for what ``_launch(kernel)`` returns: ``[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Within the block, every Triton launch of the ops is skipped (their results are garbage)."""
+    import importlib
+
+    modules = [importlib.import_module(f"pfl_kernels.triton.{name}") for name in TRITON_MODULES]
+    saved = [(m, m._launch) for m in modules]
+    try:
+        for m in modules:
+            m._launch = lambda kernel: _Stub()
+        yield
+    finally:
+        for m, launch in saved:
+            m._launch = launch
+
+
+def host_main(calls: int, repeats: int, json_path: Optional[Path]) -> int:
+    """``--host``: on a CPU, each public op's host time per call at the quick shapes with its
+    Triton launches skipped: the Python and dispatcher work around a launch, which a CPU
+    session can shrink and check without a GPU (no interpreter: the launchers run as the CPU
+    kernels, routed as on CUDA).  Ops that sync on a GPU do not here, and a GPU machine's CPU
+    may be slower: compare these figures with each other, not with the GPU's."""
+    import json
+    import platform
+
+    from pfl_kernels import triton as pfl_triton
+
+    torch.set_num_threads(1)
+    rows = []
+    with stubbed_launches(), pfl_triton.launchers_on_cpu(), _routing_on_cpu(True):
+        for case in build_cases("cpu", quick=True, dry=False):
+            if case.library is not None:  # its GEMM would run for real on the CPU: not host time
+                print(f"{case.op:<27} {case.shape:<26} skipped: served by a library GEMM", flush=True)
+                continue
+            host_us, _ = per_call_us(case.public, calls, repeats, cuda=False)
+            rows.append({"op": case.op, "shape": case.shape, "host_us": host_us})
+            print(f"{case.op:<27} {case.shape:<26} {host_us:>8.1f} us", flush=True)
+    path = json_path or common.RESULTS / "launch_host_cpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"suite": "launch_host", "machine": {
+        "processor": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1},
+        "config": {"calls": calls, "repeats": repeats, "launches": "skipped (stubbed)",
+                   "timing": "time.perf_counter around back-to-back calls; medians over repeats"},
+        "rows": rows}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = common.parse_args(__doc__, argv, quick_help="the small shapes only, 100 calls x 7 repeats")
+    args = common.parse_args(__doc__, argv, quick_help="the small shapes only, 100 calls x 7 repeats",
+                             flags={"--host": "on a CPU: each op's host time with its Triton launches "
+                                              "skipped (no GPU, no interpreter)"})
+    if args.host:
+        if args.dry_run:
+            return host_main(DRY_CALLS, DRY_REPEATS, args.json)
+        return host_main(2000, 7, args.json)
     rt = common.start(args, "gpu_launch.py", "pfl::factorized_weight")
     if rt is None:
         return 2

@@ -67,6 +67,26 @@ def test_launch_dry_run(tmp_path, capsys):
     assert ta._GEMM_DEVICES == ("cuda",) and tf._launch.__module__ == "pfl_kernels.triton.factorized"
 
 
+def test_launch_host_mode_times_every_op_with_launches_skipped(tmp_path, capsys):
+    """``--host`` (a CPU, no interpreter): every op not served by a library GEMM gets a host
+    time, and the stubs, routing and CPU registrations are undone after."""
+    pytest.importorskip("triton")
+    from benchmarks import gpu_launch
+
+    path = tmp_path / "host.json"
+    assert gpu_launch.main(["--host", "--dry-run", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["op"] for r in rows} >= {"factorized_weight", "factorized_weight backward", "soft_threshold_",
+                                       "branch_combine", "project_simplex_", "similarity_weights"}
+    assert all(r["host_us"] > 0 for r in rows)
+    assert "skipped: served by a library GEMM" in capsys.readouterr().out
+    from pfl_kernels.ops import factorized_weight
+    from pfl_kernels.triton import aggregate as ta, factorized as tf
+    assert ta._GEMM_DEVICES == ("cuda",) and tf._launch.__module__ == "pfl_kernels.triton.factorized"
+    u, v = torch.randn(4, 1), torch.randn(1, 6)
+    assert torch.allclose(factorized_weight(u, v, shape=[6, 4], layout="linear"), (u @ v).t())
+
+
 def test_launch_refuses_without_a_device(capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is there")
