@@ -267,8 +267,8 @@ def _soft_threshold_kernel(
     # The threshold arrives as the bits of a float64 (a Python float argument would be float32,
     # not exact enough for float64 mu) and is rounded to the accumulation dtype here, as
     # ``torch.full((1,), threshold, dtype=acc)`` would round it.
-    # (Triton passes an int that fits in 32 bits as int32, and 1 as a constant: widen first.)
-    thr = tl.full([], thr_bits, tl.int64).to(tl.float64, bitcast=True)
+    # (An int that fits in 32 bits arrives as int32: widen it first.)
+    thr = thr_bits.to(tl.int64).to(tl.float64, bitcast=True)
     if not ACC_F64:
         thr = thr.to(tl.float32)
     xa = x.to(thr.dtype)
