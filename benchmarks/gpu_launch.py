@@ -419,16 +419,20 @@ def host_main(calls: int, repeats: int, json_path: Optional[Path]) -> int:
 
     from pfl_kernels import triton as pfl_triton
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # host work is one thread's; restored after (tests call this in-process)
     rows = []
-    with stubbed_launches(), pfl_triton.launchers_on_cpu(), _routing_on_cpu(True):
-        for case in build_cases("cpu", quick=True, dry=False):
-            if case.library is not None:  # its GEMM would run for real on the CPU: not host time
-                print(f"{case.op:<27} {case.shape:<26} skipped: served by a library GEMM", flush=True)
-                continue
-            host_us, _ = per_call_us(case.public, calls, repeats, cuda=False)
-            rows.append({"op": case.op, "shape": case.shape, "host_us": host_us})
-            print(f"{case.op:<27} {case.shape:<26} {host_us:>8.1f} us", flush=True)
+    try:
+        with stubbed_launches(), pfl_triton.launchers_on_cpu(), _routing_on_cpu(True):
+            for case in build_cases("cpu", quick=True, dry=False):
+                if case.library is not None:  # its GEMM would run for real on the CPU: not host time
+                    print(f"{case.op:<27} {case.shape:<26} skipped: served by a library GEMM", flush=True)
+                    continue
+                host_us, _ = per_call_us(case.public, calls, repeats, cuda=False)
+                rows.append({"op": case.op, "shape": case.shape, "host_us": host_us})
+                print(f"{case.op:<27} {case.shape:<26} {host_us:>8.1f} us", flush=True)
+    finally:
+        torch.set_num_threads(threads)
     path = json_path or common.RESULTS / "launch_host_cpu.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"suite": "launch_host", "machine": {

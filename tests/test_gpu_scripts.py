@@ -74,7 +74,9 @@ def test_launch_host_mode_times_every_op_with_launches_skipped(tmp_path, capsys)
     from benchmarks import gpu_launch
 
     path = tmp_path / "host.json"
+    threads = torch.get_num_threads()
     assert gpu_launch.main(["--host", "--dry-run", "--json", str(path)]) == 0
+    assert torch.get_num_threads() == threads  # the process's setting is left as it was
     rows = json.loads(path.read_text())["rows"]
     assert {r["op"] for r in rows} >= {"factorized_weight", "factorized_weight backward", "soft_threshold_",
                                        "branch_combine", "project_simplex_", "similarity_weights"}

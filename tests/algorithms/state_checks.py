@@ -33,6 +33,14 @@ def assert_same(a, b, path="state"):
     _compare(a, b, path, leaf)
 
 
+# Adam runs compared across executors (batched against sequential): Adam's update
+# m / (sqrt(v) + eps) is about ±lr for a gradient at rounding-noise level, whatever its size,
+# so the summation order (which changes with the thread count: 1, 3 and 4 threads gave 1.6e-10
+# to 1.8e-10 on one BatchNormNet parameter, float64) moves such a parameter by far more than
+# its rounding.  A stale step count or a lost step moves parameters by about lr / 10 = 1e-3.
+ADAM_TOL = dict(rtol=1e-7, atol=1e-8)
+
+
 def assert_close_state(a, b, *, rtol: float, atol: float, path="state"):
     """``a`` and ``b`` equal up to ``rtol``/``atol``: floating tensors and numbers by
     ``torch.testing.assert_close`` (NaN equals NaN), everything else exactly, item by item."""

@@ -26,7 +26,7 @@ from pfl_algorithms.engine.rounds import federation_for, run_round
 from pfl_algorithms.engine.step_graphs import LIMIT, WARMUP, StaticStep, StepGraphs, capturable
 
 from ..algorithms.federation_cases import BatchNormNet, TinyNet, make_federation
-from ..state_checks import assert_close_state, assert_same
+from ..state_checks import ADAM_TOL, assert_close_state, assert_same
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -158,7 +158,7 @@ def test_the_batched_executor_mixes_static_and_general_steps():
     batched, counts = run("fedavg", static=False, executor="batched", optimizer="adam", settings=settings,
                           models=BatchNormNet().double(), sizes=sizes)
     assert counts["eager"] == 2 * 3  # two rounds
-    assert_close_state(batched, sequential, rtol=1e-9, atol=1e-10)
+    assert_close_state(batched, sequential, **ADAM_TOL)
 
 
 @pytest.mark.parametrize("maps", [None, "some"], ids=["no-label-maps", "label-maps"])
