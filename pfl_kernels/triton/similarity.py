@@ -216,7 +216,7 @@ def _scratch_layout(shapes) -> tuple[int, tuple]:
             strides.insert(0, step)
             step *= size
         views.append((tuple(shape), tuple(strides), total))
-        total += -(-math.prod(shape) // 4) * 4  # whole 16-byte units
+        total += cdiv(math.prod(shape), 4) * 4  # whole 16-byte units
     return total, tuple(views)
 
 
