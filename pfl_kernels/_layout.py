@@ -13,6 +13,7 @@ I is in_channels / groups, as in ``nn.Conv2d.weight``.
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
+from .ops._memo import metadata_cached
 
 LAYOUTS = ("spatial", "simfed", "view", "linear")
 
@@ -26,6 +27,7 @@ class LayoutGeometry(NamedTuple):
     inner: int
 
 
+@metadata_cached
 def layout_geometry(shape: Sequence[int], layout: str) -> LayoutGeometry:
     """Return (R, C, A, B) for a weight of ``shape`` under ``layout``.
 

@@ -8,6 +8,10 @@ third of a small op's host time on a GPU).  ``metadata_cached`` remembers the re
 signature that passed: a call with the same sizes, strides, dtypes, devices and scalars
 skips the checks; any other call, and every call that fails, runs them.  Checks that read
 tensor values (NaN, label ranges) must not be wrapped: they are not a function of the key.
+
+Each op family decorates its checks where it defines them (``ops/<family>.py``, and
+``_layout.layout_geometry``), so the Triton launchers, the reference kernels and the
+wrappers share one cache per check.
 """
 from __future__ import annotations
 
@@ -36,12 +40,13 @@ def tracing() -> bool:
 
 def _metadata(arg):
     """The part of an argument a metadata check may read: a tensor's sizes, strides, dtype and
-    device (never its values); lists as tuples; anything else with its type (True, 1 and 1.0
-    are equal keys otherwise, and a check may tell them apart)."""
+    device (never its values); a list or tuple as its items with their types; anything else
+    with its type.  True, 1 and 1.0 are equal keys otherwise, and a check may tell them apart
+    (a shape [6.0, 3] is not a shape [6, 3])."""
     if isinstance(arg, torch.Tensor):
         return (arg.shape, arg.stride(), arg.dtype, arg.device)
-    if isinstance(arg, list):
-        return tuple(arg)
+    if isinstance(arg, (list, tuple)):
+        return (type(arg), tuple(arg), tuple(map(type, arg)))
     return (type(arg), arg)
 
 

@@ -45,10 +45,12 @@ from ..reference import aggregate as ref
 from ._checks import (FLOAT_DTYPES, check_out, check_out_without_grad, copy_into_when_compiling, has_values,
                       may_overlap)
 from ._library import define_op, register_autograd
+from ._memo import metadata_cached
 
 __all__ = ["weighted_average", "reflection_weights"]
 
 
+@metadata_cached
 def _check_op_args(weights, params, out=None):
     """Checks of the op contract that also hold under tracing (fake tensors); returns [K, P]."""
     torch._check_value(weights.dim() == 2, lambda: f"weights must be [K, M], got {list(weights.shape)}")

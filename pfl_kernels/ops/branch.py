@@ -26,6 +26,7 @@ from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
+@metadata_cached
 def _check_op_args(weights, alpha, grad_w=None):
     """Checks of the op contract that also hold under tracing (fake tensors)."""
     torch._check_value(alpha.dim() in (1, 2), lambda: f"alpha must be [B] or [K, B], got {list(alpha.shape)}")
@@ -57,6 +58,7 @@ def _reference_backward(grad_w, weights, alpha, output_mask):
     return ref.branch_combine_backward(grad_w, weights, alpha, output_mask)
 
 
+@metadata_cached
 def _check_project_args(x):
     """Checks of project_simplex_ that also hold under tracing (the C++ kernel's, in its order)."""
     torch._check_value(x.dim() >= 1 and x.shape[-1] >= 1,

@@ -49,10 +49,12 @@ from ..reference import branch_aggregate as ref
 from ._checks import (
     FLOAT_DTYPES, check_no_internal_overlap, check_out, check_out_without_grad, copy_into_when_compiling)
 from ._library import define_op, register_autograd
+from ._memo import metadata_cached
 
 __all__ = ["branch_aggregate"]
 
 
+@metadata_cached
 def _check_op_args(branch_params, alpha, counts, out=None):
     """Checks of the op contract that also hold under tracing (fake tensors); returns W's shape."""
     torch._check_value(alpha.dim() == 2, lambda: f"alpha must be [K, B], got {list(alpha.shape)}")

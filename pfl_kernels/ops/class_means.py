@@ -30,12 +30,14 @@ import torch
 from ..reference import class_means as ref
 from ._checks import FLOAT_DTYPES, positive_int
 from ._library import define_op, register_autograd
+from ._memo import metadata_cached
 
 __all__ = ["class_means"]
 
 LABEL_DTYPES = (torch.int64, torch.int32)
 
 
+@metadata_cached
 def _check_op_args(features, labels, num_classes):
     """Checks of the op contract that also hold under tracing; returns (means shape, counts shape)."""
     torch._check_value(features.dim() in (2, 3),
@@ -100,6 +102,7 @@ def gemm_class_sums(features: torch.Tensor, labels: torch.Tensor, num_classes: i
 _INT64_MAX = 2**63 - 1
 
 
+@metadata_cached
 def check_output_size(features, num_classes, memory: Optional[int] = None) -> None:
     """ValueError naming ``num_classes`` when the output cannot exist: means [K?, C, D] with
     more elements than an int64 counts, or (given ``memory``, bytes) means and counts that

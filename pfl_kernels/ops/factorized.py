@@ -26,6 +26,7 @@ from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
 
+@metadata_cached
 def _check_op_args(u, v, mu, mask, shape, layout, grad_w=None):
     """Checks of the op contract that also hold under tracing (fake tensors)."""
     rows, cols, _, _ = layout_geometry(shape, layout)
@@ -61,6 +62,7 @@ def _reference_forward(u, v, mu=None, mask=None, *, shape, layout="spatial"):
     return ref.factorized_weight(u, v, mu, mask, shape=shape, layout=layout)
 
 
+@metadata_cached
 def _check_soft_threshold_args(mu, threshold):
     """Checks of soft_threshold_ that also hold under tracing (the C++ kernel's, in its order)."""
     torch._check_type(mu.dtype in FLOAT_DTYPES, lambda: f"mu must be a floating tensor, got {mu.dtype}")

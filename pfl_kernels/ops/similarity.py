@@ -58,12 +58,14 @@ import torch
 from ..reference import similarity as ref
 from ._checks import FLOAT_DTYPES, check_same, check_tensor
 from ._library import define_op, register_autograd
+from ._memo import metadata_cached
 
 __all__ = ["pairwise_cosine", "pairwise_sqdist", "similarity_weights"]
 
 
 # ---------------------------------------------------------------- op-level checks
 
+@metadata_cached
 def _check_pair(x, y, eps=None):
     """Checks of pairwise_cosine (with its ``eps``) / pairwise_sqdist that also hold under
     tracing, with the exception types of the wrappers'.  -> [K, M]."""
@@ -82,6 +84,7 @@ def _check_pair(x, y, eps=None):
     return [x.shape[0], y.shape[0]]
 
 
+@metadata_cached
 def _check_weights_args(sim, tau, scale, min_keep, self_index):
     """Checks of similarity_weights that also hold under tracing (none reads sim's values)."""
     torch._check_value(sim.dim() == 2, lambda: f"sim must be [K, M], got {list(sim.shape)}")

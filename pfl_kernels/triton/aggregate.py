@@ -53,12 +53,10 @@ import triton.language as tl
 from ..ops import aggregate as _ops  # (also defines the schemas implemented here)
 from . import register_cuda
 from ..ops._checks import may_overlap
-from ..ops.aggregate import _check_op_args as _check_op_args_uncached
-from ..ops._memo import cdiv, metadata_cached, next_power_of_2
+from ..ops.aggregate import _check_op_args
+from ..ops._memo import cdiv, next_power_of_2
 from .factorized import _check_devices, _device_guard, _launch
 
-# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
-_check_op_args = metadata_cached(_check_op_args_uncached)
 
 # Dense tiles: up to 64 rows of out x 128 columns, 32 rows of params per step (tl.dot needs
 # at least 16 in every dimension).  Tests shrink these.

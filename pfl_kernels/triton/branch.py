@@ -38,14 +38,11 @@ import triton.language as tl
 
 from ..ops import branch as _ops  # noqa: F401  (defines the schemas implemented here)
 from . import register_cuda
-from ..ops.branch import _check_op_args as _check_op_args_uncached, _check_project_args as _check_project_args_uncached
+from ..ops.branch import _check_op_args, _check_project_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from ..reference import branch as _ref
 from .factorized import _acc_dtype, _check_devices, _device_guard, _launch
 
-# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
-_check_op_args = metadata_cached(_check_op_args_uncached)
-_check_project_args = metadata_cached(_check_project_args_uncached)
 
 # Block budget: BLOCK_N = 4096 is 16 fp32 values per thread at 8 warps, enough bytes in
 # flight per SM to saturate HBM.  A launch with few blocks (K = 1, a small layer) uses

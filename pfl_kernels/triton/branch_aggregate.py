@@ -24,14 +24,12 @@ import triton.language as tl
 from ..ops import branch_aggregate as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
 from ..ops._checks import may_overlap
-from ..ops.branch_aggregate import _check_op_args as _check_op_args_uncached
-from ..ops._memo import cdiv, metadata_cached, next_power_of_2
+from ..ops.branch_aggregate import _check_op_args
+from ..ops._memo import cdiv, next_power_of_2
 from ..ops.branch_aggregate import check_branch_values
 from ..reference import branch_aggregate as _ref
 from .factorized import _check_devices, _device_guard, _launch
 
-# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
-_check_op_args = metadata_cached(_check_op_args_uncached)
 
 # 4096 fp32 per program at 8 warps: 16 values in flight per thread per client.  With few
 # programs (small P) the block shrinks, down to _MIN_BLOCK_P, to give every SM work.

@@ -23,15 +23,12 @@ import triton.language as tl
 
 from ..ops import class_means as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
-from ..ops.class_means import _check_op_args as _check_op_args_uncached, check_output_size as _check_output_size_uncached
-from ..ops._memo import cdiv, metadata_cached, next_power_of_2
+from ..ops.class_means import _check_op_args, check_output_size
+from ..ops._memo import cdiv, next_power_of_2
 from ..ops.class_means import check_label_values, cuda_path, gemm_class_sums
 from ..reference import class_means as _ref
 from .factorized import _check_devices, _device_guard, _launch
 
-# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
-_check_op_args = metadata_cached(_check_op_args_uncached)
-check_output_size = metadata_cached(_check_output_size_uncached)
 
 _MAX_BLOCK_D = 256
 # Devices whose sums may come from the one-hot GEMM (``ops.class_means.cuda_path``); the

@@ -38,13 +38,9 @@ import triton.language as tl
 from .._layout import layout_geometry
 from . import register_cuda
 from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
-from ..ops.factorized import _check_op_args as _check_op_args_uncached, _check_soft_threshold_args as _check_soft_threshold_args_uncached
+from ..ops.factorized import _check_op_args, _check_soft_threshold_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2, tracing
 
-# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
-_check_op_args = metadata_cached(_check_op_args_uncached)
-_check_soft_threshold_args = metadata_cached(_check_soft_threshold_args_uncached)
-layout_geometry = metadata_cached(layout_geometry)
 
 try:  # torch >= 2.6: launches that torch.compile, make_fx and torch.export can trace
     from torch.library import wrap_triton as _wrap_triton

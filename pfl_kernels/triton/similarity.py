@@ -46,16 +46,13 @@ import triton.language as tl
 
 from ..ops import similarity as _ops  # (also defines the schemas implemented here)
 from . import register_cuda
-from ..ops.similarity import _check_pair as _check_pair_uncached, _check_weights_args as _check_weights_args_uncached
+from ..ops.similarity import _check_pair, _check_weights_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from ..ops.similarity import check_weights_values
 from ..reference import similarity as _ref
 from .branch import _sm_count
 from .factorized import _check_devices, _device_guard, _launch
 
-# The contract checks, made once per signature (sizes, strides, dtypes, devices, scalars).
-_check_pair = metadata_cached(_check_pair_uncached)
-_check_weights_args = metadata_cached(_check_weights_args_uncached)
 
 # Tiles of the product: 64 x 64 outputs, 64 of D per step (tests shrink them).
 _BLOCK_K = 64

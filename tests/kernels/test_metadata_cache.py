@@ -120,3 +120,52 @@ def test_a_plan_cached_for_good_input_does_not_pass_bad_input():
     # smaller tiles (as tests set them) get a plan of their own
     small = tf._forward_plan(u, v, mu, None, shape, "spatial", 16, 4)
     assert small[1] != plan[1] and small[3]["BLOCK_R"] == 4
+
+
+def test_sequences_are_keyed_by_their_items_types():
+    """A shape [6.0, 3] or (True, 3) is not the shape [6, 3]: equal as Python values, but a
+    check may reject the first two, so a cached [6, 3] must not let them through."""
+    check, calls = counting(lambda shape: list(shape))
+    for shape in ([6, 3], [6.0, 3], (6, 3), [True, 3], torch.Size([6, 3])):
+        check(shape)
+    assert len(calls) == 5
+    check([6, 3])
+    assert len(calls) == 5
+
+
+OP_CHECKS = {
+    "factorized": ["_check_op_args", "_check_soft_threshold_args"],
+    "branch": ["_check_op_args", "_check_project_args"],
+    "aggregate": ["_check_op_args"],
+    "branch_aggregate": ["_check_op_args"],
+    "class_means": ["_check_op_args", "check_output_size"],
+    "similarity": ["_check_pair", "_check_weights_args"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(OP_CHECKS))
+def test_each_check_is_cached_where_it_is_defined_and_shared(family):
+    """One cache per check: the op module decorates it, and the Triton launchers use that very
+    function (not a second wrapper with a cache of its own)."""
+    import importlib
+
+    ops = importlib.import_module(f"pfl_kernels.ops.{family}")
+    for name in OP_CHECKS[family]:
+        assert hasattr(getattr(ops, name), "cache"), f"{family}.{name} is not metadata_cached"
+    try:
+        triton_mod = importlib.import_module(f"pfl_kernels.triton.{family}")
+    except ImportError:  # no triton
+        return
+    for name in OP_CHECKS[family]:
+        if hasattr(triton_mod, name):
+            assert getattr(triton_mod, name) is getattr(ops, name)
+
+
+def test_layout_geometry_is_cached_and_still_rejects_bad_shapes():
+    from pfl_kernels._layout import layout_geometry
+
+    assert layout_geometry([6, 3, 5, 5], "spatial") == layout_geometry((6, 3, 5, 5), "spatial")
+    assert hasattr(layout_geometry, "cache")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sizes >= 1"):
+            layout_geometry([6, 0, 5, 5], "spatial")
