@@ -58,6 +58,11 @@ def test_launch_dry_run(tmp_path, capsys):
     # the routed paths: dense weighted_average and long float32 rows take cuBLAS, the rest Triton
     paths = {(r["op"], r["shape"]): r["path"] for r in rows}
     assert paths[("weighted_average", "K=20 P=257 dense")] == "library (torch.mm)"
+    # the backward ops called as ops carry the target; through autograd.grad they are counted apart
+    via = {r["op"]: r["via"] for r in rows}
+    assert via["factorized_weight_backward"] == via["branch_combine_backward"] == "op"
+    assert via["factorized_weight backward"] == via["branch_combine backward"] == "autograd"
+    assert payload["summary"]["by_via"]["autograd"]["cases"] == 2
     assert paths[("weighted_average", "K=20 P=257 density~0.05")] == "triton (1 launch)"
     assert paths[("pairwise_cosine", "K=20 D=65536")] == "library (torch.mm)"
     assert paths[("pairwise_cosine", "K=20 D=33")] == "triton (3 launches)"
@@ -78,8 +83,9 @@ def test_launch_host_mode_times_every_op_with_launches_skipped(tmp_path, capsys)
     assert gpu_launch.main(["--host", "--dry-run", "--json", str(path)]) == 0
     assert torch.get_num_threads() == threads  # the process's setting is left as it was
     rows = json.loads(path.read_text())["rows"]
-    assert {r["op"] for r in rows} >= {"factorized_weight", "factorized_weight backward", "soft_threshold_",
-                                       "branch_combine", "project_simplex_", "similarity_weights"}
+    assert {r["op"] for r in rows} >= {"factorized_weight", "factorized_weight backward", "factorized_weight_backward",
+                                       "soft_threshold_", "branch_combine", "branch_combine_backward",
+                                       "project_simplex_", "similarity_weights"}
     assert all(r["host_us"] > 0 for r in rows)
     assert "skipped: served by a library GEMM" in capsys.readouterr().out
     from pfl_kernels.ops import factorized_weight
@@ -205,3 +211,17 @@ def test_quick_reports_a_failed_build(tmp_path):
 def test_unknown_stage():
     proc = subprocess.run(["bash", str(SCRIPT), "nope"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "quick" in proc.stderr
+
+
+def test_launch_host_dry_run_never_writes_the_committed_results(monkeypatch, tmp_path):
+    """A dry run's figures (2 calls) mean nothing: without --json it writes to the dry-run
+    folder, not over benchmarks/results/launch_host_cpu.json."""
+    pytest.importorskip("triton")
+    from benchmarks import _gpu_common as common, gpu_launch
+
+    monkeypatch.setattr(common, "DRY_RUN_RESULTS", tmp_path)
+    committed = common.RESULTS / "launch_host_cpu.json"
+    before = committed.read_bytes() if committed.exists() else None
+    assert gpu_launch.main(["--host", "--dry-run"]) == 0
+    assert (tmp_path / "launch_host_cpu.json").exists()
+    assert (committed.read_bytes() if committed.exists() else None) == before
