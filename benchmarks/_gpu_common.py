@@ -37,6 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TIMING = "triton.testing.do_bench median, L2 flushed"
 BYTES = "each input read once, each output written once (op_bytes)"
 DRY_RUN_NAME = "dry run (Triton interpreter on CPU)"
+KERNEL_CALLS = 20  # calls profiled per kernel time (only where a fused call loses)
 
 
 def sanitize(name: str) -> str:
@@ -58,6 +59,8 @@ class Runtime:
     """Where a script measures: ``device`` ('cuda', or 'cpu' in a dry run), the device's
     ``name`` for the report, and the timer.  ``with runtime:`` holds what the run needs (in
     a dry run: the Triton launchers as the ops' CPU kernels)."""
+
+    last_kernel_ms: Optional[tuple[float, float]] = None
 
     def __init__(self, dry_run: bool, backend_info: dict):
         self.dry_run = dry_run
@@ -91,13 +94,51 @@ class Runtime:
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
+    def kernel_ms(self, fn: Callable[[], object], calls: int = KERNEL_CALLS) -> float:
+        """The device's busy time per call of ``fn``, in ms: the summed durations of the kernels
+        (and copies) ``calls`` back-to-back calls ran, from the profiler, divided by ``calls``.
+        No host time and no idle gaps, unlike ``time``; no L2 flush either.  NaN in a dry run
+        (no device activity to record)."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.dry_run:  # nothing to record: one call checks the path (the interpreter is slow)
+            calls = 1
+        else:
+            fn()  # warm
+        activities = [ProfilerActivity.CPU] + ([] if self.dry_run else [ProfilerActivity.CUDA])
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+            if not self.dry_run:
+                torch.cuda.synchronize()
+        busy_us = sum(e.self_device_time_total for e in prof.events()
+                      if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+        return busy_us / calls / 1e3 if busy_us > 0 else float("nan")
+
+    def pair(self, fused: Callable[[], object], eager: Callable[[], object]) -> tuple[float, float]:
+        """Median ms of ``fused`` and of ``eager`` (``time``).  Where the fused call loses, also
+        their kernel times (``kernel_ms``), kept as ``last_kernel_ms`` for ``annotate``: they
+        tell a loss of host time (the kernels win) from a loss on the device."""
+        fused_ms, eager_ms = self.time(fused), self.time(eager)
+        self.last_kernel_ms = None
+        if fused_ms > eager_ms:
+            self.last_kernel_ms = (self.kernel_ms(fused), self.kernel_ms(eager))
+        return fused_ms, eager_ms
+
+    def annotate(self, row: "Measured") -> "Measured":
+        """``row`` with the kernel times of the last ``pair`` (where the fused call lost)."""
+        row.kernel_ms = self.last_kernel_ms
+        self.last_kernel_ms = None
+        return row
+
     def time_against_copy(self, fused: Callable[[], object], eager: Callable[[], object],
                           nbytes: int) -> tuple[float, float, float]:
-        """Median ms of ``fused``, ``eager`` and a device-to-device copy moving ``nbytes``."""
+        """Median ms of ``fused``, ``eager`` (``pair``) and a device-to-device copy moving ``nbytes``."""
         # a copy reads and writes its size: half the bytes each way
         src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=self.device)
         dst = torch.empty_like(src)
-        fused_ms, eager_ms = self.time(fused), self.time(eager)
+        fused_ms, eager_ms = self.pair(fused, eager)
         copy_ms = self.time(lambda: dst.copy_(src))
         del src, dst
         return fused_ms, eager_ms, copy_ms
@@ -151,6 +192,7 @@ class Measured:
     fields, as (key, property) pairs in order."""
 
     JSON_EXTRA: tuple[tuple[str, str], ...] = ()
+    kernel_ms: Optional[tuple[float, float]] = None  # (fused, eager) kernel ms, where fused lost (Runtime.annotate)
 
     @property
     def fused_gbps(self) -> float:
@@ -160,14 +202,26 @@ class Measured:
     def speedup(self) -> float:
         return self.eager_ms / self.fused_ms
 
+    def kernel_note(self) -> str:
+        """'' or, where the fused call lost, its kernel time against eager's."""
+        if self.kernel_ms is None:
+            return ""
+        fused, eager = self.kernel_ms
+        return (f"  kernels alone: fused {fused * 1e3:.1f} us, eager {eager * 1e3:.1f} us "
+                f"({eager / fused:.2f}x)")
+
     def to_json(self) -> dict:
-        return {**asdict(self), **{key: getattr(self, prop) for key, prop in self.JSON_EXTRA}}
+        out = {**asdict(self), **{key: getattr(self, prop) for key, prop in self.JSON_EXTRA}}
+        if self.kernel_ms is not None:
+            out["kernel_fused_ms"], out["kernel_eager_ms"] = self.kernel_ms
+        return out
 
 
 def print_rows(rows: Sequence, format_table: Callable[[Sequence], str]) -> None:
-    """Each row as its line of the table, as soon as it is measured."""
+    """Each row as its line of the table, as soon as it is measured (with its kernel times
+    where the fused call lost)."""
     for r in rows:
-        print(format_table([r]).splitlines()[-1], flush=True)
+        print(format_table([r]).splitlines()[-1] + getattr(r, "kernel_note", lambda: "")(), flush=True)
 
 
 def parse_args(doc: str, argv: Optional[Sequence[str]], quick_help: str,

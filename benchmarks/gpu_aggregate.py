@@ -153,7 +153,7 @@ def bench_case(rt: common.Runtime, k: int, p: int, density: float, dtype: torch.
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
     del params, out
     rt.empty_cache()
-    return Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err)
+    return rt.annotate(Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err))
 
 
 def measure(rt: common.Runtime, args) -> list[Row]:

@@ -192,7 +192,7 @@ def bench_case(rt: common.Runtime, shape, branches, clients, dtype, shared=False
                                          ("backward", fused_bwd, eager_bwd, err_b)):
         nbytes = op_bytes(direction, clients, branches, n, elem, shared)
         fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
-        out.append(Row(list(shape), branches, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err))
+        out.append(rt.annotate(Row(list(shape), branches, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err)))
     return out
 
 

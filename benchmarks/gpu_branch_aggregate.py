@@ -120,7 +120,7 @@ def bench_aggregate(rt: common.Runtime, k: int, b: int, p: int, dtype: torch.dty
     nbytes = op_bytes("aggregate", (k, b, p), elem)
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
     del params, out
-    return Row("aggregate", [k, b, p], nbytes, fused_ms, eager_ms, copy_ms, err)
+    return rt.annotate(Row("aggregate", [k, b, p], nbytes, fused_ms, eager_ms, copy_ms, err))
 
 
 def bench_class_means(rt: common.Runtime, n: int, d: int, c: int, dtype: torch.dtype) -> Row:
@@ -147,7 +147,7 @@ def bench_class_means(rt: common.Runtime, n: int, d: int, c: int, dtype: torch.d
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = op_bytes("class_means", (n, d, c), elem)
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
-    return Row("class_means", [n, d, c], nbytes, fused_ms, eager_ms, copy_ms, err)
+    return rt.annotate(Row("class_means", [n, d, c], nbytes, fused_ms, eager_ms, copy_ms, err))
 
 
 def measure(rt: common.Runtime, args) -> list[Row]:

@@ -169,7 +169,7 @@ def bench_case(rt: common.Runtime, shape, layout, clients, dtype, rank=RANK, out
                                          ("backward", fused_bwd, eager_bwd, err_b)):
         nbytes = op_bytes(direction, clients, rows, cols, rank, elem, output_mask)
         fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
-        out.append(Row(list(shape), layout, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err))
+        out.append(rt.annotate(Row(list(shape), layout, clients, direction, nbytes, fused_ms, eager_ms, copy_ms, err)))
     return out
 
 

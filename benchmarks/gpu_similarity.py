@@ -112,8 +112,8 @@ def bench_pair(rt: common.Runtime, k: int, d: int, dtype: torch.dtype) -> list[R
     err_s = common.check(f"sqdist K={k} D={d}", fused_sq() / scale, ref.pairwise_sqdist(xe, None) / scale,
                          2e-6 * max(1.0, math.sqrt(d / 1000)))
     for op, fused, eager, err in (("cosine", fused_cos, eager_cos, err_c), ("sqdist", fused_sq, eager_sq, err_s)):
-        fused_ms, eager_ms = rt.time(fused), rt.time(eager)
-        rows.append(Row(op, k, d, nbytes, fused_ms, eager_ms, floor_ms, err))
+        fused_ms, eager_ms = rt.pair(fused, eager)
+        rows.append(rt.annotate(Row(op, k, d, nbytes, fused_ms, eager_ms, floor_ms, err)))
     del x, xe
     rt.empty_cache()
     return rows
@@ -138,8 +138,8 @@ def bench_weights(rt: common.Runtime, k: int) -> Row:
 
     err = common.check(f"weights K={k}", fused(), ref.similarity_weights(sim.double(), TAU, SCALE, MIN_KEEP, None),
                        1e-5)
-    fused_ms, eager_ms = rt.time(fused), rt.time(lambda: eager_weights(sim))
-    return Row("weights", k, k, 2 * k * k * 4, fused_ms, eager_ms, float("nan"), err)
+    fused_ms, eager_ms = rt.pair(fused, lambda: eager_weights(sim))
+    return rt.annotate(Row("weights", k, k, 2 * k * k * 4, fused_ms, eager_ms, float("nan"), err))
 
 
 def measure(rt: common.Runtime, args) -> tuple[list[Row], list[list[int]]]:

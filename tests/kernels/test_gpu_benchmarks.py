@@ -6,6 +6,7 @@ ops' CPU kernels, their float64 checks included), and a clear refusal where they
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -48,6 +49,8 @@ def test_dry_run(script, tmp_path, capsys):
     assert rows, "no row measured"
     for row in rows:
         assert row["fused_ms"] > 0 and row["eager_ms"] > 0
+        # a fused call that lost carries its kernel times (NaN here: no device to profile)
+        assert ("kernel_fused_ms" in row) == (row["fused_ms"] > row["eager_ms"])
         # float32 inputs: every op agreed with float64 (the scripts raise beyond their tolerance)
         assert math.isfinite(row["max_abs_err"]) and row["max_abs_err"] < 1e-4
     if "--shared" in args:
@@ -89,3 +92,36 @@ def test_every_triton_op_has_a_recorded_launcher():
     pfl_triton.register_all()
     meant = {op.split("::")[1] for op, fast in FAST_PATHS.items() if fast["cuda"] == "triton"}
     assert meant <= set(pfl_triton.LAUNCHERS)
+
+
+def test_kernel_times_are_taken_only_where_the_fused_call_loses(monkeypatch):
+    """``Runtime.pair`` profiles the kernels of a losing pair only, and ``annotate`` hands
+    them to that row alone (the next row starts clean)."""
+    from benchmarks import _gpu_common as common
+
+    rt = common.Runtime(dry_run=True, backend_info={})
+    times = iter([2.0, 1.0, 1.0, 2.0])  # first pair: fused loses; second: fused wins
+    monkeypatch.setattr(rt, "time", lambda fn: next(times))
+    profiled = []
+    monkeypatch.setattr(rt, "kernel_ms", lambda fn: profiled.append(fn) or 0.5)
+
+    @dataclasses.dataclass
+    class Row(common.Measured):
+        bytes: int
+        fused_ms: float
+        eager_ms: float
+
+    fused, eager = object(), object()
+    lost = rt.annotate(Row(1, *rt.pair(fused, eager)))
+    assert profiled == [fused, eager] and lost.kernel_ms == (0.5, 0.5)
+    assert lost.to_json()["kernel_fused_ms"] == 0.5 and "kernels alone" in lost.kernel_note()
+    won = rt.annotate(Row(1, *rt.pair(fused, eager)))
+    assert len(profiled) == 2 and won.kernel_ms is None and "kernel_fused_ms" not in won.to_json()
+
+
+def test_kernel_ms_is_nan_without_a_device():
+    from benchmarks import _gpu_common as common
+
+    rt = common.Runtime(dry_run=True, backend_info={})
+    x = torch.randn(64)
+    assert math.isnan(rt.kernel_ms(lambda: x * 2, calls=2))
