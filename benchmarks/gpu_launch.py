@@ -18,7 +18,10 @@ GPU, sets the pace) it
    (CUDA events around the same calls, one sync after), medians over the repeats; for the
    public op and for the bare launches (all of a call's launches, in order);
 3. reports the difference of host times, public − bare, against the target: within
-   ``TARGET_US`` = 25 µs (issue 30).
+   ``TARGET_US`` = 25 µs (issue 30);
+4. times the public op again with direct launches on (``pfl_kernels/triton/_direct.py``: the
+   compiled kernel launched without Triton's per-call binding; off by default until a GPU run
+   has checked it), after checking its result again.
 
 The backward ops appear twice: called as ops (``torch.ops.pfl.factorized_weight_backward``,
 ``via`` "op"), and through ``torch.autograd.grad`` (``via`` "autograd"), whose time includes
@@ -155,6 +158,7 @@ class Case:
     library: Optional[Callable[[], object]] = None  # the bare library call where no Triton kernel serves
     tol: float = 1e-4
     via: str = "op"  # "op": the op called; "autograd": torch.autograd.grad (the engine's time included)
+    rerun_gives_expected: bool = True  # False for an in-place op whose later calls change its result
 
 
 def _as_tuple(x) -> tuple:
@@ -199,7 +203,7 @@ def factorized_cases(dev, shape, k) -> list[Case]:
     buf = mu.detach().clone()
     first = buf.double()
     thr = Case("soft_threshold_", f"{k}x{mu.shape[1]}x{mu.shape[2]}", lambda: soft_threshold_(buf, 0.5),
-               lambda: first.sign() * (first.abs() - 0.5).clamp_min(0))
+               lambda: first.sign() * (first.abs() - 0.5).clamp_min(0), rerun_gives_expected=False)
     return [fwd, bwd_op, bwd, thr]
 
 
@@ -333,6 +337,7 @@ class Row:
     bare_device_us: float
     max_abs_err: float
     via: str = "op"
+    direct_host_us: float = float("nan")  # the public op with direct launches on
 
     @property
     def overhead_us(self) -> float:
@@ -342,18 +347,28 @@ class Row:
     def within_target(self) -> bool:
         return self.overhead_us <= TARGET_US
 
+    @property
+    def direct_overhead_us(self) -> float:
+        return self.direct_host_us - self.bare_host_us
+
+    @property
+    def within_target_direct(self) -> bool:
+        return self.direct_overhead_us <= TARGET_US
+
     def to_json(self) -> dict:
-        return {**asdict(self), "overhead_us": self.overhead_us, "within_target": self.within_target}
+        return {**asdict(self), "overhead_us": self.overhead_us, "within_target": self.within_target,
+                "direct_overhead_us": self.direct_overhead_us, "within_target_direct": self.within_target_direct}
 
 
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'op':<27} {'shape':<26} {'path':<20} {'public us':>10} {'bare us':>9} {'diff us':>8} "
-            f"{'dev us':>9} {'max err':>9}")
+            f"{'dev us':>9} {'max err':>9} {'':>4} {'direct us':>9} {'diff us':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.op:<27} {r.shape:<26} {r.path:<20} {r.public_host_us:>10.1f} {r.bare_host_us:>9.1f} "
                      f"{r.overhead_us:>8.1f} {r.public_device_us:>9.1f} {r.max_abs_err:>9.2e} "
-                     f"{'ok' if r.within_target else 'MISS'}")
+                     f"{'ok' if r.within_target else 'MISS':>4} {r.direct_host_us:>9.1f} {r.direct_overhead_us:>8.1f} "
+                     f"{'ok' if r.within_target_direct else 'MISS'}")
     return "\n".join(lines)
 
 
@@ -381,7 +396,26 @@ def measure_case(case: Case, cuda: bool, calls: int, repeats: int) -> Row:
         raise AssertionError(f"{name}: no Triton launch recorded and no library call to compare with")
     public_host, public_dev = per_call_us(case.public, calls, repeats, cuda)
     bare_host, bare_dev = per_call_us(bare, calls, repeats, cuda)
-    return Row(case.op, case.shape, path, public_host, bare_host, public_dev, bare_dev, err, case.via)
+    with direct_launches():
+        if case.rerun_gives_expected:
+            got = _as_tuple(case.got(case.public()))
+            err = max(err, max(common.check(f"{name} (direct launches) [{i}]", g.detach(), e.detach().double(),
+                                            case.tol) for i, (g, e) in enumerate(zip(got, want))))
+        direct_host, _ = per_call_us(case.public, calls, repeats, cuda)
+    return Row(case.op, case.shape, path, public_host, bare_host, public_dev, bare_dev, err, case.via, direct_host)
+
+
+@contextlib.contextmanager
+def direct_launches() -> Iterator[None]:
+    """Within the block, the ops launch their compiled kernels directly (``pfl_kernels.triton._direct``,
+    off by default until a GPU run has checked it)."""
+    from pfl_kernels.triton import _direct
+    saved = _direct.ENABLED
+    _direct.ENABLED = True
+    try:
+        yield
+    finally:
+        _direct.ENABLED = saved
 
 
 @contextlib.contextmanager
@@ -490,10 +524,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{len(rows) - len(missed)}/{len(rows)} cases within {TARGET_US:g} us of the bare launch"
           + (f"; missed: {', '.join(missed)}" if missed else ""))
     by_via = {via: {"cases": sum(r.via == via for r in rows),
-                    "within_target": sum(r.via == via and r.within_target for r in rows)} for via in ("op", "autograd")}
-    print(f"ops called: {by_via['op']['within_target']}/{by_via['op']['cases']} within target; "
-          f"backward through torch.autograd.grad (the engine's time included): "
-          f"{by_via['autograd']['within_target']}/{by_via['autograd']['cases']}")
+                    "within_target": sum(r.via == via and r.within_target for r in rows),
+                    "within_target_direct": sum(r.via == via and r.within_target_direct for r in rows)}
+              for via in ("op", "autograd")}
+    for via, what in (("op", "ops called"), ("autograd", "backward through torch.autograd.grad (the engine's time included)")):
+        counts = by_via[via]
+        print(f"{what}: {counts['within_target']}/{counts['cases']} within target, "
+              f"{counts['within_target_direct']}/{counts['cases']} with direct launches")
     common.write_json(rt.json_path(args.json, "launch_gpu"), "benchmarks/gpu_launch.py", rt, {
         "config": {"quick": args.quick, "calls": calls, "repeats": repeats, "target_us": TARGET_US,
                    "timing": "host: time.perf_counter around back-to-back calls (no sync inside); "

@@ -39,7 +39,21 @@ def format_cuda_paths() -> str:
     width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     lines = ["", "CUDA paths per shape (issue 30):", f"{'op':<{width[0]}}  {'shapes':<{width[1]}}  path"]
     lines += [f"{op:<{width[0]}}  {shapes:<{width[1]}}  {path}" for op, shapes, path in rows]
+    lines += ["", f"Triton launches in eager mode: {direct_launch_state()}"]
     return "\n".join(lines)
+
+
+def direct_launch_state() -> str:
+    """How the Triton kernels are launched in eager mode (``pfl_kernels/triton/_direct.py``)."""
+    try:
+        from .triton import _direct
+    except ImportError as exc:  # pragma: no cover (the package always has it)
+        return f"unknown ({exc})"
+    if _direct.REASON is not None:
+        return f"through Triton's launcher ({_direct.REASON})"
+    if _direct.ENABLED:
+        return "direct (the compiled kernel, bound once per signature; PFL_KERNELS_DIRECT_LAUNCH=1)"
+    return "through Triton's launcher (PFL_KERNELS_DIRECT_LAUNCH=1: directly, once a GPU run has checked it)"
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ def test_launch_dry_run(tmp_path, capsys):
             "pairwise_sqdist", "similarity_weights", "branch_aggregate", "class_means"} <= ops
     for r in rows:
         assert r["max_abs_err"] < 1e-1 and r["public_host_us"] > 0 and r["bare_host_us"] > 0
+        assert r["direct_host_us"] > 0 and "within_target_direct" in r  # timed again with direct launches on
         assert r["path"].startswith(("triton (", "library (torch.mm)")), r
     # the routed paths: dense weighted_average and long float32 rows take cuBLAS, the rest Triton
     paths = {(r["op"], r["shape"]): r["path"] for r in rows}
@@ -107,7 +108,7 @@ def test_launch_refuses_without_a_device(capsys):
 # ---------------------------------------------------------------- gpu_check.sh, with a stand-in python
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-}" >> "$FAKE_LOG"
+echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-} | DIRECT=${PFL_KERNELS_DIRECT_LAUNCH:-}" >> "$FAKE_LOG"
 if [ -n "${FAKE_SLOW:-}" ] && [[ "$*" == *"$FAKE_SLOW"* ]]; then sleep 20; fi
 if [ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]]; then exit 3; fi
 exit 0
@@ -136,6 +137,9 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     tests = [c for c in calls if c.startswith("-m pytest")]
     assert len(tests) == 1 and " -n " in tests[0] and '-m not slow' in tests[0]
     assert "tests/kernels/test_aggregate_triton.py" in tests[0] and "tests/kernels/test_aggregate.py" not in tests[0]
+    # the GPU tests check the direct launches (off by default until they have passed on a GPU)
+    assert tests[0].endswith("| DIRECT=1") and "tests/kernels/test_direct_launch.py" in tests[0]
+    assert all(c.endswith("| DIRECT=") for c in calls if c.startswith("benchmarks/"))
     scripts = [c.split()[0] for c in calls if c.startswith("benchmarks/")]
     assert scripts == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + ["benchmarks/gpu_launch.py",
                                                                          "benchmarks/gpu_executor.py"]
@@ -190,7 +194,7 @@ def test_dry_run_runs_every_stage_in_its_dry_run_form(tmp_path):
     bench = [c for c in calls if c.startswith("benchmarks/")]
     assert [c.split()[0] for c in bench] == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + [
         "benchmarks/gpu_branch.py", "benchmarks/gpu_launch.py", "benchmarks/gpu_executor.py"]
-    assert all("--dry-run" in c and c.endswith("TRITON_INTERPRET=1") for c in bench)
+    assert all("--dry-run" in c and "| TRITON_INTERPRET=1 |" in c for c in bench)
 
 
 @pytest.mark.parametrize("breaks,stage", [("gpu_launch.py", "gpu_launch"), ("import setuptools", "build"),
@@ -225,3 +229,33 @@ def test_launch_host_dry_run_never_writes_the_committed_results(monkeypatch, tmp
     assert gpu_launch.main(["--host", "--dry-run"]) == 0
     assert (tmp_path / "launch_host_cpu.json").exists()
     assert (committed.read_bytes() if committed.exists() else None) == before
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="measures compiled launches")
+def test_launch_python_times_both_launch_paths_and_restores_everything(tmp_path):
+    """``benchmarks/launch_python.py``: each recorded launch timed through Triton's path and
+    directly, with a stand-in driver that is gone afterwards (no GPU touched)."""
+    pytest.importorskip("triton")
+    from benchmarks import launch_python
+    from pfl_kernels.triton import _direct
+    from pfl_kernels.triton import factorized as tf
+
+    before = (_direct.ENABLED, _direct.REASON, dict(_direct._LAUNCHERS), torch.get_num_threads(),
+              getattr(torch._C, "_cuda_getDevice", None))
+    path = tmp_path / "lp.json"
+    assert launch_python.main(["--calls", "5", "--repeats", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["launch"] for r in rows} >= {"factorized_weight", "factorized_weight_backward", "branch_combine"}
+    assert all(r["triton_path_us"] > 0 and r["direct_us"] > 0 for r in rows)
+    after = (_direct.ENABLED, _direct.REASON, dict(_direct._LAUNCHERS), torch.get_num_threads(),
+             getattr(torch._C, "_cuda_getDevice", None))
+    assert after == before
+    assert not tf._factorized_weight_kernel.device_caches and "_do_compile" not in vars(tf._factorized_weight_kernel)
+
+
+def test_launch_python_refuses_bad_counts(capsys):
+    from benchmarks import launch_python
+
+    with pytest.raises(SystemExit):
+        launch_python.main(["--calls", "0"])
+    assert "--calls must be >= 1, got 0" in capsys.readouterr().err

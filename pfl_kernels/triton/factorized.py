@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .._layout import layout_geometry
 from . import register_cuda
+from ._direct import direct
 from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
 from ..ops.factorized import _check_op_args, _check_soft_threshold_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2, tracing
@@ -64,8 +65,12 @@ def _launch(kernel):
 
     ``wrap_triton`` is what puts the kernel into a traced graph (and lets fake tensors, which
     have no memory, through), but in eager mode its higher-order op costs about 300 µs of host
-    time per launch, against about 100 µs for the whole op launched directly (issue 30)."""
-    if _wrap_triton is None or not tracing():
+    time per launch, against about 100 µs for the whole op launched directly (issue 30).  In
+    eager mode the launch goes through ``_direct.direct`` (the compiled kernel launched
+    without Triton's per-call binding, where switched on)."""
+    if not tracing():
+        return direct(kernel)
+    if _wrap_triton is None:
         return kernel
     try:
         return _wrap_triton(kernel)

@@ -53,6 +53,20 @@ def test_python_m_pfl_kernels_says_which_path_serves_which_shapes():
 
     text = format_cuda_paths()
     assert "weighted_average" in text and "gemm" in text and "65536" in text and "pairwise_cosine" in text
+    assert "Triton launches in eager mode: " in text
+
+
+def test_python_m_pfl_kernels_says_how_triton_kernels_are_launched(monkeypatch):
+    from pfl_kernels.__main__ import direct_launch_state
+    from pfl_kernels.triton import _direct
+
+    monkeypatch.setattr(_direct, "REASON", None)
+    monkeypatch.setattr(_direct, "ENABLED", True)
+    assert direct_launch_state().startswith("direct")
+    monkeypatch.setattr(_direct, "ENABLED", False)
+    assert "PFL_KERNELS_DIRECT_LAUNCH=1" in direct_launch_state()
+    monkeypatch.setattr(_direct, "REASON", "no triton (x)")
+    assert direct_launch_state() == "through Triton's launcher (no triton (x))"
 
 
 # ---------------------------------------------------------------- weighted_average

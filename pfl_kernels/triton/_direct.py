@@ -1,0 +1,163 @@
+"""Direct launches: a Triton kernel launched from its compiled form, without Triton's per-call
+binding (issue 30, item 1).
+
+``kernel[grid](*args, **meta)`` on a ``triton.JITFunction`` binds every argument, computes each
+one's specialization (dtype, 16-byte alignment of pointers, the values of ints), hashes those
+into a cache key and looks the compiled kernel up, on every call: about 12 µs of Python on
+this project's 2-core CPUs (Triton 3.6 and 3.9 alike, launcher stubbed), and about 25 µs on
+the host of the H200 that ran issue 30's check, where a whole bare launch took 28 µs.  The
+compiled kernel's own launcher (``compiled[grid](*args, stream=...)``) takes about 1 µs of
+that Python.
+
+``DirectLaunch(kernel)[grid](*args, **meta)`` makes the same launch.  Its first call for a
+*signature* goes through ``kernel[grid]`` (Triton binds, compiles if needed, launches) and
+keeps the compiled kernel it returns; later calls with that signature launch it directly on
+the current stream.  A signature holds everything Triton specializes on, so it never maps to
+a kernel compiled for other arguments:
+
+* a tensor: its dtype and whether its data pointer is 16-byte aligned;
+* an int: its value (Triton specializes on ==1, divisibility by 16 and the int type); an int
+  parameter that the kernel does not specialize (``do_not_specialize``): its Triton type;
+* a float: its type only (Triton passes floats as fp32 and never specializes them);
+* a bool or None: its type and value; a keyword argument (a constexpr or a launch option):
+  its value (this project's launchers pass each with one type, so True and 1 never meet);
+* the current device.
+
+Any other argument, a kernel with pre-run hooks, or a Triton whose launch API differs from the
+one read here (3.6 to 3.9) takes Triton's path.  Not followed: a Triton knob changed after a
+signature's first call (``TRITON_DEBUG``, instrumentation), and a global that a kernel reads
+and that changes after compilation (Triton's own launch checks both; this project's kernels
+read neither).
+
+Off by default until a GPU run has checked it (``PFL_KERNELS_DIRECT_LAUNCH=1`` turns it on,
+``ENABLED`` is the switch); ``scripts/gpu_check.sh`` runs the GPU tests and the launch
+benchmark with it on.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Callable, Optional
+
+import torch
+
+ENABLED = os.environ.get("PFL_KERNELS_DIRECT_LAUNCH", "0") not in ("", "0")
+
+_MAX_SIGNATURES = 256  # per kernel; a full cache is cleared (a run's shapes repeat)
+_FLOAT = ("float",)  # a float argument's key: its type only
+_Tensor = torch.Tensor  # plain tensors keyed inline; subclasses (Parameter) through _key_of
+
+
+def _supported() -> Optional[str]:
+    """None where this Triton's compiled kernels launch as read here, else why not."""
+    try:
+        import triton
+        from triton.compiler.compiler import CompiledKernel
+    except ImportError as exc:
+        return f"no triton ({exc})"
+    if not hasattr(CompiledKernel, "__getitem__"):
+        return f"triton {triton.__version__}: CompiledKernel has no [grid] launcher"
+    return None
+
+
+REASON = _supported()
+
+
+class DirectLaunch:
+    """``kernel[grid](*args, **kwargs)`` with the per-call binding done once per signature
+    (module docstring).  One instance per kernel (``direct``)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        params = list(inspect.signature(kernel.fn).parameters.values())
+        self.names = [p.name for p in params]
+        self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        dns = {kp.num for kp in getattr(kernel, "params", []) if getattr(kp, "do_not_specialize", False)}
+        self.unspecialized = frozenset(dns)  # positions of ints keyed by their Triton type
+        self.signatures: dict = {}  # signature -> (compiled kernel, the arguments after the positional ones)
+
+    def __getitem__(self, grid) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def signature(self, args: tuple, kwargs: dict):
+        """The key of a call (module docstring), or None where an argument is of a kind this
+        cache does not key (the call then takes Triton's path).  Ints, most of a launch's
+        arguments, go into the key as they are (a comprehension: this runs on every call)."""
+        try:
+            key = [a if a.__class__ is int else (a.dtype, not a.data_ptr() & 15) if a.__class__ is _Tensor
+                   else _key_of(a) for a in args]
+        except _Unkeyed:
+            return None
+        for i in self.unspecialized:
+            if i < len(args) and args[i].__class__ is int:
+                key[i] = _int_type(args[i])
+        # keywords (constexprs, options) by name and value: this project's launchers pass each
+        # one with a single type (True is 1 as a key); an unhashable one fails the lookup
+        key += (tuple(kwargs.items()), torch._C._cuda_getDevice())
+        return tuple(key)
+
+    def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        if not ENABLED or self.kernel.pre_run_hooks:
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = self.signature(args, kwargs)
+        try:
+            entry = None if key is None else self.signatures.get(key)
+        except TypeError:  # an unhashable keyword value
+            key = entry = None
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)  # binds, compiles if needed, launches
+            if key is not None and compiled is not None:
+                if len(self.signatures) >= _MAX_SIGNATURES:
+                    self.signatures.clear()
+                # the parameters after the positional ones, in signature order, as Triton's
+                # launcher gets them (``bound_args.values()``), launch options (num_warps) left
+                # out: keywords and defaults, the same for every call of the signature
+                rest = tuple([kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):]])
+                self.signatures[key] = (compiled, rest)
+            return
+        compiled, rest = entry
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        compiled[grid3](*args, *rest, stream=torch._C._cuda_getCurrentRawStream(key[-1]))  # key[-1]: the device
+
+
+class _Unkeyed(Exception):
+    """An argument of a kind the signature does not key."""
+
+
+
+def _key_of(a):
+    """The key of a non-int argument (see the module docstring)."""
+    c = a.__class__
+    if c is float:
+        return _FLOAT
+    if c is bool or a is None:
+        return (c, a)
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, not a.data_ptr() & 15)
+    raise _Unkeyed
+
+
+def _int_type(x: int) -> str:
+    """The Triton type of an int argument that the kernel does not specialize on."""
+    if -2**31 <= x < 2**31:
+        return "i32"
+    if 2**63 <= x < 2**64:
+        return "u64"
+    return "i64"
+
+
+_LAUNCHERS: dict = {}
+
+
+def direct(kernel):
+    """The ``DirectLaunch`` of ``kernel`` (one per kernel, so its signatures are shared by
+    every call site), or ``kernel`` itself where direct launches do not apply: switched off,
+    this Triton's launch API not the one read here, or an interpreted kernel
+    (``TRITON_INTERPRET=1``: there is nothing compiled to launch)."""
+    if not ENABLED or REASON is not None or not hasattr(kernel, "device_caches"):
+        return kernel
+    launcher = _LAUNCHERS.get(id(kernel))  # by id: the launcher holds the kernel, so the id stays its
+    if launcher is None:
+        launcher = _LAUNCHERS[id(kernel)] = DirectLaunch(kernel)
+    return launcher

@@ -1,0 +1,167 @@
+"""Direct launches (``pfl_kernels/triton/_direct.py``, issue 30 item 1) on a CPU: a real
+``triton.jit`` kernel whose Triton path (``JITFunction.run``: bind, compile, launch) and
+compiled launcher are stand-ins that record what they get, so the cache's keys and the
+arguments it launches with are checked without a GPU.  On a GPU the Triton tests run the
+ops with direct launches on (``scripts/gpu_check.sh``).
+
+Not in the interpreter: there ``triton.jit`` makes no compiled kernels (``direct`` returns
+the kernel itself, tested below too).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="the interpreter compiles nothing to launch directly")
+
+import triton.language as tl  # noqa: E402
+
+from pfl_kernels.triton import _direct  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["bits"])
+def _kernel(x_ptr, n, scale, bits, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 3):
+    pass
+
+
+class Compiled:
+    """Stands in for a ``CompiledKernel``: ``[grid](*args, stream=)`` records the launch."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.launches.append(("direct", grid, args, stream))
+        return runner
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The recorded launches: ('triton', grid, args, kwargs) for Triton's path,
+    ('direct', grid, all args in signature order, stream) for a direct one."""
+    log = []
+    monkeypatch.setattr(_direct, "ENABLED", True)
+    monkeypatch.setattr(_direct, "REASON", None)
+    monkeypatch.setattr(_direct, "_LAUNCHERS", {})
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda idx: 1000 + idx, raising=False)
+
+    def run(*args, grid, warmup, **kwargs):
+        log.append(("triton", grid, args, kwargs))
+        return Compiled(log)
+
+    monkeypatch.setattr(_kernel, "run", run)
+    return log
+
+
+def call(x, n=64, scale=0.5, bits=7, flag=True, grid=(4,), **meta):
+    meta = {"BLOCK": 128, "num_warps": 4, **meta}
+    _direct.direct(_kernel)[grid](x, n, scale, bits, flag, **meta)
+
+
+def kinds(log):
+    return [entry[0] for entry in log]
+
+
+def test_a_signature_is_bound_by_triton_once_then_launched_directly(launches):
+    x = torch.randn(64)
+    call(x)
+    call(x, scale=0.25)  # floats are not specialized: same signature, the new value passed
+    assert kinds(launches) == ["triton", "direct"]
+    _, grid, args, stream = launches[1]
+    # every parameter in signature order, the constexprs from the keywords or their defaults,
+    # the launch options (num_warps) left out; the grid as three sizes; the current stream
+    assert args == (x, 64, 0.25, 7, True, 128, 3)
+    assert grid == (4, 1, 1) and stream == 1000
+
+
+@pytest.mark.parametrize("change", [
+    dict(x=lambda x: x.double()),                     # dtype
+    dict(x=lambda x: x[1:]),                          # a pointer 4 bytes off 16-byte alignment
+    dict(n=65), dict(n=16), dict(n=1),                # ints are keyed by value
+    dict(flag=False), dict(flag=1),                   # a bool is not the int 1
+    dict(scale=2),                                    # an int where a float was
+    dict(bits=2**40),                                 # an unspecialized int of another type (i64)
+    dict(BLOCK=256), dict(MODE=2), dict(num_warps=8),  # constexprs and options
+], ids=lambda c: next(iter(c)) + "=" + str(next(iter(c.values())))[:12])
+def test_anything_triton_specializes_on_makes_a_new_signature(launches, change):
+    x = torch.randn(64)
+    call(x)
+    call(x)
+    kwargs = {k: (v(x) if callable(v) else v) for k, v in change.items()}
+    call(**{"x": x, **kwargs})
+    assert kinds(launches) == ["triton", "direct", "triton"]
+
+
+def test_an_unspecialized_int_keeps_its_signature_within_its_type(launches):
+    x = torch.randn(64)
+    call(x, bits=7)
+    call(x, bits=123456)
+    assert kinds(launches) == ["triton", "direct"] and launches[1][2][3] == 123456
+
+
+def test_arguments_of_other_kinds_always_take_tritons_path(launches):
+    x = torch.randn(64)
+    for _ in range(2):
+        _direct.direct(_kernel)[(1,)](x, (1, 2), 0.5, 7, True, BLOCK=128)
+    assert kinds(launches) == ["triton", "triton"]
+
+
+def test_pre_run_hooks_take_tritons_path(launches, monkeypatch):
+    monkeypatch.setattr(_kernel, "pre_run_hooks", [lambda *a, **k: None])
+    x = torch.randn(64)
+    call(x)
+    call(x)
+    assert kinds(launches) == ["triton", "triton"]
+
+
+def test_the_cache_is_bounded(launches, monkeypatch):
+    monkeypatch.setattr(_direct, "_MAX_SIGNATURES", 3)
+    x = torch.randn(64)
+    for n in range(10):
+        call(x, n=100 + n)
+    assert len(_direct.direct(_kernel).signatures) <= 3
+
+
+def test_switched_off_or_interpreted_kernels_are_launched_as_they_are(monkeypatch):
+    monkeypatch.setattr(_direct, "_LAUNCHERS", {})
+    monkeypatch.setattr(_direct, "REASON", None)
+    monkeypatch.setattr(_direct, "ENABLED", False)
+    assert _direct.direct(_kernel) is _kernel
+    monkeypatch.setattr(_direct, "ENABLED", True)
+    assert isinstance(_direct.direct(_kernel), _direct.DirectLaunch)
+    assert _direct.direct(_kernel) is _direct.direct(_kernel)  # one per kernel: shared signatures
+
+    class Interpreted:  # no device_caches: nothing compiled
+        fn = _kernel.fn
+    interpreted = Interpreted()
+    assert _direct.direct(interpreted) is interpreted
+    monkeypatch.setattr(_direct, "REASON", "an unknown Triton")
+    assert _direct.direct(_kernel) is _kernel
+
+
+def test_eager_op_launches_go_through_direct_and_traced_ones_do_not(monkeypatch):
+    from pfl_kernels.triton import factorized as tf
+
+    monkeypatch.setattr(_direct, "_LAUNCHERS", {})
+    monkeypatch.setattr(_direct, "REASON", None)
+    monkeypatch.setattr(_direct, "ENABLED", True)
+    assert isinstance(tf._launch(tf._factorized_weight_kernel), _direct.DirectLaunch)
+    monkeypatch.setattr(tf, "tracing", lambda: True)
+    assert not isinstance(tf._launch(tf._factorized_weight_kernel), _direct.DirectLaunch)
+
+
+def test_int_types_match_tritons():
+    from triton.runtime.jit import mangle_type
+
+    for v in (0, 1, -1, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 2**63 - 1, 2**63, 2**64 - 1, -2**63):
+        assert _direct._int_type(v) == mangle_type(v), v
+
+
+def test_this_triton_has_the_launch_api_read():
+    assert _direct.REASON is None, _direct.REASON
