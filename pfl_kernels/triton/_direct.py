@@ -48,15 +48,28 @@ _FLOAT = ("float",)  # a float argument's key: its type only
 _Tensor = torch.Tensor  # plain tensors keyed inline; subclasses (Parameter) through _key_of
 
 
-def _supported() -> Optional[str]:
+# The Triton versions whose launch path was read for this module (JITFunction.run hands its
+# compiled kernel every parameter in signature order, constexprs included).
+_CHECKED_VERSIONS = ((3, 6), (3, 9))
+
+
+def _supported(version: Optional[str] = None) -> Optional[str]:
     """None where this Triton's compiled kernels launch as read here, else why not."""
     try:
         import triton
         from triton.compiler.compiler import CompiledKernel
     except ImportError as exc:
         return f"no triton ({exc})"
+    version = version or triton.__version__
+    try:
+        major_minor = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return f"triton {version}: an unparsed version"
+    low, high = _CHECKED_VERSIONS
+    if not low <= major_minor <= high:
+        return f"triton {version}: its launch path is not the one checked here (triton 3.6 to 3.9)"
     if not hasattr(CompiledKernel, "__getitem__"):
-        return f"triton {triton.__version__}: CompiledKernel has no [grid] launcher"
+        return f"triton {version}: CompiledKernel has no [grid] launcher"
     return None
 
 
@@ -97,7 +110,7 @@ class DirectLaunch:
         return tuple(key)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
-        if not ENABLED or self.kernel.pre_run_hooks:
+        if not ENABLED or getattr(self.kernel, "pre_run_hooks", None):
             self.kernel[grid](*args, **kwargs)
             return
         key = self.signature(args, kwargs)

@@ -165,3 +165,10 @@ def test_int_types_match_tritons():
 
 def test_this_triton_has_the_launch_api_read():
     assert _direct.REASON is None, _direct.REASON
+
+
+@pytest.mark.parametrize("version,ok", [("3.6.0", True), ("3.9.1", True), ("3.5.0", False), ("3.10.0", False),
+                                        ("4.0.0", False), ("3.7.0+git1234", True), ("nightly", False)])
+def test_only_the_triton_versions_read_launch_directly(version, ok):
+    reason = _direct._supported(version)
+    assert (reason is None) == ok, reason
