@@ -56,6 +56,12 @@ MODE_GENERAL, MODE_T, MODE_M = 0, 1, 2
 # Tests shrink these to force many tiles.
 _MAX_TILE = 4096
 _MAX_BLOCK_R = 64
+# The backward takes a client's whole (R, C) matrix in one tile up to this many elements (a
+# linear layer of LeNet-5, 120 x 84: 128 x 128 padded): no summing pass then for grad_u or
+# grad_v, two launches fewer, which at such sizes cost more than the kernel (on an H200 the
+# 84 x 120 backward, four tiles and two torch.sum passes, took 0.15 ms against eager's 0.05).
+# At 16 warps that is 32 values per thread per operand.  Tests set it to 0 to keep many tiles.
+_MAX_WHOLE_TILE = 16384
 _SOFT_BLOCK = 4096
 
 
@@ -119,8 +125,18 @@ def _blocks(rows: int, cols: int, max_tile: int, max_block_r: int) -> tuple[int,
 
 
 def _num_warps(block_r: int, block_c: int) -> int:
-    """8 warps for a full tile, fewer for the small tiles of small layers."""
-    return max(1, min(8, block_r * block_c // 512))
+    """8 warps for a full tile, fewer for the small tiles of small layers, 16 for a backward
+    whole-matrix tile beyond _MAX_TILE (``_backward_blocks``)."""
+    return max(1, min(16 if block_r * block_c > 4096 else 8, block_r * block_c // 512))
+
+
+def _backward_blocks(rows: int, cols: int, max_tile: int, max_block_r: int, max_whole: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) of the backward: the whole matrix where it fits in ``max_whole``
+    elements (padded to powers of 2), else ``_blocks``'."""
+    whole_r, whole_c = next_power_of_2(rows), next_power_of_2(cols)
+    if whole_r * whole_c <= max_whole:
+        return whole_r, whole_c
+    return _blocks(rows, cols, max_tile, max_block_r)
 
 
 def _strides3(t: Optional[torch.Tensor]) -> tuple[int, int, int]:
@@ -317,7 +333,7 @@ def factorized_weight_triton(u: torch.Tensor, v: torch.Tensor, mu: Optional[torc
 
 
 @metadata_cached
-def _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, max_tile, max_block_r):
+def _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, max_tile, max_block_r, max_whole):
     """The backward call's geometry after the op's checks, one run per signature (see
     ``_forward_plan``): (lead dims, (K, R, C, A, B, rank, row blocks, column blocks), the
     partial sums' dtype, the factors' strides, the kernel's meta-parameters); None when no
@@ -331,7 +347,7 @@ def _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, max_tile,
     if not (need_u or need_v or need_mu or need_mask):
         return None
     acc = _acc_dtype(u.dtype)
-    block_r, block_c = _blocks(rows, cols, max_tile, max_block_r)
+    block_r, block_c = _backward_blocks(rows, cols, max_tile, max_block_r, max_whole)
     geometry = (lead[0] if lead else 1, rows, cols, outer, inner, u.shape[-1],
                 cdiv(rows, block_r), cdiv(cols, block_c))
     factor_strides = (*_strides3(u), *_strides3(v), *_strides3(mu), *_strides3(mask))
@@ -352,7 +368,8 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
     grad_mask = G * mu.  A gradient not asked for by ``output_mask`` (or whose input is
     None) is ``u.new_empty(0)``, as in the reference.  grad_w may have any strides.
     """
-    plan = _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, _MAX_TILE, _MAX_BLOCK_R)
+    plan = _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, _MAX_TILE, _MAX_BLOCK_R,
+                          _MAX_WHOLE_TILE)
     if plan is None:
         return tuple(u.new_empty(0) for _ in range(4))
     lead, (kk, rows, cols, outer, inner, rank, n_rb, n_cb), acc, factor_strides, meta = plan

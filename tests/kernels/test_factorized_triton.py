@@ -35,6 +35,7 @@ def tiles(request, monkeypatch):
     if request.param == "many-tiles":
         monkeypatch.setattr(tf, "_MAX_TILE", 16)
         monkeypatch.setattr(tf, "_MAX_BLOCK_R", 4)
+        monkeypatch.setattr(tf, "_MAX_WHOLE_TILE", 0)
     return request.param
 
 
@@ -105,6 +106,24 @@ def test_forward_and_backward(layout, shape, rank, bias, clients):
 def test_many_tiles(layout, shape, tiles):
     """Several R- and C-blocks per client: the cross-tile sums of grad_u and grad_v."""
     _check_forward_and_backward(layout, shape, 2, "mu+mask", 2)
+
+
+@pytest.mark.parametrize("layout,shape,clients", [("linear", (9, 70), 3), ("linear", (9, 70), None),
+                                                   ("spatial", (2, 3, 9, 9), 2)])
+def test_backward_whole_matrix_tile(layout, shape, clients):
+    """R beyond _MAX_BLOCK_R (a linear layer of 70 inputs, a 9x9 kernel): the backward takes
+    each client's whole matrix in one tile (no summing pass), and agrees with float64."""
+    rows, cols, _, _ = layout_geometry(shape, layout)
+    assert rows > tf._MAX_BLOCK_R
+    u, v, mu, mask = make_factors(shape, layout, 2, "mu+mask", clients)
+    lead = () if clients is None else (clients,)
+    g = torch.randn(*lead, *shape, dtype=F64, device=DEVICE)
+    plan = tf._backward_plan(g, u, v, mu, mask, list(shape), layout, [True] * 4, tf._MAX_TILE, tf._MAX_BLOCK_R,
+                             tf._MAX_WHOLE_TILE)
+    assert plan[1][-2:] == (1, 1), plan[1]  # one row block, one column block
+    om = [True] * 4
+    got = tf.factorized_weight_backward_triton(g, u, v, mu, mask, shape=list(shape), layout=layout, output_mask=om)
+    check_backward(got, reference_backward(g, u, v, mu, mask, shape, layout, om), om, mu, mask)
 
 
 def _check_forward_and_backward(layout, shape, rank, bias, clients):

@@ -92,6 +92,10 @@ def _launches() -> dict:
                     for output_mask in ([True] * 4, [True, False, False, True]):
                         torch.ops.pfl.factorized_weight_backward(w, u, v, mu, mask, shape=list(shape), layout=layout,
                                                                  output_mask=output_mask)
+                if dtype == torch.float32:  # the backward's whole-matrix tile, 16 warps (LeNet-5's 120 x 84)
+                    torch.ops.pfl.factorized_weight_backward(rand(2, 84, 120), rand(2, 120, 1), rand(2, 1, 84),
+                                                             rand(2, 120, 84), None, shape=[84, 120], layout="linear",
+                                                             output_mask=[True] * 4)
                 with torch.no_grad():
                     x = rand(4, 6, 10)
                     ops.soft_threshold_(x, 0.1)
@@ -160,3 +164,17 @@ def test_every_launch_compiles_for_sm90(launches):
                             f"{str(exc).splitlines()[0] if str(exc) else ''}")
     assert not failures, f"{len(failures)} of {len(launches)} launches do not compile:\n" + "\n".join(failures)
     assert math.isfinite(len(launches))
+
+
+def test_the_backward_takes_a_small_matrix_in_one_tile(launches):
+    """LeNet-5's 120 x 84 linear layer (R = 120 > _MAX_BLOCK_R): one 128 x 128 tile per client
+    at 16 warps, so grad_u and grad_v need no summing pass; ResNet-9's 3x3 convs keep theirs."""
+    from pfl_kernels.triton import factorized as tf
+
+    whole = [(c, o) for (name, _, c, o) in launches
+             if name == "_factorized_weight_backward_kernel" and dict(c)["BLOCK_R"] * dict(c)["BLOCK_C"] > 4096]
+    assert whole and all(dict(o)["num_warps"] == 16 for _, o in whole)
+    assert tf._backward_blocks(120, 84, tf._MAX_TILE, tf._MAX_BLOCK_R, tf._MAX_WHOLE_TILE) == (128, 128)
+    assert tf._backward_blocks(400, 120, tf._MAX_TILE, tf._MAX_BLOCK_R, tf._MAX_WHOLE_TILE) == \
+        tf._blocks(400, 120, tf._MAX_TILE, tf._MAX_BLOCK_R)
+    assert tf._backward_blocks(9, 65536, tf._MAX_TILE, tf._MAX_BLOCK_R, tf._MAX_WHOLE_TILE) == (16, 256)
