@@ -3,11 +3,11 @@ binding (issue 30, item 1).
 
 ``kernel[grid](*args, **meta)`` on a ``triton.JITFunction`` binds every argument, computes each
 one's specialization (dtype, 16-byte alignment of pointers, the values of ints), hashes those
-into a cache key and looks the compiled kernel up, on every call: about 12 µs of Python on
-this project's 2-core CPUs (Triton 3.6 and 3.9 alike, launcher stubbed), and about 25 µs on
-the host of the H200 that ran issue 30's check, where a whole bare launch took 28 µs.  The
-compiled kernel's own launcher (``compiled[grid](*args, stream=...)``) takes about 1 µs of
-that Python.
+into a cache key and looks the compiled kernel up, on every call: 13 µs of Python for
+``factorized_weight``'s launch on this project's 2-core CPUs (Triton 3.6 and 3.9 alike, the C
+launcher stubbed: ``benchmarks/launch_python.py``), most of the 28 µs a whole bare launch
+took on the host of the H200 that ran issue 30's check.  The compiled kernel's own launcher
+(``compiled[grid](*args, stream=...)``) takes about 1 µs of that Python, a direct launch 6.
 
 ``DirectLaunch(kernel)[grid](*args, **meta)`` makes the same launch.  Its first call for a
 *signature* goes through ``kernel[grid]`` (Triton binds, compiles if needed, launches) and
@@ -23,15 +23,15 @@ a kernel compiled for other arguments:
   its value (this project's launchers pass each with one type, so True and 1 never meet);
 * the current device.
 
-Any other argument, a kernel with pre-run hooks, or a Triton whose launch API differs from the
-one read here (3.6 to 3.9) takes Triton's path.  Not followed: a Triton knob changed after a
-signature's first call (``TRITON_DEBUG``, instrumentation), and a global that a kernel reads
-and that changes after compilation (Triton's own launch checks both; this project's kernels
-read neither).
+Any other argument, a grid given as a function, a kernel with pre-run hooks, or a Triton whose
+launch API differs from the one read here (3.6 to 3.9) takes Triton's path.  Not followed: a
+Triton knob changed after a signature's first call (``TRITON_DEBUG``, instrumentation), and a
+global that a kernel reads and that changes after compilation (Triton's own launch checks
+both; this project's kernels read neither).
 
 Off by default until a GPU run has checked it (``PFL_KERNELS_DIRECT_LAUNCH=1`` turns it on,
-``ENABLED`` is the switch); ``scripts/gpu_check.sh`` runs the GPU tests and the launch
-benchmark with it on.
+``ENABLED`` is the switch): ``scripts/gpu_check.sh`` runs the GPU tests with it on, and
+``benchmarks/gpu_launch.py`` times every op both ways.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ class DirectLaunch:
         return tuple(key)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
-        if not ENABLED or getattr(self.kernel, "pre_run_hooks", None):
+        if not ENABLED or callable(grid) or getattr(self.kernel, "pre_run_hooks", None):
             self.kernel[grid](*args, **kwargs)
             return
         key = self.signature(args, kwargs)
@@ -136,7 +136,6 @@ class DirectLaunch:
 
 class _Unkeyed(Exception):
     """An argument of a kind the signature does not key."""
-
 
 
 def _key_of(a):

@@ -112,6 +112,13 @@ def test_arguments_of_other_kinds_always_take_tritons_path(launches):
     assert kinds(launches) == ["triton", "triton"]
 
 
+def test_a_grid_function_takes_tritons_path(launches):
+    x = torch.randn(64)
+    for _ in range(2):
+        call(x, grid=lambda meta: (4,))
+    assert kinds(launches) == ["triton", "triton"]
+
+
 def test_pre_run_hooks_take_tritons_path(launches, monkeypatch):
     monkeypatch.setattr(_kernel, "pre_run_hooks", [lambda *a, **k: None])
     x = torch.randn(64)
