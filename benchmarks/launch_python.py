@@ -13,8 +13,10 @@ Python and none of the driver's work: compare the two columns with each other, a
 a GPU machine's figures (its CPU may be slower, and its C launcher adds a few µs to both).
 
 Each launch is recorded from the public op (factorized_weight, its backward op,
-branch_combine, pairwise_cosine), then replayed both ways, interleaved, ``--repeats`` times;
-the medians are reported.  Writes ``benchmarks/results/launch_python_cpu.json``.
+branch_combine, pairwise_cosine), then replayed three ways, interleaved, ``--repeats`` times
+(medians): Triton's path; ``DirectLaunch[grid](...)``, which keys every argument; and
+``DirectLaunch.planned``, which keys the tensors and a plan's identity (what
+``factorized_weight``'s launcher uses; the others could, with their scalars in a cached plan).  Writes ``benchmarks/results/launch_python_cpu.json``.
 """
 from __future__ import annotations
 
@@ -194,18 +196,28 @@ def measure(calls: int, repeats: int) -> list[dict]:
 
                 def fast(rec=rec, direct=direct):
                     direct[rec.grid](*rec.args, **rec.kwargs)
-                jit(), fast(), fast()  # compile (stand-in) and bind once
+
+                # the leading tensors, then the rest as a plan would hold them (DirectLaunch.planned)
+                lead = next((i for i, a in enumerate(rec.args) if not isinstance(a, torch.Tensor)), len(rec.args))
+                tensors, scalars, meta = rec.args[:lead], tuple(rec.args[lead:]), dict(rec.kwargs)
+                token = (scalars, meta)
+
+                def planned(rec=rec, direct=direct, tensors=tensors, scalars=scalars, meta=meta, token=token):
+                    direct.planned(rec.grid, token, tensors, scalars, meta)
+                jit(), fast(), fast(), planned(), planned()  # compile (stand-in) and bind once
                 assert direct.signature(rec.args, rec.kwargs) in direct.signatures, \
                     f"{name}: the direct launch did not keep its signature"
-                times = {"triton_path_us": [], "direct_us": []}
+                assert len(direct.planned_signatures) >= 1, f"{name}: the planned launch did not keep its signature"
+                times = {"triton_path_us": [], "direct_us": [], "planned_us": []}
                 for _ in range(repeats):  # interleaved
                     times["triton_path_us"].append(per_call_us(jit, calls))
                     times["direct_us"].append(per_call_us(fast, calls))
+                    times["planned_us"].append(per_call_us(planned, calls))
                 row = {"launch": name, "kernel": rec.kernel.fn.__name__, "args": len(rec.args) + len(rec.kwargs),
                        **{key: statistics.median(v) for key, v in times.items()}}
                 rows.append(row)
-                print(f"{name:<34} {row['args']:>4} {row['triton_path_us']:>10.2f} {row['direct_us']:>10.2f}",
-                      flush=True)
+                print(f"{name:<34} {row['args']:>4} {row['triton_path_us']:>10.2f} {row['direct_us']:>10.2f} "
+                      f"{row['planned_us']:>10.2f}", flush=True)
     finally:
         _direct.ENABLED, _direct.REASON = saved[0], saved[1]
         _direct._LAUNCHERS.clear()
@@ -233,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("launch_python.py measures compiled launches: run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    print(f"{'launch':<34} {'args':>4} {'triton us':>10} {'direct us':>10}")
+    print(f"{'launch':<34} {'args':>4} {'triton us':>10} {'direct us':>10} {'planned us':>10}")
     rows = measure(args.calls, args.repeats)
     path = args.json or common.RESULTS / "launch_python_cpu.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ into a cache key and looks the compiled kernel up, on every call: 13 µs of Pyth
 ``factorized_weight``'s launch on this project's 2-core CPUs (Triton 3.6 and 3.9 alike, the C
 launcher stubbed: ``benchmarks/launch_python.py``), most of the 28 µs a whole bare launch
 took on the host of the H200 that ran issue 30's check.  The compiled kernel's own launcher
-(``compiled[grid](*args, stream=...)``) takes about 1 µs of that Python, a direct launch 6.
+(``compiled[grid](*args, stream=...)``) takes about 1 µs of that Python, a direct launch 6,
+a planned one (``DirectLaunch.planned``: only the tensors keyed) 4.
 
 ``DirectLaunch(kernel)[grid](*args, **meta)`` makes the same launch.  Its first call for a
 *signature* goes through ``kernel[grid]`` (Triton binds, compiles if needed, launches) and
@@ -88,6 +89,7 @@ class DirectLaunch:
         dns = {kp.num for kp in getattr(kernel, "params", []) if getattr(kp, "do_not_specialize", False)}
         self.unspecialized = frozenset(dns)  # positions of ints keyed by their Triton type
         self.signatures: dict = {}  # signature -> (compiled kernel, the arguments after the positional ones)
+        self.planned_signatures: dict = {}  # (token id, tensor keys, device) -> (compiled, the rest, token)
 
     def __getitem__(self, grid) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -132,6 +134,36 @@ class DirectLaunch:
         compiled, rest = entry
         grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         compiled[grid3](*args, *rest, stream=torch._C._cuda_getCurrentRawStream(key[-1]))  # key[-1]: the device
+
+
+    def planned(self, grid, token, tensors: tuple, scalars: tuple, meta: dict) -> None:
+        """``kernel[grid](*tensors, *scalars, **meta)``, where ``token`` is an object that
+        describes ``scalars`` and ``meta`` for as long as it lives (a cached launch plan, which
+        holds them).  Its identity stands for them in the signature, so a call keys only its
+        tensors (dtype, alignment) and the device: about half of ``launch``'s work on a
+        launch of 30 arguments.  The entry keeps ``token`` alive, so its id is never another
+        object's while the entry exists."""
+        if not ENABLED or callable(grid) or getattr(self.kernel, "pre_run_hooks", None):
+            self.kernel[grid](*tensors, *scalars, **meta)
+            return
+        try:
+            key = (id(token), *[(t.dtype, not t.data_ptr() & 15) if t.__class__ is _Tensor else _key_of(t)
+                                for t in tensors], torch._C._cuda_getDevice())
+        except _Unkeyed:
+            self.kernel[grid](*tensors, *scalars, **meta)
+            return
+        entry = self.planned_signatures.get(key)
+        if entry is None or entry[2] is not token:
+            compiled = self.kernel[grid](*tensors, *scalars, **meta)  # binds, compiles if needed, launches
+            if compiled is not None:
+                if len(self.planned_signatures) >= _MAX_SIGNATURES:
+                    self.planned_signatures.clear()
+                n = len(tensors) + len(scalars)
+                rest = tuple([meta[name] if name in meta else self.defaults[name] for name in self.names[n:]])
+                self.planned_signatures[key] = (compiled, scalars + rest, token)
+            return
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        entry[0][grid3](*tensors, *entry[1], stream=torch._C._cuda_getCurrentRawStream(key[-1]))
 
 
 class _Unkeyed(Exception):

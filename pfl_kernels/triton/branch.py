@@ -41,7 +41,7 @@ from . import register_cuda
 from ..ops.branch import _check_op_args, _check_project_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from ..reference import branch as _ref
-from .factorized import _acc_dtype, _check_devices, _device_guard, _launch
+from .factorized import _acc_dtype, _check_devices, _device_guard, _launch, _launch_planned
 
 
 # Block budget: BLOCK_N = 4096 is 16 fp32 values per thread at 8 warps, enough bytes in
@@ -257,13 +257,37 @@ def _plan(weights, alpha, grad_w, max_block_n, min_block_n, unroll_b):
     return tuple(out_shape), kk, nbr, n, sa, block, cdiv(n, block), min(nbr, unroll_b)
 
 
-def _launch_params(weights: torch.Tensor, alpha: torch.Tensor, grad_w=None):
-    """(W's shape, K, B, N, weights as [K, B, N], alpha strides (client, branch), BLOCK_N,
-    blocks per client, B_UNROLL)."""
-    out_shape, kk, nbr, n, sa, block, n_nb, unroll = _plan(weights, alpha, grad_w, _MAX_BLOCK_N, _MIN_BLOCK_N,
-                                                           _UNROLL_B)
-    w3 = _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
-    return out_shape, kk, nbr, n, w3, sa, block, n_nb, unroll
+def _meta_twin(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on the meta device with t's sizes, strides and dtype: what a view of t would
+    look like, without touching t's data."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@metadata_cached
+def _combine_launch(weights, alpha, max_block_n, min_block_n, unroll_b):
+    """The forward launch of a signature, made once (``metadata_cached``): (``_plan``'s
+    geometry, the kernel's scalar arguments, its meta-parameters), the strides of weights as
+    [K, B, N] read from a meta twin, as the launcher will view them (``_as_kbn``)."""
+    plan = _plan(weights, alpha, None, max_block_n, min_block_n, unroll_b)
+    _, kk, nbr, n, (sa_k, sa_b), block, _, unroll = plan
+    w3 = _as_kbn(_meta_twin(weights if alpha.dim() == 2 else weights.unsqueeze(0)), 2, (kk, nbr, n))
+    scalars = (n, nbr, kk, *w3.stride(), sa_k, sa_b)
+    meta = dict(B_UNROLL=unroll, ACC_F64=alpha.dtype == torch.float64, BLOCK_N=block, num_warps=_num_warps(block))
+    return plan, scalars, meta
+
+
+@metadata_cached
+def _combine_backward_launch(grad_w, weights, alpha, need_w, need_a, max_block_n, min_block_n, unroll_b):
+    """The backward launch of a signature (see ``_combine_launch``), grad_w's strides as
+    [K, N] from its meta twin too."""
+    plan = _plan(weights, alpha, grad_w, max_block_n, min_block_n, unroll_b)
+    _, kk, nbr, n, (sa_k, sa_b), block, n_nb, unroll = plan
+    w3 = _as_kbn(_meta_twin(weights if alpha.dim() == 2 else weights.unsqueeze(0)), 2, (kk, nbr, n))
+    g2 = _as_kbn(_meta_twin(grad_w if alpha.dim() == 2 else grad_w.unsqueeze(0)), 1, (kk, n))
+    scalars = (n, nbr, kk, n_nb, *g2.stride(), *w3.stride(), sa_k, sa_b)
+    meta = dict(NEED_W=need_w, NEED_ALPHA=need_a, B_UNROLL=unroll, ACC_F64=_acc_dtype(alpha.dtype) == torch.float64,
+                BLOCK_N=block, num_warps=_num_warps(block))
+    return plan, scalars, meta
 
 
 def branch_combine_triton(weights: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -274,16 +298,14 @@ def branch_combine_triton(weights: torch.Tensor, alpha: torch.Tensor) -> torch.T
     returns a contiguous W [K?, *shape] in alpha's dtype.  Trailing dims of weights that
     are not one strided run (e.g. channels_last) are copied first (once, not K times).
     """
-    out_shape, kk, nbr, n, w3, (sa_k, sa_b), block, n_nb, unroll = _launch_params(weights, alpha)
+    launch = _combine_launch(weights, alpha, _MAX_BLOCK_N, _MIN_BLOCK_N, _UNROLL_B)
+    (out_shape, kk, nbr, n, _, _, n_nb, _), scalars, meta = launch
     w = alpha.new_empty(out_shape)
     if w.numel() == 0:
         return w
+    w3 = _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
     with _device_guard(alpha):
-        _launch(_branch_combine_kernel)[(kk * n_nb,)](
-            w3, alpha, w, n, nbr, kk, *w3.stride(), sa_k, sa_b,
-            B_UNROLL=unroll, ACC_F64=alpha.dtype == torch.float64,
-            BLOCK_N=block, num_warps=_num_warps(block),
-        )
+        _launch_planned(_branch_combine_kernel, (kk * n_nb,), launch, (w3, alpha, w), scalars, meta)
     return w
 
 
@@ -296,8 +318,9 @@ def branch_combine_backward_triton(grad_w: torch.Tensor, weights: torch.Tensor, 
     per-block partial sums: deterministic.  A gradient not asked for by ``output_mask`` is
     ``alpha.new_empty(0)``, as in the reference.  grad_w and weights may have any strides.
     """
-    _, kk, nbr, n, w3, (sa_k, sa_b), block, n_nb, unroll = _launch_params(weights, alpha, grad_w)
     need_w, need_a = bool(output_mask[0]), bool(output_mask[1])
+    launch = _combine_backward_launch(grad_w, weights, alpha, need_w, need_a, _MAX_BLOCK_N, _MIN_BLOCK_N, _UNROLL_B)
+    (_, kk, nbr, n, _, _, n_nb, _), scalars, meta = launch
     if not (need_w or need_a):
         return alpha.new_empty(0), alpha.new_empty(0)
     acc = _acc_dtype(alpha.dtype)
@@ -305,16 +328,13 @@ def branch_combine_backward_triton(grad_w: torch.Tensor, weights: torch.Tensor, 
     if kk * n == 0:  # nothing to read: grad_alpha is an empty sum
         ga = alpha.new_zeros(alpha.shape) if need_a else alpha.new_empty(0)
         return (gw if need_w else alpha.new_empty(0)), ga
+    w3 = _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
     g2 = _as_kbn(grad_w if alpha.dim() == 2 else grad_w.unsqueeze(0), 1, (kk, n))
     # One block per client: the kernel writes grad_alpha itself (alpha's dtype, no sum).
     ga_part = alpha.new_empty((kk, n_nb, nbr), dtype=alpha.dtype if n_nb == 1 else acc) if need_a else alpha
     with _device_guard(alpha):
-        _launch(_branch_combine_backward_kernel)[(kk * n_nb,)](
-            g2, w3, alpha, gw, ga_part, n, nbr, kk, n_nb,
-            *g2.stride(), *w3.stride(), sa_k, sa_b,
-            NEED_W=need_w, NEED_ALPHA=need_a, B_UNROLL=unroll,
-            ACC_F64=acc == torch.float64, BLOCK_N=block, num_warps=_num_warps(block),
-        )
+        _launch_planned(_branch_combine_backward_kernel, (kk * n_nb,), launch, (g2, w3, alpha, gw, ga_part),
+                        scalars, meta)
     grad_alpha = alpha.new_empty(0)
     if need_a:  # finish the cross-block sum (deterministic: a fixed-order torch.sum)
         grad_alpha = (ga_part if n_nb == 1 else ga_part.sum(1).to(alpha.dtype)).reshape(alpha.shape)

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .._layout import layout_geometry
 from . import register_cuda
-from ._direct import direct
+from ._direct import DirectLaunch, direct
 from ..ops import factorized as _ops  # noqa: F401  (defines the schemas implemented here)
 from ..ops.factorized import _check_op_args, _check_soft_threshold_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2, tracing
@@ -82,6 +82,17 @@ def _launch(kernel):
         return _wrap_triton(kernel)
     except RuntimeError:  # older torch refuses the interpreter's InterpretedFunction
         return kernel
+
+
+def _launch_planned(kernel, grid, token, tensors: tuple, scalars: tuple, meta: dict) -> None:
+    """``_launch(kernel)[grid](*tensors, *scalars, **meta)``, where ``token`` is the cached launch
+    plan that holds ``scalars`` and ``meta``: a direct launch then keys only the tensors
+    (``DirectLaunch.planned``)."""
+    launcher = _launch(kernel)
+    if isinstance(launcher, DirectLaunch):
+        launcher.planned(grid, token, tensors, scalars, meta)
+    else:
+        launcher[grid](*tensors, *scalars, **meta)
 
 
 _SAME_DEVICE = contextlib.nullcontext()  # stateless, so one instance serves every call
@@ -322,13 +333,14 @@ def factorized_weight_triton(u: torch.Tensor, v: torch.Tensor, mu: Optional[torc
     v [K?, r, C], mu/mask [K?, R, C] (any strides, stride 0 for shared factors); returns a
     contiguous W [K?, *shape] in u's dtype.
     """
-    w_shape, grid, scalars, meta = _forward_plan(u, v, mu, mask, shape, layout, _MAX_TILE, _MAX_BLOCK_R)
+    plan = _forward_plan(u, v, mu, mask, shape, layout, _MAX_TILE, _MAX_BLOCK_R)
+    w_shape, grid, scalars, meta = plan
     w = torch.empty(w_shape, dtype=u.dtype, device=u.device)
     if w.numel() == 0:
         return w
     with _device_guard(u):
-        _launch(_factorized_weight_kernel)[grid](
-            u, v, u if mu is None else mu, u if mask is None else mask, w, *scalars, **meta)
+        _launch_planned(_factorized_weight_kernel, grid, plan,
+                        (u, v, u if mu is None else mu, u if mask is None else mask, w), scalars, meta)
     return w
 
 
@@ -336,7 +348,7 @@ def factorized_weight_triton(u: torch.Tensor, v: torch.Tensor, mu: Optional[torc
 def _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, max_tile, max_block_r, max_whole):
     """The backward call's geometry after the op's checks, one run per signature (see
     ``_forward_plan``): (lead dims, (K, R, C, A, B, rank, row blocks, column blocks), the
-    partial sums' dtype, the factors' strides, the kernel's meta-parameters); None when no
+    partial sums' dtype, the kernel's scalar arguments, its meta-parameters); None when no
     gradient is asked for."""
     lead = _check_op_args(u, v, mu, mask, shape, layout, grad_w)
     _check_devices(u, v, mu, mask, grad_w)
@@ -351,11 +363,25 @@ def _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, max_tile,
     geometry = (lead[0] if lead else 1, rows, cols, outer, inner, u.shape[-1],
                 cdiv(rows, block_r), cdiv(cols, block_c))
     factor_strides = (*_strides3(u), *_strides3(v), *_strides3(mu), *_strides3(mask))
+    # grad_w's strides as the launcher will view it (``_grad_as_kark``), read from a meta twin
+    g = _grad_as_kark(torch.empty_strided(grad_w.shape, grad_w.stride(), dtype=grad_w.dtype, device="meta"),
+                      bool(lead), geometry[0], outer, rows, inner)
+    scalars = (rows, cols, inner, geometry[6], geometry[7], *g.stride(), *factor_strides)
     meta = dict(RANK=u.shape[-1], MODE=_mode(outer, inner), HAS_MASK=mask is not None,
                 NEED_U=need_u, NEED_V=need_v, NEED_MU=need_mu, NEED_MASK=need_mask,
                 ACC_F64=acc == torch.float64, BLOCK_R=block_r, BLOCK_C=block_c,
                 num_warps=_num_warps(block_r, block_c))
-    return lead, geometry, acc, factor_strides, meta
+    return lead, geometry, acc, scalars, meta
+
+
+def _grad_as_kark(grad_w: torch.Tensor, has_lead: bool, kk: int, outer: int, rows: int, inner: int) -> torch.Tensor:
+    """grad_w as [K, A, R, B] through its own strides; a copy only where they cannot say it
+    (a channels_last gradient)."""
+    g = grad_w if has_lead else grad_w.unsqueeze(0)
+    try:
+        return g.view(kk, outer, rows, inner)
+    except RuntimeError:
+        return g.reshape(kk, outer, rows, inner)
 
 
 def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
@@ -372,14 +398,9 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
                           _MAX_WHOLE_TILE)
     if plan is None:
         return tuple(u.new_empty(0) for _ in range(4))
-    lead, (kk, rows, cols, outer, inner, rank, n_rb, n_cb), acc, factor_strides, meta = plan
+    lead, (kk, rows, cols, outer, inner, rank, n_rb, n_cb), acc, scalars, meta = plan
     need_u, need_v, need_mu, need_mask = meta["NEED_U"], meta["NEED_V"], meta["NEED_MU"], meta["NEED_MASK"]
-    # grad_w as [K, A, R, B] through its own strides; copy only if they cannot say it.
-    g = grad_w if lead else grad_w.unsqueeze(0)
-    try:
-        g = g.view(kk, outer, rows, inner)
-    except RuntimeError:
-        g = g.reshape(kk, outer, rows, inner)
+    g = _grad_as_kark(grad_w, bool(lead), kk, outer, rows, inner)
     # Unused outputs get a dummy pointer (u); each returned empty is its own tensor, as
     # outputs of an op must not alias one another.
     # A partial-sum buffer with one tile along its summed axis is the gradient itself:
@@ -390,11 +411,9 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
     gmask = u.new_empty(lead + [rows, cols]) if need_mask else u
     if kk > 0:
         with _device_guard(u):
-            _launch(_factorized_weight_backward_kernel)[(kk * n_rb * n_cb,)](
-                g, u, v, u if mu is None else mu, u if mask is None else mask,
-                gu_part, gv_part, gmu, gmask,
-                rows, cols, inner, n_rb, n_cb,
-                *g.stride(), *factor_strides, **meta)
+            _launch_planned(_factorized_weight_backward_kernel, (kk * n_rb * n_cb,), plan,
+                            (g, u, v, u if mu is None else mu, u if mask is None else mask,
+                             gu_part, gv_part, gmu, gmask), scalars, meta)
     # Finish the cross-tile reductions (deterministic: a fixed-order torch.sum).
     grad_u = grad_v = None
     if need_u:

@@ -179,3 +179,54 @@ def test_this_triton_has_the_launch_api_read():
 def test_only_the_triton_versions_read_launch_directly(version, ok):
     reason = _direct._supported(version)
     assert (reason is None) == ok, reason
+
+
+def planned(x, token, scalars=(64, 0.5, 7, True), grid=(4,), meta=None):
+    meta = meta if meta is not None else {"BLOCK": 128, "num_warps": 4}
+    _direct.direct(_kernel).planned(grid, token, (x,), scalars, meta)
+
+
+def test_a_planned_launch_keys_its_tensors_and_the_plans_identity(launches):
+    x = torch.randn(64)
+    scalars, meta = (64, 0.5, 7, True), {"BLOCK": 128, "num_warps": 4}
+    plan = (scalars, meta)
+    planned(x, plan, scalars, meta=meta)
+    planned(torch.randn(64), plan, scalars, meta=meta)  # other tensor, same dtype and alignment
+    assert kinds(launches) == ["triton", "direct"]
+    assert launches[1][2][1:] == (64, 0.5, 7, True, 128, 3)  # the scalars, then the constexprs and defaults
+    planned(x[1:], plan, scalars, meta=meta)  # 4 bytes off alignment: Triton's path
+    planned(x.double(), plan, scalars, meta=meta)  # another dtype
+    planned(x, (scalars, meta), scalars, meta=meta)  # an equal plan, but another object
+    assert kinds(launches) == ["triton", "direct", "triton", "triton", "triton"]
+    entry = next(iter(_direct.direct(_kernel).planned_signatures.values()))
+    assert entry[2] is plan  # held: no other object can take its id while the entry lives
+
+
+def test_a_planned_launch_switched_off_is_tritons(launches, monkeypatch):
+    monkeypatch.setattr(_direct, "ENABLED", False)
+    x = torch.randn(64)
+    plan = object()
+    launcher = _direct.DirectLaunch(_kernel)
+    for _ in range(2):
+        launcher.planned((4,), plan, (x,), (64, 0.5, 7, True), {"BLOCK": 128})
+    assert kinds(launches) == ["triton", "triton"]
+
+
+def test_the_factorized_forward_launches_with_its_cached_plan(monkeypatch):
+    """The op's launcher hands its cached plan as the token: the same object on every call
+    of a signature (``metadata_cached``), so a direct launch keys only the tensors."""
+    from pfl_kernels.triton import factorized as tf
+
+    seen = []
+
+    class Recorder:
+        def planned(self, grid, token, tensors, scalars, meta):
+            seen.append((token, scalars, meta))
+
+    monkeypatch.setattr(tf, "_launch", lambda kernel: Recorder())
+    monkeypatch.setattr(tf, "DirectLaunch", Recorder)
+    u, v, mu = torch.randn(3, 25, 1), torch.randn(3, 1, 18), torch.randn(3, 25, 18)
+    for _ in range(2):
+        tf.factorized_weight_triton(u, v, mu, None, shape=[6, 3, 5, 5], layout="spatial")
+    (t1, s1, m1), (t2, s2, m2) = seen
+    assert t1 is t2 and s1 is s2 and m1 is m2 and t1[2] is s1 and t1[3] is m1
