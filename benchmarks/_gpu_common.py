@@ -123,7 +123,9 @@ class Runtime:
         fused_ms, eager_ms = self.time(fused), self.time(eager)
         self.last_kernel_ms = None
         if fused_ms > eager_ms:
-            self.last_kernel_ms = (self.kernel_ms(fused), self.kernel_ms(eager))
+            # a dry run has no device to profile (and the interpreter is slow): NaN, as kernel_ms gives
+            nan = float("nan")
+            self.last_kernel_ms = (nan, nan) if self.dry_run else (self.kernel_ms(fused), self.kernel_ms(eager))
         return fused_ms, eager_ms
 
     def annotate(self, row: "Measured") -> "Measured":

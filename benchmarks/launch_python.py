@@ -15,8 +15,9 @@ a GPU machine's figures (its CPU may be slower, and its C launcher adds a few µ
 Each launch is recorded from the public op (factorized_weight, its backward op,
 branch_combine, pairwise_cosine), then replayed three ways, interleaved, ``--repeats`` times
 (medians): Triton's path; ``DirectLaunch[grid](...)``, which keys every argument; and
-``DirectLaunch.planned``, which keys the tensors and a plan's identity (what
-``factorized_weight``'s launcher uses; the others could, with their scalars in a cached plan).  Writes ``benchmarks/results/launch_python_cpu.json``.
+``DirectLaunch.planned``, which keys the tensors and a plan's identity (what the launchers of
+``factorized_weight``, ``branch_combine`` and the pairwise ops use; the others could, with
+their scalars in a cached plan).  Writes ``benchmarks/results/launch_python_cpu.json``.
 """
 from __future__ import annotations
 

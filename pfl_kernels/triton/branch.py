@@ -305,7 +305,7 @@ def branch_combine_triton(weights: torch.Tensor, alpha: torch.Tensor) -> torch.T
         return w
     w3 = _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
     with _device_guard(alpha):
-        _launch_planned(_branch_combine_kernel, (kk * n_nb,), launch, (w3, alpha, w), scalars, meta)
+        _launch_planned(_launch(_branch_combine_kernel), (kk * n_nb,), launch, (w3, alpha, w), scalars, meta)
     return w
 
 
@@ -333,7 +333,7 @@ def branch_combine_backward_triton(grad_w: torch.Tensor, weights: torch.Tensor, 
     # One block per client: the kernel writes grad_alpha itself (alpha's dtype, no sum).
     ga_part = alpha.new_empty((kk, n_nb, nbr), dtype=alpha.dtype if n_nb == 1 else acc) if need_a else alpha
     with _device_guard(alpha):
-        _launch_planned(_branch_combine_backward_kernel, (kk * n_nb,), launch, (g2, w3, alpha, gw, ga_part),
+        _launch_planned(_launch(_branch_combine_backward_kernel), (kk * n_nb,), launch, (g2, w3, alpha, gw, ga_part),
                         scalars, meta)
     grad_alpha = alpha.new_empty(0)
     if need_a:  # finish the cross-block sum (deterministic: a fixed-order torch.sum)

@@ -84,11 +84,12 @@ def _launch(kernel):
         return kernel
 
 
-def _launch_planned(kernel, grid, token, tensors: tuple, scalars: tuple, meta: dict) -> None:
-    """``_launch(kernel)[grid](*tensors, *scalars, **meta)``, where ``token`` is the cached launch
-    plan that holds ``scalars`` and ``meta``: a direct launch then keys only the tensors
-    (``DirectLaunch.planned``)."""
-    launcher = _launch(kernel)
+def _launch_planned(launcher, grid, token, tensors: tuple, scalars: tuple, meta: dict) -> None:
+    """``launcher[grid](*tensors, *scalars, **meta)``, for ``launcher = _launch(kernel)`` (each
+    module's own ``_launch``, which tools patch), where ``token`` belongs to the cached launch
+    plan that holds ``scalars`` and ``meta`` (the plan itself, or its meta dict where a plan
+    has several launches of one kernel) and to no other: a direct launch then keys only the
+    tensors (``DirectLaunch.planned``)."""
     if isinstance(launcher, DirectLaunch):
         launcher.planned(grid, token, tensors, scalars, meta)
     else:
@@ -339,7 +340,7 @@ def factorized_weight_triton(u: torch.Tensor, v: torch.Tensor, mu: Optional[torc
     if w.numel() == 0:
         return w
     with _device_guard(u):
-        _launch_planned(_factorized_weight_kernel, grid, plan,
+        _launch_planned(_launch(_factorized_weight_kernel), grid, plan,
                         (u, v, u if mu is None else mu, u if mask is None else mask, w), scalars, meta)
     return w
 
@@ -411,7 +412,7 @@ def factorized_weight_backward_triton(grad_w: torch.Tensor, u: torch.Tensor, v: 
     gmask = u.new_empty(lead + [rows, cols]) if need_mask else u
     if kk > 0:
         with _device_guard(u):
-            _launch_planned(_factorized_weight_backward_kernel, (kk * n_rb * n_cb,), plan,
+            _launch_planned(_launch(_factorized_weight_backward_kernel), (kk * n_rb * n_cb,), plan,
                             (g, u, v, u if mu is None else mu, u if mask is None else mask,
                              gu_part, gv_part, gmu, gmask), scalars, meta)
     # Finish the cross-tile reductions (deterministic: a fixed-order torch.sum).

@@ -51,7 +51,7 @@ from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from ..ops.similarity import check_weights_values
 from ..reference import similarity as _ref
 from .branch import _sm_count
-from .factorized import _check_devices, _device_guard, _launch
+from .factorized import _check_devices, _device_guard, _launch, _launch_planned
 
 
 # Tiles of the product: 64 x 64 outputs, 64 of D per step (tests shrink them).
@@ -245,8 +245,9 @@ _Q_HIGH = torch.finfo(torch.float32).max / 8
 def _pairwise_plan(x, y, mode, eps, tf32, tuning):
     """A pairwise call's checks and geometry, once per signature (``metadata_cached``): None
     where the reference (float64) or the GEMM form serves, else (K, M, D, D per split, the
-    scratch layout, the product grid, the row band's upper end).  ``tuning`` holds the block
-    sizes and routing settings read here (tests change them), so that they are in the key."""
+    scratch layout, the product grid, the row band's upper end, the launches' arguments: see
+    ``_launch_arguments``).  ``tuning`` holds the block sizes and routing settings read here
+    (tests change them), so that they are in the key."""
     k, m = _check_pair(x, y, eps if mode == MODE_COSINE else None)
     _check_devices(x, y)
     d = x.shape[1]
@@ -254,14 +255,32 @@ def _pairwise_plan(x, y, mode, eps, tf32, tuning):
                                     and _ops.cuda_pairwise_path(d, x.dtype, tf32) == "gemm"):
         return None
     if k == 0 or m == 0:  # an empty result: nothing to launch
-        return k, m, d, 0, 0, None, None, 0.0
+        return k, m, d, 0, 0, None, None, 0.0, None
     split = _split(k, m, d, x.device)
     # Each split's share of D, a multiple of BLOCK_D.
     d_per_split = cdiv(cdiv(max(d, 1), split), _BLOCK_D) * _BLOCK_D
     split = cdiv(max(d, 1), d_per_split)
     layout = _scratch_layout([(split, k, m), (split, k), (split, m), (split, k), (split, m)])
     grid = (cdiv(k, _BLOCK_K), cdiv(m, _BLOCK_M), split)
-    return k, m, d, d_per_split, split, layout, grid, math.sqrt(_Q_HIGH / max(d, 1))
+    m_high = math.sqrt(_Q_HIGH / max(d, 1))
+    return k, m, d, d_per_split, split, layout, grid, m_high, _launch_arguments(x, y, mode, eps, k, m, d, d_per_split,
+                                                                               split, m_high)
+
+
+def _launch_arguments(x, y, mode, eps, k, m, d, d_per_split, split, m_high):
+    """The scalar arguments and meta-parameters of a call's launches, made with its plan:
+    (the product's scalars, its two passes' meta-parameters, the epilogue's grid, scalars
+    and meta-parameters).  Each meta dict is its launch's token (``_launch_planned``): it
+    lives as long as the plan and belongs to it alone."""
+    yy = x if y is None else y
+    product_scalars = (k, m, d, d_per_split, split, _M_LOW, m_high, x.stride(0), x.stride(1),
+                       yy.stride(0), yy.stride(1))
+    product_metas = tuple(dict(IEEE=x.dtype == torch.float32, FIX=fix, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M,
+                               BLOCK_D=_BLOCK_D, num_warps=4) for fix in (False, True))
+    epilogue_grid = (cdiv(k, _BLOCK_K), cdiv(m, _BLOCK_M))
+    epilogue_scalars = (k, m, split, eps, _M_LOW, m_high)
+    epilogue_meta = dict(MODE=mode, SYMMETRIC=y is None, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, num_warps=4)
+    return product_scalars, product_metas, epilogue_grid, epilogue_scalars, epilogue_meta
 
 
 def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
@@ -271,24 +290,18 @@ def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
         if x.dtype == torch.float64:
             return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
         return _ops.gemm_pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ops.gemm_pairwise_sqdist(x, y)
-    k, m, d, d_per_split, split, layout, grid, m_high = plan
+    k, m, d, d_per_split, split, layout, grid, m_high, launches = plan
     out = x.new_empty((k, m), dtype=torch.float32)
     if out.numel() == 0:
         return out
+    product_scalars, product_metas, epilogue_grid, epilogue_scalars, epilogue_meta = launches
     yy = x if y is None else y
     part, nx, ny, mx, my = _scratch(x, layout)
     with _device_guard(x):
-        for fix in (False, True):  # the second pass redoes only tiles with an extreme row
-            _launch(_product_kernel)[grid](
-                x, yy, part, nx, ny, mx, my, k, m, d, d_per_split, split, _M_LOW, m_high,
-                x.stride(0), x.stride(1), yy.stride(0), yy.stride(1),
-                IEEE=x.dtype == torch.float32, FIX=fix, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D,
-                num_warps=4,
-            )
-        _launch(_epilogue_kernel)[(cdiv(k, _BLOCK_K), cdiv(m, _BLOCK_M))](
-            part, nx, ny, mx, my, out, k, m, split, eps, _M_LOW, m_high,
-            MODE=mode, SYMMETRIC=y is None, BLOCK_K=_BLOCK_K, BLOCK_M=_BLOCK_M, num_warps=4,
-        )
+        for meta in product_metas:  # FIX False, then True: the second pass redoes only tiles with an extreme row
+            _launch_planned(_launch(_product_kernel), grid, meta, (x, yy, part, nx, ny, mx, my), product_scalars, meta)
+        _launch_planned(_launch(_epilogue_kernel), epilogue_grid, epilogue_meta, (part, nx, ny, mx, my, out),
+                        epilogue_scalars, epilogue_meta)
     return out
 
 

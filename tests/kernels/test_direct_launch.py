@@ -212,21 +212,105 @@ def test_a_planned_launch_switched_off_is_tritons(launches, monkeypatch):
     assert kinds(launches) == ["triton", "triton"]
 
 
-def test_the_factorized_forward_launches_with_its_cached_plan(monkeypatch):
-    """The op's launcher hands its cached plan as the token: the same object on every call
-    of a signature (``metadata_cached``), so a direct launch keys only the tensors."""
+def _record_planned_launches(monkeypatch, recorder) -> None:
+    """Every module's ``_launch`` gives ``recorder(kernel)``, which ``_launch_planned`` takes for
+    a direct launcher (its ``planned`` is called)."""
+    import importlib
+
+    from pfl_kernels.triton import factorized as tf
+    for name in ("aggregate", "branch", "branch_aggregate", "class_means", "factorized", "similarity"):
+        monkeypatch.setattr(importlib.import_module(f"pfl_kernels.triton.{name}"), "_launch", recorder)
+    monkeypatch.setattr(tf, "DirectLaunch", recorder)
+
+
+def _planned_calls(monkeypatch, call):
+    """(kernel, token, scalars, meta) of each planned launch of two calls of ``call``."""
     from pfl_kernels.triton import factorized as tf
 
     seen = []
 
     class Recorder:
-        def planned(self, grid, token, tensors, scalars, meta):
-            seen.append((token, scalars, meta))
+        def __init__(self, kernel=None):
+            self.kernel = kernel
 
-    monkeypatch.setattr(tf, "_launch", lambda kernel: Recorder())
-    monkeypatch.setattr(tf, "DirectLaunch", Recorder)
-    u, v, mu = torch.randn(3, 25, 1), torch.randn(3, 1, 18), torch.randn(3, 25, 18)
+        def planned(self, grid, token, tensors, scalars, meta):
+            assert all(isinstance(t, torch.Tensor) for t in tensors)
+            seen.append((self.kernel, token, scalars, meta))
+
+    _record_planned_launches(monkeypatch, Recorder)
     for _ in range(2):
-        tf.factorized_weight_triton(u, v, mu, None, shape=[6, 3, 5, 5], layout="spatial")
-    (t1, s1, m1), (t2, s2, m2) = seen
-    assert t1 is t2 and s1 is s2 and m1 is m2 and t1[2] is s1 and t1[3] is m1
+        call()
+    half = len(seen) // 2
+    assert half and len(seen) == 2 * half
+    return seen[:half], seen[half:]
+
+
+def _assert_same_plan_objects(first, second):
+    """Each launch of the second call got the very objects of the first's: the token, its
+    scalars and meta come from the cached plan (``metadata_cached``), and tokens are not
+    shared by two launches of one kernel with other arguments."""
+    for (k1, t1, s1, m1), (k2, t2, s2, m2) in zip(first, second):
+        assert k1 is k2 and t1 is t2 and s1 is s2 and m1 is m2
+    tokens = [(id(k), id(t)) for k, t, _, _ in first]
+    assert len(set(tokens)) == len(tokens)
+
+
+def test_the_factorized_launches_hand_their_cached_plan(monkeypatch):
+    from pfl_kernels.triton import factorized as tf
+
+    u, v, mu = torch.randn(3, 25, 1), torch.randn(3, 1, 18), torch.randn(3, 25, 18)
+    g = torch.randn(3, 6, 3, 5, 5)
+    first, second = _planned_calls(monkeypatch, lambda: (
+        tf.factorized_weight_triton(u, v, mu, None, shape=[6, 3, 5, 5], layout="spatial"),
+        tf.factorized_weight_backward_triton(g, u, v, mu, None, shape=[6, 3, 5, 5], layout="spatial",
+                                             output_mask=[True] * 4)))
+    _assert_same_plan_objects(first, second)
+
+
+def test_the_branch_and_pairwise_launches_hand_their_cached_plan(monkeypatch):
+    from pfl_kernels.triton import branch as tb, similarity as ts
+
+    weights, alpha = torch.randn(4, 3, 16, 6), torch.softmax(torch.randn(4, 3), 1)
+    g = torch.randn(4, 16, 6)
+    x = torch.randn(5, 70)
+    first, second = _planned_calls(monkeypatch, lambda: (
+        tb.branch_combine_triton(weights, alpha),
+        tb.branch_combine_backward_triton(g, weights, alpha, [True, True]),
+        ts.pairwise_cosine_triton(x, None, 1e-8)))
+    assert len(first) == 5  # combine, its backward, the product's two passes, the epilogue
+    _assert_same_plan_objects(first, second)
+
+
+def test_plans_strides_are_the_launched_views(monkeypatch):
+    """The strides a plan holds (read from meta twins) are those of the views launched:
+    channels_last weights and a transposed gradient, which the launcher copies or views."""
+    from pfl_kernels.triton import branch as tb
+
+    weights = torch.randn(4, 3, 16, 3, 3, 6).permute(0, 1, 2, 5, 3, 4)  # each weight channels_last: copied
+    alpha = torch.softmax(torch.randn(4, 3), 1)
+    g = torch.randn(4, 16, 6, 3, 3).transpose(1, 2).contiguous().transpose(1, 2)
+    seen = []
+
+    class Recorder:
+        def __init__(self, kernel=None):
+            pass
+
+        def planned(self, grid, token, tensors, scalars, meta):
+            seen.append((tensors, scalars))
+
+    from pfl_kernels.triton import factorized as tf
+    _record_planned_launches(monkeypatch, Recorder)
+    tb.branch_combine_triton(weights, alpha)
+    tb.branch_combine_backward_triton(g, weights, alpha, [True, True])
+    (w3, _, _), scalars = seen[0]
+    assert tuple(scalars[3:6]) == w3.stride()
+    (g2, w3b, *_), scalars = seen[1]
+    assert tuple(scalars[4:6]) == g2.stride() and tuple(scalars[6:9]) == w3b.stride()
+    # the factorized backward: a permuted gradient that cannot be viewed as [K, A, R, B] (copied)
+    u, v, mu = torch.randn(3, 25, 1), torch.randn(3, 1, 18), torch.randn(3, 25, 18)
+    for grad_w in (torch.randn(5, 5, 3, 6, 3).permute(4, 3, 2, 1, 0), torch.randn(6, 6, 3, 5, 5)[::2]):
+        seen.clear()
+        tf.factorized_weight_backward_triton(grad_w, u, v, mu, None, shape=[6, 3, 5, 5], layout="spatial",
+                                             output_mask=[True] * 4)
+        (g, *_), scalars = seen[0]
+        assert tuple(scalars[5:9]) == g.stride()
