@@ -398,7 +398,8 @@ def measure_case(case: Case, cuda: bool, calls: int, repeats: int) -> Row:
     bare_host, bare_dev = per_call_us(bare, calls, repeats, cuda)
     with direct_launches():
         if case.rerun_gives_expected:
-            got = _as_tuple(case.got(case.public()))
+            case.public()  # a signature's first call goes through Triton and keeps the compiled kernel
+            got = _as_tuple(case.got(case.public()))  # the second is launched directly: checked
             err = max(err, max(common.check(f"{name} (direct launches) [{i}]", g.detach(), e.detach().double(),
                                             case.tol) for i, (g, e) in enumerate(zip(got, want))))
         direct_host, _ = per_call_us(case.public, calls, repeats, cuda)
