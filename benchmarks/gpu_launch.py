@@ -86,15 +86,16 @@ class Launch:
 class _Recording:
     """Stands in for what ``_launch(kernel)`` returns: ``[grid](...)`` records, then launches."""
 
-    def __init__(self, kernel, launches: list, snapshot: bool):
-        self.kernel, self.launches, self.snapshot = kernel, launches, snapshot
+    def __init__(self, kernel, launches: list, snapshot: bool, make: bool = True):
+        self.kernel, self.launches, self.snapshot, self.make = kernel, launches, snapshot, make
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             rec = Launch(self.kernel, grid, args, kwargs)
             if self.snapshot:
                 rec.before = {k: t.detach().clone() for k, t in rec.tensors().items()}
-            self.kernel[grid](*args, **kwargs)
+            if self.make:
+                self.kernel[grid](*args, **kwargs)
             if self.snapshot:
                 rec.after = {k: t.detach().clone() for k, t in rec.tensors().items()}
             self.launches.append(rec)
@@ -102,9 +103,10 @@ class _Recording:
 
 
 @contextlib.contextmanager
-def recording(snapshot: bool = False) -> Iterator[list]:
-    """Within the block, every Triton launch of the ops is recorded (and still made); yields
-    the list of ``Launch``es.  Patches each kernel module's ``_launch``, undone at exit."""
+def recording(snapshot: bool = False, make: bool = True) -> Iterator[list]:
+    """Within the block, every Triton launch of the ops is recorded (and still made, unless
+    ``make`` is False); yields the list of ``Launch``es.  Patches each kernel module's
+    ``_launch``, undone at exit."""
     import importlib
 
     launches: list = []
@@ -112,7 +114,7 @@ def recording(snapshot: bool = False) -> Iterator[list]:
     saved = [(m, m._launch) for m in modules]
     try:
         for m in modules:
-            m._launch = lambda kernel: _Recording(kernel, launches, snapshot)
+            m._launch = lambda kernel: _Recording(kernel, launches, snapshot, make)
         yield launches
     finally:
         for m, launch in saved:

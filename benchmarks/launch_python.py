@@ -135,38 +135,12 @@ def recorded_launches() -> list[tuple[str, object]]:
         "pairwise_cosine": lambda: pairwise_cosine(x),
     }
     out = []
-    with gpu_launch.stubbed_launches(), pfl_triton.launchers_on_cpu():
+    with pfl_triton.launchers_on_cpu():
         for name, call in calls.items():
-            with _recording_only() as launches:
+            with gpu_launch.recording(make=False) as launches:
                 call()
             out += [(f"{name} [{i}]" if len(launches) > 1 else name, rec) for i, rec in enumerate(launches)]
     return out
-
-
-@contextlib.contextmanager
-def _recording_only():
-    """Record each launch (kernel, grid, arguments) without making it."""
-    import importlib
-
-    from benchmarks.gpu_launch import TRITON_MODULES, Launch
-    launches: list = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(Launch(self.kernel, grid, args, kwargs))
-
-    modules = [importlib.import_module(f"pfl_kernels.triton.{m}") for m in TRITON_MODULES]
-    saved = [(m, m._launch) for m in modules]
-    for m in modules:
-        m._launch = Recorder
-    try:
-        yield launches
-    finally:
-        for m, launch in saved:
-            m._launch = launch
 
 
 def per_call_us(fn, calls: int) -> float:

@@ -91,6 +91,16 @@ class DirectLaunch:
         self.signatures: dict = {}  # signature -> (compiled kernel, the arguments after the positional ones)
         self.planned_signatures: dict = {}  # (token id, tensor keys, device) -> (compiled, the rest, token)
 
+    def _bypassed(self, grid) -> bool:
+        """Whether a call takes Triton's path whatever its arguments (module docstring)."""
+        return not ENABLED or callable(grid) or bool(getattr(self.kernel, "pre_run_hooks", None))
+
+    def _trailing(self, n: int, kwargs: dict) -> tuple:
+        """The parameters after the first ``n``, in signature order, as Triton's launcher gets
+        them (``bound_args.values()``): keywords and defaults, launch options (num_warps) left
+        out; the same for every call of a signature."""
+        return tuple([kwargs[name] if name in kwargs else self.defaults[name] for name in self.names[n:]])
+
     def __getitem__(self, grid) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
@@ -112,7 +122,7 @@ class DirectLaunch:
         return tuple(key)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
-        if not ENABLED or callable(grid) or getattr(self.kernel, "pre_run_hooks", None):
+        if self._bypassed(grid):
             self.kernel[grid](*args, **kwargs)
             return
         key = self.signature(args, kwargs)
@@ -125,15 +135,10 @@ class DirectLaunch:
             if key is not None and compiled is not None:
                 if len(self.signatures) >= _MAX_SIGNATURES:
                     self.signatures.clear()
-                # the parameters after the positional ones, in signature order, as Triton's
-                # launcher gets them (``bound_args.values()``), launch options (num_warps) left
-                # out: keywords and defaults, the same for every call of the signature
-                rest = tuple([kwargs[n] if n in kwargs else self.defaults[n] for n in self.names[len(args):]])
-                self.signatures[key] = (compiled, rest)
+                self.signatures[key] = (compiled, self._trailing(len(args), kwargs))
             return
         compiled, rest = entry
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        compiled[grid3](*args, *rest, stream=torch._C._cuda_getCurrentRawStream(key[-1]))  # key[-1]: the device
+        compiled[_grid3(grid)](*args, *rest, stream=torch._C._cuda_getCurrentRawStream(key[-1]))  # key[-1]: the device
 
 
     def planned(self, grid, token, tensors: tuple, scalars: tuple, meta: dict) -> None:
@@ -143,7 +148,7 @@ class DirectLaunch:
         tensors (dtype, alignment) and the device: about half of ``launch``'s work on a
         launch of 30 arguments.  The entry keeps ``token`` alive, so its id is never another
         object's while the entry exists."""
-        if not ENABLED or callable(grid) or getattr(self.kernel, "pre_run_hooks", None):
+        if self._bypassed(grid):
             self.kernel[grid](*tensors, *scalars, **meta)
             return
         try:
@@ -158,12 +163,15 @@ class DirectLaunch:
             if compiled is not None:
                 if len(self.planned_signatures) >= _MAX_SIGNATURES:
                     self.planned_signatures.clear()
-                n = len(tensors) + len(scalars)
-                rest = tuple([meta[name] if name in meta else self.defaults[name] for name in self.names[n:]])
+                rest = self._trailing(len(tensors) + len(scalars), meta)
                 self.planned_signatures[key] = (compiled, scalars + rest, token)
             return
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        entry[0][grid3](*tensors, *entry[1], stream=torch._C._cuda_getCurrentRawStream(key[-1]))
+        entry[0][_grid3(grid)](*tensors, *entry[1], stream=torch._C._cuda_getCurrentRawStream(key[-1]))
+
+
+def _grid3(grid) -> tuple:
+    """A grid as the three sizes a compiled kernel's launcher takes."""
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
 
 class _Unkeyed(Exception):

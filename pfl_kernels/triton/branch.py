@@ -41,7 +41,7 @@ from . import register_cuda
 from ..ops.branch import _check_op_args, _check_project_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from ..reference import branch as _ref
-from .factorized import _acc_dtype, _check_devices, _device_guard, _launch, _launch_planned
+from .factorized import _acc_dtype, _check_devices, _device_guard, _launch, _launch_planned, _meta_twin
 
 
 # Block budget: BLOCK_N = 4096 is 16 fp32 values per thread at 8 warps, enough bytes in
@@ -257,10 +257,14 @@ def _plan(weights, alpha, grad_w, max_block_n, min_block_n, unroll_b):
     return tuple(out_shape), kk, nbr, n, sa, block, cdiv(n, block), min(nbr, unroll_b)
 
 
-def _meta_twin(t: torch.Tensor) -> torch.Tensor:
-    """A tensor on the meta device with t's sizes, strides and dtype: what a view of t would
-    look like, without touching t's data."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+def _weights_kbn(weights: torch.Tensor, alpha: torch.Tensor, kk: int, nbr: int, n: int) -> torch.Tensor:
+    """weights as [K, B, N] (``_as_kbn``; shared branches get a client dim of 1 first)."""
+    return _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
+
+
+def _grad_kn(grad_w: torch.Tensor, alpha: torch.Tensor, kk: int, n: int) -> torch.Tensor:
+    """grad_w as [K, N] (``_as_kbn``)."""
+    return _as_kbn(grad_w if alpha.dim() == 2 else grad_w.unsqueeze(0), 1, (kk, n))
 
 
 @metadata_cached
@@ -270,7 +274,7 @@ def _combine_launch(weights, alpha, max_block_n, min_block_n, unroll_b):
     [K, B, N] read from a meta twin, as the launcher will view them (``_as_kbn``)."""
     plan = _plan(weights, alpha, None, max_block_n, min_block_n, unroll_b)
     _, kk, nbr, n, (sa_k, sa_b), block, _, unroll = plan
-    w3 = _as_kbn(_meta_twin(weights if alpha.dim() == 2 else weights.unsqueeze(0)), 2, (kk, nbr, n))
+    w3 = _weights_kbn(_meta_twin(weights), alpha, kk, nbr, n)
     scalars = (n, nbr, kk, *w3.stride(), sa_k, sa_b)
     meta = dict(B_UNROLL=unroll, ACC_F64=alpha.dtype == torch.float64, BLOCK_N=block, num_warps=_num_warps(block))
     return plan, scalars, meta
@@ -282,8 +286,8 @@ def _combine_backward_launch(grad_w, weights, alpha, need_w, need_a, max_block_n
     [K, N] from its meta twin too."""
     plan = _plan(weights, alpha, grad_w, max_block_n, min_block_n, unroll_b)
     _, kk, nbr, n, (sa_k, sa_b), block, n_nb, unroll = plan
-    w3 = _as_kbn(_meta_twin(weights if alpha.dim() == 2 else weights.unsqueeze(0)), 2, (kk, nbr, n))
-    g2 = _as_kbn(_meta_twin(grad_w if alpha.dim() == 2 else grad_w.unsqueeze(0)), 1, (kk, n))
+    w3 = _weights_kbn(_meta_twin(weights), alpha, kk, nbr, n)
+    g2 = _grad_kn(_meta_twin(grad_w), alpha, kk, n)
     scalars = (n, nbr, kk, n_nb, *g2.stride(), *w3.stride(), sa_k, sa_b)
     meta = dict(NEED_W=need_w, NEED_ALPHA=need_a, B_UNROLL=unroll, ACC_F64=_acc_dtype(alpha.dtype) == torch.float64,
                 BLOCK_N=block, num_warps=_num_warps(block))
@@ -303,7 +307,7 @@ def branch_combine_triton(weights: torch.Tensor, alpha: torch.Tensor) -> torch.T
     w = alpha.new_empty(out_shape)
     if w.numel() == 0:
         return w
-    w3 = _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
+    w3 = _weights_kbn(weights, alpha, kk, nbr, n)
     with _device_guard(alpha):
         _launch_planned(_launch(_branch_combine_kernel), (kk * n_nb,), launch, (w3, alpha, w), scalars, meta)
     return w
@@ -328,8 +332,8 @@ def branch_combine_backward_triton(grad_w: torch.Tensor, weights: torch.Tensor, 
     if kk * n == 0:  # nothing to read: grad_alpha is an empty sum
         ga = alpha.new_zeros(alpha.shape) if need_a else alpha.new_empty(0)
         return (gw if need_w else alpha.new_empty(0)), ga
-    w3 = _as_kbn(weights if alpha.dim() == 2 else weights.unsqueeze(0), 2, (kk, nbr, n))
-    g2 = _as_kbn(grad_w if alpha.dim() == 2 else grad_w.unsqueeze(0), 1, (kk, n))
+    w3 = _weights_kbn(weights, alpha, kk, nbr, n)
+    g2 = _grad_kn(grad_w, alpha, kk, n)
     # One block per client: the kernel writes grad_alpha itself (alpha's dtype, no sum).
     ga_part = alpha.new_empty((kk, n_nb, nbr), dtype=alpha.dtype if n_nb == 1 else acc) if need_a else alpha
     with _device_guard(alpha):

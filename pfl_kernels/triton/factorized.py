@@ -96,6 +96,12 @@ def _launch_planned(launcher, grid, token, tensors: tuple, scalars: tuple, meta:
         launcher[grid](*tensors, *scalars, **meta)
 
 
+def _meta_twin(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on the meta device with t's sizes, strides and dtype: what a view of t would
+    look like, without touching t's data (a launch plan reads the strides of its views so)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
 _SAME_DEVICE = contextlib.nullcontext()  # stateless, so one instance serves every call
 
 
@@ -365,8 +371,7 @@ def _backward_plan(grad_w, u, v, mu, mask, shape, layout, output_mask, max_tile,
                 cdiv(rows, block_r), cdiv(cols, block_c))
     factor_strides = (*_strides3(u), *_strides3(v), *_strides3(mu), *_strides3(mask))
     # grad_w's strides as the launcher will view it (``_grad_as_kark``), read from a meta twin
-    g = _grad_as_kark(torch.empty_strided(grad_w.shape, grad_w.stride(), dtype=grad_w.dtype, device="meta"),
-                      bool(lead), geometry[0], outer, rows, inner)
+    g = _grad_as_kark(_meta_twin(grad_w), bool(lead), geometry[0], outer, rows, inner)
     scalars = (rows, cols, inner, geometry[6], geometry[7], *g.stride(), *factor_strides)
     meta = dict(RANK=u.shape[-1], MODE=_mode(outer, inner), HAS_MASK=mask is not None,
                 NEED_U=need_u, NEED_V=need_v, NEED_MU=need_mu, NEED_MASK=need_mask,
