@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
@@ -68,6 +68,7 @@ class Row(common.Measured):
     eager_ms: float
     copy_ms: float
     max_abs_err: float
+    one_row_ms: Optional[float] = None  # sparse: the kernel gathering one kept row per step
 
     JSON_EXTRA = (("fused_gbps", "fused_gbps"), ("floor_ms", "floor_ms"), ("floor_ratio", "floor_ratio"),
                   ("speedup_vs_mm", "speedup"), ("targeted", "targeted"))
@@ -95,7 +96,8 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"{r.clients:>5} {r.params:>9} {r.density:>5.2f} {r.bytes / 1e6:>9.1f} {r.fused_ms * 1e3:>10.1f} "
             f"{r.eager_ms * 1e3:>10.1f} {r.copy_ms * 1e3:>10.1f} {r.fused_gbps:>6.0f} {r.floor_ratio:>8.2f} "
-            f"{r.speedup:>7.2f} {r.max_abs_err:>9.2e}{flag}")
+            f"{r.speedup:>7.2f} {r.max_abs_err:>9.2e}{flag}"
+            + (f"  one row per step: {r.one_row_ms * 1e3:.1f} us" if r.one_row_ms is not None else ""))
     return "\n".join(lines)
 
 
@@ -151,9 +153,26 @@ def bench_case(rt: common.Runtime, k: int, p: int, density: float, dtype: torch.
     nnz = int((w != 0).sum()) if density < 1 else None
     nbytes = op_bytes(k, p, elem, nnz)
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
+    one_row_ms = time_one_row(rt, fused, lambda: common.check(
+        f"K={k} P={p} density={density}, one row per step", out[:, :cols],
+        ref.weighted_average(w.double(), params[:, :cols].double()), tol)) if density < 1 else None
     del params, out
     rt.empty_cache()
-    return rt.annotate(Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err))
+    return rt.annotate(Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err, one_row_ms))
+
+
+def time_one_row(rt: common.Runtime, fused: Callable[[], object], check: Callable[[], object]) -> float:
+    """Median ms of ``fused`` with the sparse kernel gathering one kept row per step, after
+    ``check`` of its result."""
+    from pfl_kernels.triton import aggregate as ta
+
+    saved, ta._SPARSE_BLOCK_E = ta._SPARSE_BLOCK_E, 1
+    try:
+        fused()
+        check()
+        return rt.time(fused)
+    finally:
+        ta._SPARSE_BLOCK_E = saved
 
 
 def measure(rt: common.Runtime, args) -> list[Row]:

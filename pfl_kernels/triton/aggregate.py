@@ -17,8 +17,9 @@ device:
   nonzero (a slow path that only tiles holding NaN/Inf take).
 * sparse: the nonzero weights as CSR (row pointers, int32 columns, values in the
   accumulation dtype), built with torch ops on the device; one program per (row, P-block)
-  gathers only the kept rows of params.  Cost ∝ nnz · P.  Rows are the fastest grid axis,
-  so rows sharing kept clients read them from L2.
+  gathers only the kept rows of params, ``_SPARSE_BLOCK_E`` of them per step with their
+  loads in flight together.  Cost ∝ nnz · P.  Rows are the fastest grid axis, so rows
+  sharing kept clients read them from L2 (loaded evict-last; out is stored evict-first).
 
 Which one serves (issue 30, item 2; ``pfl_kernels.ops.aggregate.cuda_path``): sparse weights
 take the CSR kernel; dense weights on CUDA take ``gemm_weighted_average`` (one cuBLAS GEMM,
@@ -63,8 +64,11 @@ from .factorized import _check_devices, _device_guard, _launch
 _MAX_BLOCK_K = 64
 _BLOCK_M = 32
 _BLOCK_P = 128
-# Sparse: columns per program (4 warps, 8 fp32 per thread).
+# Sparse: columns per program, kept rows gathered per step (8 warps: per thread 4 columns of
+# each of the BLOCK_E rows).  BLOCK_E = 1 is the one-row-at-a-time loop of before, which
+# benchmarks/gpu_aggregate.py times beside it.
 _SPARSE_BLOCK_P = 1024
+_SPARSE_BLOCK_E = 8
 # Below this fraction of nonzero weights, the sparse kernel runs (as on CPU).  Tests change it.
 _SPARSE_DENSITY = _ops.SPARSE_DENSITY
 # Devices whose dense weights go to the GEMM form (``ops.aggregate.cuda_path``); the
@@ -117,7 +121,7 @@ def _sparse_kernel(
     ptr_ptr, col_ptr, val_ptr, p_ptr, out_ptr,
     K, P,
     sp_m, so_k,
-    ACC_F64: tl.constexpr, BLOCK_P: tl.constexpr,
+    ACC_F64: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0)
     k = (pid % K).to(tl.int64)
@@ -130,11 +134,20 @@ def _sparse_kernel(
         acc = tl.zeros([BLOCK_P], dtype=tl.float32)
     e0 = tl.load(ptr_ptr + k)
     e1 = tl.load(ptr_ptr + k + 1)
-    for e in range(e0, e1):  # in column order: deterministic
-        j = tl.load(col_ptr + e).to(tl.int64)
-        v = tl.load(val_ptr + e)
-        acc += v * tl.load(p_ptr + j * sp_m + rp, mask=mp, other=0).to(acc.dtype)
-    tl.store(out_ptr + k * so_k + rp, acc.to(out_ptr.dtype.element_ty), mask=mp)
+    # BLOCK_E kept rows per step, their loads issued together (one row at a time left each
+    # program waiting on a column index, then on its row, nnz times over).  Masked entries
+    # read 0 for both weight and row: 0·0, so no NaN comes from a padded entry.
+    for e in range(e0, e1, BLOCK_E):
+        re = e + tl.arange(0, BLOCK_E)
+        me = re < e1
+        j = tl.load(col_ptr + re, mask=me, other=0).to(tl.int64)
+        v = tl.load(val_ptr + re, mask=me, other=0)
+        # Rows stay in L2 for the other rows of out that keep them (the grid's fastest axis);
+        # out is written once and never read, so it is evicted first.
+        t = tl.load(p_ptr + j[:, None] * sp_m + rp[None, :], mask=me[:, None] & mp[None, :], other=0,
+                    eviction_policy="evict_last").to(acc.dtype)
+        acc += tl.sum(v[:, None] * t, axis=0)
+    tl.store(out_ptr + k * so_k + rp, acc.to(out_ptr.dtype.element_ty), mask=mp, eviction_policy="evict_first")
 
 
 def _block_k(k: int) -> int:
@@ -245,8 +258,8 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
             grid = (k * cdiv(p, _SPARSE_BLOCK_P),)
             _launch(_sparse_kernel)[grid](
                 ptr, cols, vals, params, out, k, p, params.stride(0), out.stride(0),
-                ACC_F64=acc == torch.float64, BLOCK_P=_SPARSE_BLOCK_P,
-                num_warps=max(1, min(8, _SPARSE_BLOCK_P // 256)),
+                ACC_F64=acc == torch.float64, BLOCK_E=_SPARSE_BLOCK_E, BLOCK_P=_SPARSE_BLOCK_P,
+                num_warps=max(1, min(8, _SPARSE_BLOCK_P // 128)),
             )
             return
         n_kb = cdiv(k, block_k)

@@ -40,6 +40,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(ta, "_BLOCK_M", 16)
         monkeypatch.setattr(ta, "_BLOCK_P", 16)
         monkeypatch.setattr(ta, "_SPARSE_BLOCK_P", 16)
+        monkeypatch.setattr(ta, "_SPARSE_BLOCK_E", 2)  # a row's kept clients over several steps
     return request.param
 
 
