@@ -6,6 +6,8 @@ In the Triton interpreter or on a CUDA device, skipped otherwise (see ``triton_s
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -26,6 +28,9 @@ def blocks(request, monkeypatch):
     if request.param == "tiny-blocks":
         monkeypatch.setattr(tba, "_MAX_BLOCK_P", 16)
         monkeypatch.setattr(tba, "_MIN_BLOCK_P", 16)
+        monkeypatch.setattr(tba, "_BLOCK_I", 2)  # clients over several steps (float64: one a step)
+        monkeypatch.setattr(tba, "_COEF_BLOCK_K", 2)  # alpha over several tiles each way
+        monkeypatch.setattr(tba, "_MAX_COEF_BLOCK_B", 2)
     return request.param
 
 
@@ -48,6 +53,49 @@ def check(params, alpha, counts, dtype=F64):
 @pytest.mark.parametrize("k,b,shape", [(1, 1, (5,)), (3, 2, (7,)), (5, 3, (2, 3, 3)), (40, 2, (33,))], ids=str)
 def test_matches_reference(k, b, shape, blocks):
     check(*make_inputs(k, b, shape))
+
+
+@pytest.mark.parametrize("counts_dtype", [torch.int64, torch.int32, torch.uint8, torch.float32, F64], ids=str)
+@pytest.mark.parametrize("alpha_dtype", [torch.float16, torch.bfloat16, torch.float32, F64], ids=str)
+@pytest.mark.parametrize("k,b", [(1, 1), (3, 5), (130, 20)], ids=str)
+def test_coefficients_match_the_reference(k, b, alpha_dtype, counts_dtype, blocks):
+    """One launch forms the reference's float64 coefficients (then rounded to the accumulation
+    dtype), over several tiles of alpha each way, K = 1 (a specialized int) included, with a
+    strided alpha, unweighted branches and zero counts, and flags nothing."""
+    g = torch.Generator().manual_seed(k * b)
+    alpha = torch.rand(b, k, generator=g, dtype=F64).t().to(alpha_dtype)  # strides (1, K)
+    alpha[0, :] = 0
+    if b > 1:
+        alpha[:, 1] = 0  # nobody weights branch 1: 1/K
+    counts = torch.randint(0, 50, (k,), generator=g).to(counts_dtype)
+    params = torch.zeros(k, b, 1, device=DEVICE)
+    for acc in (torch.float32, F64):
+        coef, flags = tba._coefficients_and_checks(params.to(acc), alpha.to(DEVICE), counts.to(DEVICE))
+        assert coef.dtype == acc and coef.is_contiguous() and flags.tolist() == [0, 0]
+        want = ref.coefficients(alpha.to(F64), counts, acc)
+        # The sums run in another order: within K ulps of float64, then one rounding to float32.
+        rtol = 2.0 ** -23 if acc == torch.float32 else k * 2.0 ** -52
+        torch.testing.assert_close(coef.cpu(), want, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("bad", ["alpha nan", "alpha inf", "alpha negative", "counts negative", "counts nan"])
+@pytest.mark.parametrize("variant", ["functional", "out"])
+def test_bad_values_raise_the_ops_error_and_leave_out_untouched(bad, variant, blocks):
+    params, alpha, counts = make_inputs(70, 3, (9,), seed=5)
+    if bad.startswith("counts"):
+        counts = counts.double()
+    target, value = bad.split()
+    tensor = alpha if target == "alpha" else counts
+    index = (66, 2) if target == "alpha" else (66,)
+    tensor[index] = {"nan": math.nan, "inf": math.inf, "negative": -1.0}[value]
+    name = "alpha" if target == "alpha" else "counts"
+    out = torch.full((3, 9), 7.0, dtype=F64, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"{name} must be >= 0 and finite, got {name}\[66"):
+        if variant == "out":
+            tba.branch_aggregate_out_triton(params, alpha, counts, out=out)
+        else:
+            tba.branch_aggregate_triton(params, alpha, counts)
+    assert bool((out == 7.0).all())
 
 
 def test_float32(blocks):
