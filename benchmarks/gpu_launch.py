@@ -30,8 +30,9 @@ no op can shed.  The summary counts the two apart.
 
 An op served by a library call rather than a Triton kernel at a shape (dense
 ``weighted_average``, long float32 pairwise rows and ``class_means`` with C <= D take cuBLAS,
-see ``python -m pfl_kernels``) records no launch; its row compares the public op with that bare library
-call (``torch.mm``) and says so in its ``path``.  An op that syncs (it reads values: the
+see ``python -m pfl_kernels``) compares the public op with that bare library call
+(``torch.mm``) and the Triton launches it records besides (dense ``weighted_average``'s
+counting of values for its checks), and says so in its ``path``.  An op that syncs (it reads values: the
 weights' NaN check, a band check) pays the device time in its host time; the row's device
 time shows it.
 
@@ -388,12 +389,16 @@ def measure_case(case: Case, cuda: bool, calls: int, repeats: int) -> Row:
         for rec in launches:
             rec.before, rec.after = {}, {}
 
-        def bare() -> None:
-            for rec in launches:
-                rec.kernel[rec.grid](*rec.args, **rec.kwargs)
-        path = f"triton ({len(launches)} launch{'es' if len(launches) > 1 else ''})"
-    elif case.library is not None:
-        bare, path = case.library, "library (torch.mm)"
+    def replay() -> None:
+        for rec in launches:
+            rec.kernel[rec.grid](*rec.args, **rec.kwargs)
+    counted = f"{len(launches)} launch{'es' if len(launches) > 1 else ''}"
+    if case.library is not None:  # the library call, and the Triton launches around it (checks)
+        library = case.library
+        bare = (lambda: (library(), replay())) if launches else library
+        path = "library (torch.mm)" + (f" + triton ({counted})" if launches else "")
+    elif launches:
+        bare, path = replay, f"triton ({counted})"
     else:
         raise AssertionError(f"{name}: no Triton launch recorded and no library call to compare with")
     public_host, public_dev = per_call_us(case.public, calls, repeats, cuda)
@@ -437,21 +442,15 @@ def _routing_on_cpu(dry: bool):
 
 
 class _Stub:
-    """Stands in for what ``_launch(kernel)`` returns: ``[grid](...)`` does nothing, except that
-    a kernel's ``flags_ptr`` output (data checks the op reads on the host) is zeroed: the data
-    is good, as a launch would have said."""
+    """Stands in for what ``_launch(kernel)`` returns: ``[grid](...)`` does nothing, except for
+    a kernel whose outputs the op reads on the host (data checks, counts): its ``emulate``, a
+    plain-PyTorch stand-in, writes them (its CPU time is then part of the host time)."""
 
     def __init__(self, kernel):
-        names = list(getattr(kernel, "arg_names", ()))
-        self.flags = names.index(FLAGS_ARG) if FLAGS_ARG in names else None
+        self.emulate = getattr(kernel, "emulate", None)
 
     def __getitem__(self, grid):
-        if self.flags is None:
-            return lambda *args, **kwargs: None
-        return lambda *args, **kwargs: args[self.flags].zero_()
-
-
-FLAGS_ARG = "flags_ptr"  # the name every kernel gives its data-check flags
+        return self.emulate or (lambda *args, **kwargs: None)
 
 
 @contextlib.contextmanager

@@ -58,13 +58,14 @@ def test_launch_dry_run(tmp_path, capsys):
         assert r["path"].startswith(("triton (", "library (torch.mm)")), r
     # the routed paths: dense weighted_average and long float32 rows take cuBLAS, the rest Triton
     paths = {(r["op"], r["shape"]): r["path"] for r in rows}
-    assert paths[("weighted_average", "K=20 P=257 dense")] == "library (torch.mm)"
+    # (with the counting launches of its checks: the weights', then the product's row 0)
+    assert paths[("weighted_average", "K=20 P=257 dense")] == "library (torch.mm) + triton (2 launches)"
     # the backward ops called as ops carry the target; through autograd.grad they are counted apart
     via = {r["op"]: r["via"] for r in rows}
     assert via["factorized_weight_backward"] == via["branch_combine_backward"] == "op"
     assert via["factorized_weight backward"] == via["branch_combine backward"] == "autograd"
     assert payload["summary"]["by_via"]["autograd"]["cases"] == 2
-    assert paths[("weighted_average", "K=20 P=257 density~0.05")] == "triton (1 launch)"
+    assert paths[("weighted_average", "K=20 P=257 density~0.05")] == "triton (2 launches)"  # counts, then the CSR gather
     assert paths[("pairwise_cosine", "K=20 D=65536")] == "library (torch.mm)"
     assert paths[("pairwise_cosine", "K=20 D=33")] == "triton (3 launches)"
     assert payload["summary"]["cases"] == len(rows)

@@ -33,7 +33,9 @@ float64 params: the sparse kernel accumulates in float64; dense float64 weights 
 the GEMM form (cuBLAS dgemm), which is what a float64 Triton dot would lower to at best.
 
 Weights are checked for NaN/Inf here too (one device sync, shared with counting the nonzeros).
-Syncs per call: one for those stats, a second for the GEMM's check of row 0 or for nothing
+The counts (the weights' nonzeros and NaN/Inf, and the GEMM product's row 0's NaN/Inf) come
+from ``_count_kernel``, one launch each into a zeroed int64 buffer: the PyTorch reductions
+they replace were about 8 launches per sync, each a host round trip.  Syncs per call: one for those stats, a second for the GEMM's check of row 0 or for nothing
 on the sparse path (``nonzero_static`` with the count known); a new result whose signature
 took the GEMM last time runs it first and reads stats and check in one sync.
 
@@ -69,6 +71,10 @@ _BLOCK_P = 128
 # benchmarks/gpu_aggregate.py times beside it.
 _SPARSE_BLOCK_P = 1024
 _SPARSE_BLOCK_E = 8
+# The counting kernel: values per block, and at most this many programs (each adds its two
+# totals atomically).  Tests shrink these.
+_COUNT_BLOCK = 4096
+_COUNT_PROGRAMS = 1024
 # Below this fraction of nonzero weights, the sparse kernel runs (as on CPU).  Tests change it.
 _SPARSE_DENSITY = _ops.SPARSE_DENSITY
 # Devices whose dense weights go to the GEMM form (``ops.aggregate.cuda_path``); the
@@ -150,6 +156,54 @@ def _sparse_kernel(
     tl.store(out_ptr + k * so_k + rp, acc.to(out_ptr.dtype.element_ty), mask=mp, eviction_policy="evict_first")
 
 
+@triton.jit
+def _count_kernel(x_ptr, n, counts_ptr, BLOCK: tl.constexpr):
+    # counts[0] += nonzeros of x[:n], counts[1] += its NaN/Inf; each program strides over
+    # the blocks and adds its two totals atomically (counts start at 0).
+    pid = tl.program_id(0)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    nonzero = tl.zeros([BLOCK], dtype=tl.int64)
+    nonfinite = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(pid.to(tl.int64) * BLOCK, n, step):
+        r = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + r, mask=r < n, other=0)  # a masked lane reads 0: zero and finite
+        nonzero += (x != 0).to(tl.int64)
+        nonfinite += ((tl.abs(x) < float("inf")) == 0).to(tl.int64)  # NaN and ±Inf
+    tl.atomic_add(counts_ptr, tl.sum(nonzero, axis=0), sem="relaxed")
+    tl.atomic_add(counts_ptr + 1, tl.sum(nonfinite, axis=0), sem="relaxed")
+
+
+def _count_emulated(x_ptr, n, counts_ptr, **meta):
+    """``_count_kernel``'s effect in plain PyTorch, for tools that record launches instead of
+    making them (the compile test, ``gpu_launch.py --host``): the counts are read on the host."""
+    x = x_ptr[:n]
+    counts_ptr += torch.stack([(x != 0).sum(), (~torch.isfinite(x)).sum()])
+
+
+_count_kernel.emulate = _count_emulated
+
+
+def _count_values(x: torch.Tensor, counts: torch.Tensor) -> None:
+    """counts [2] int64 += (nonzeros of x, NaN/Inf of x): one launch, no sync (the counts are
+    read with whatever else the call reads: two small PyTorch reductions took about 8)."""
+    x = x.reshape(-1)
+    if x.element_size() < 4:  # the op counts float32/float64 values; 16-bit ones are widened
+        x = x.float()
+    if x.numel() > 1 and x.stride(0) != 1:
+        x = x.contiguous()
+    n = x.numel()
+    if n == 0:
+        return
+    with _device_guard(x):
+        _launch(_count_kernel)[(min(cdiv(n, _COUNT_BLOCK), _COUNT_PROGRAMS),)](
+            x, n, counts, BLOCK=_COUNT_BLOCK, num_warps=8)
+
+
+def _new_counts(n: int, like: torch.Tensor) -> torch.Tensor:
+    """n zeroed int64 counts on like's device."""
+    return torch.zeros(n, dtype=torch.int64, device=like.device)
+
+
 def _block_k(k: int) -> int:
     return max(16, min(_MAX_BLOCK_K, next_power_of_2(max(k, 1))))
 
@@ -168,7 +222,9 @@ def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
 
 def _weights_stats(w: torch.Tensor) -> int:
     """Nonzeros of w; raises ValueError on NaN/Inf (one device sync for both)."""
-    nnz, bad = torch.stack([(w != 0).sum(), (~torch.isfinite(w)).sum()]).tolist()
+    counts = _new_counts(2, w)
+    _count_values(w, counts)
+    nnz, bad = counts.tolist()
     if bad:
         raise ValueError("weights must be finite (they hold NaN or Inf)")
     return int(nnz)
@@ -202,9 +258,11 @@ def _speculative_gemm(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) 
     else the weights' nonzero count for the path that serves instead (out is then rewritten).
     Raises ValueError on NaN/Inf weights, as ``_weights_stats``."""
     product = _ops.gemm_product(w, params, out)
-    row0 = product.result[0] if product.checkable else product.result.new_zeros(1)
-    nnz, bad, row0_bad = torch.stack([(w != 0).sum(), (~torch.isfinite(w)).sum(),
-                                      (~torch.isfinite(row0)).sum()]).tolist()
+    counts = _new_counts(4, w)  # the weights' nonzeros and NaN/Inf, then row 0's
+    _count_values(w, counts[:2])
+    if product.checkable:
+        _count_values(product.result[0], counts[2:])
+    nnz, bad, _, row0_bad = counts.tolist()
     if bad:
         raise ValueError("weights must be finite (they hold NaN or Inf)")
     k, m = w.shape
@@ -212,6 +270,18 @@ def _speculative_gemm(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) 
         return int(nnz)
     _ops.gemm_finish(product, not row0_bad, out)
     return None
+
+
+def _gemm_into(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
+    """``ops.aggregate.gemm_weighted_average`` into out (which may overlap params), its check of
+    the product's row 0 counted by one launch."""
+    product = _ops.gemm_product(w, params, out)
+    row0_finite = True
+    if product.checkable:
+        counts = _new_counts(2, w)
+        _count_values(product.result[0], counts)
+        row0_finite = counts.tolist()[1] == 0
+    _ops.gemm_finish(product, row0_finite, out)
 
 
 def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
@@ -247,7 +317,7 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
     _LAST_PATH[key] = path
     sparse = path == "sparse"
     if not sparse and (acc == torch.float64 or (path == "gemm" and out.device.type in _GEMM_DEVICES)):
-        _ops.gemm_weighted_average(w, params, out)  # handles an out that overlaps params
+        _gemm_into(w, params, out)
         return
     block_k = _block_k(k)
     if may_overlap(out, params) and (sparse or cdiv(k, block_k) > 1 or not _rows_of(out, params)):

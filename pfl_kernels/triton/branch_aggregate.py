@@ -105,6 +105,16 @@ def _coefficients_kernel(
     tl.store(flags_ptr + 1, tl.max(tl.max(bad_a, axis=1), axis=0))
 
 
+def _coefficients_emulated(alpha_ptr, counts_ptr, coef_ptr, flags_ptr, *args, **meta):
+    """``_coefficients_kernel``'s flags in plain PyTorch, for tools that record launches instead
+    of making them (the compile test, ``gpu_launch.py --host``), where the op reads them on
+    the host: the data is good (their inputs are); the coefficients are left unwritten."""
+    flags_ptr.zero_()
+
+
+_coefficients_kernel.emulate = _coefficients_emulated
+
+
 @triton.jit
 def _branch_aggregate_kernel(
     w_ptr, c_ptr, out_ptr,

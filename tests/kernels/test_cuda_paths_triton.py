@@ -29,11 +29,13 @@ if RUNNABLE:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The Triton kernels launched (each still runs)."""
+    """The Triton kernels launched (each still runs), but for weighted_average's counting of
+    values (``test_counts_*``), which precedes every path's choice."""
     seen = []
 
     def launch(kernel):
-        seen.append(kernel)
+        if kernel is not ta._count_kernel:
+            seen.append(kernel)
         return kernel
 
     monkeypatch.setattr(ta, "_launch", launch)
@@ -76,6 +78,108 @@ def test_dense_weighted_average_takes_the_gemm(routed, launches, tf32):
     assert torch.equal(torch.isnan(out), torch.isnan(expected)) and int(torch.isnan(out).sum()) == 1
     assert_close(out[~torch.isnan(out)], expected[~torch.isnan(expected)], torch.float32)
     assert launches == ([ta._dense_kernel] if tf32 else [])
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The arguments of every launch of weighted_average's counting kernel (each still runs)."""
+    seen = []
+    kernel = ta._count_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(x, n, counts, **meta):
+                seen.append((x.clone(), grid))
+                kernel[grid](x, n, counts, **meta)
+            return launch
+
+    launch = ta._launch
+    monkeypatch.setattr(ta, "_launch", lambda k: Recorded() if k is kernel else launch(k))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("size, block, programs", [(0, 4096, 1024), (1, 4096, 1024), (1000, 16, 4), (77, 16, 1024)],
+                         ids=["empty", "one", "strided-over-blocks", "one-block-each"])
+def test_counts_of_nonzeros_and_non_finite_values(size, block, programs, dtype, counted, monkeypatch):
+    """Every program adds its totals: zeros, ±0.0, NaN and ±Inf anywhere, a strided view."""
+    monkeypatch.setattr(ta, "_COUNT_BLOCK", block)
+    monkeypatch.setattr(ta, "_COUNT_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(size)
+    x = torch.randn(2 * size, generator=g).to(dtype)
+    x[torch.rand(2 * size, generator=g) < 0.3] = 0.0
+    for i, value in enumerate([-0.0, math.nan, math.inf, -math.inf, math.nan]):
+        if 2 * i < 2 * size:
+            x[2 * i] = value
+    view = x.to(DEVICE)[::2]  # every other value: copied to a contiguous run first
+    counts = ta._new_counts(2, view)
+    counts += 5  # counts are added to what is there
+    ta._count_values(view, counts)
+    want = [5 + int((view != 0).sum()), 5 + int((~torch.isfinite(view)).sum())]
+    assert counts.tolist() == want
+    assert len(counted) == (1 if size else 0)
+    if size:
+        assert counted[0][1] == (min(-(-size // block), programs),)
+
+
+def test_counts_replace_the_reductions_before_each_sync(routed, counted, fresh_paths):
+    """One counting launch per read: the weights (with the path's stats), the GEMM's row 0."""
+    params = torch.randn(6, 40, device=DEVICE)
+    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # stats, then the GEMM and its row 0
+    assert [x.shape for x, _ in counted] == [(30,), (40,)]
+    counted.clear()
+    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # the speculative GEMM: both, one sync
+    assert [x.shape for x, _ in counted] == [(30,), (40,)]
+    counted.clear()
+    sparse = weights(5, 6, 0.1)
+    ta.weighted_average_triton(sparse, params)  # the GEMM was speculated, the counts say sparse
+    assert [x.shape for x, _ in counted] == [(30,), (40,)]
+    counted.clear()
+    out = ta.weighted_average_triton(sparse, params)  # the signature now takes sparse: weights only
+    assert [x.shape for x, _ in counted] == [(30,)]
+    assert_close(out, ref_agg.weighted_average(sparse.double(), params.double()), torch.float32)
+
+
+class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ATen ops of a call that run a kernel on a GPU (views, allocations and the
+    interpreter's own copies between tensors and arrays left out)."""
+
+    FREE = {"view", "_unsafe_view", "t", "slice", "select", "alias", "as_strided", "expand", "empty", "empty_strided",
+            "detach", "unsqueeze", "squeeze", "reshape", "permute", "transpose", "_reshape_alias", "copy_",
+            "_local_scalar_dense", "item", "new_empty", "new_empty_strided", "set_", "resize_"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.FREE:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_launches_per_call(routed, fresh_paths):
+    """The PyTorch launches around the kernels (each a host round trip on a GPU): the dense
+    GEMM and a zeroed count buffer per sync (the reductions they replace were 15 launches),
+    the sparse path's CSR (the counting launches are Triton's: ``test_counts_*``)."""
+    from pfl_kernels.triton import branch_aggregate as tba
+
+    params, out = torch.randn(6, 40, device=DEVICE), torch.empty(5, 40, device=DEVICE)
+    dense, sparse = weights(5, 6, 1.0), weights(5, 6, 0.1)
+    calls = {"dense": lambda: ta.weighted_average_triton(dense, params),
+             "dense out": lambda: ta.weighted_average_out_triton(dense, params, out=out),
+             "sparse": lambda: ta.weighted_average_triton(sparse, params)}
+    want = {"dense": ["mm", "zeros"], "dense out": ["zeros", "mm", "zeros"],
+            "sparse": ["zeros", "ne", "zeros", "sum", "cumsum", "nonzero_static", "_to_copy", "index"]}
+    for name, call in calls.items():
+        call()  # the signature's path is known from here on
+        with _KernelOps() as log:
+            call()
+        assert log.ops == want[name], name
+    bp, alpha, counts = torch.randn(4, 3, 9, device=DEVICE), torch.rand(4, 3, device=DEVICE), torch.tensor([3, 1, 4, 2])
+    with _KernelOps() as log:
+        tba.branch_aggregate_triton(bp, alpha, counts.to(DEVICE))
+    assert log.ops == []  # two Triton launches, nothing else
 
 
 def test_sparse_weighted_average_keeps_its_kernel(routed, launches):
