@@ -85,18 +85,20 @@ def cuda_path(num_classes: int, dim: int, dtype: torch.dtype, tf32: bool) -> str
     return "gemm"
 
 
-def gemm_class_sums(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+def gemm_class_sums(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-class sums [K, C, D] in the accumulation dtype of features [K, N, D] with labels
-    [K, N] (int64), as ``onehot(labels)ᵀ @ features``: one batched GEMM (cuBLAS on CUDA).
+    [K, N] (int64), as ``onehot(labels)ᵀ @ features``: one batched GEMM (cuBLAS on CUDA), and
+    the per-class counts [K, C] in float64 (exact), summed from the same one-hot matrix.
 
-    A label outside [0, C) matches no class (its row adds nothing; the kernels check labels
-    separately).  0·NaN = NaN, so a NaN/Inf feature makes its column non-finite in every
+    A label outside [0, C) matches no class (its row adds nothing and is not counted: the
+    counts then total fewer than K·N, which is how a caller sees it without reading the
+    labels again).  0·NaN = NaN, so a NaN/Inf feature makes its column non-finite in every
     class's sum, not only its own: a caller must take a non-finite result as "recompute" (the
     sums are all finite exactly when the features hold no NaN/Inf and no sum overflows)."""
     acc = ref.acc_dtype(features.dtype)
     classes = torch.arange(num_classes, device=labels.device)
     onehot = (labels[:, None, :] == classes[None, :, None]).to(acc)
-    return torch.bmm(onehot, features.to(acc))
+    return torch.bmm(onehot, features.to(acc)), onehot.sum(2, dtype=torch.float64)
 
 
 _INT64_MAX = 2**63 - 1

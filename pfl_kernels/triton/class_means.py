@@ -7,8 +7,9 @@ class's rows in sample order in float32 (float64 for float64) registers, divides
 and stores its block of means once.  Every feature row is read once (per D-block).  A class
 without a sample stores 0.
 
-Labels outside [0, num_classes) raise ValueError, as in every kernel of the op (one device
-sync, ``ops.class_means.check_label_values``).
+Labels outside [0, num_classes) raise ValueError, as in every kernel of the op
+(``ops.class_means.check_label_values``; on the GEMM path the counts tell, read in the sync
+that also checks the sums).
 
 With few classes that grid is small (C = 10: ten programs per D-block, each adding N/10 rows
 in turn), so where C <= D the sums come from a one-hot GEMM instead (issue 30, item 2; see
@@ -16,6 +17,8 @@ in turn), so where C <= D the sums come from a one-hot GEMM instead (issue 30, i
 matmuls, and features holding NaN/Inf.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -66,9 +69,9 @@ def _class_means_kernel(
 def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
     """Triton ``pfl::class_means``: (means [K?, C, D] in the accumulation dtype, counts [K?, C] int64).
 
-    Where ``ops.class_means.cuda_path`` says 'gemm' (C <= D, no TF32), the sums come from one
-    one-hot GEMM per client, checked together with the labels in one device sync; sums that
-    are not all finite (NaN/Inf features, which the GEMM spreads to every class) are
+    Where ``ops.class_means.cuda_path`` says 'gemm' (C <= D, no TF32), the sums and counts come
+    from one one-hot GEMM per client, checked together with the labels in one device sync;
+    sums that are not all finite (NaN/Inf features, which the GEMM spreads to every class) are
     recomputed by the segment kernel, which keeps each in its own class as the reference does.
     """
     means_shape, counts_shape = _check_op_args(features, labels, num_classes)
@@ -82,21 +85,25 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
     c = num_classes
     gemm = (k * n > 0 and d > 0 and features.device.type in _GEMM_DEVICES
             and cuda_path(c, d, features.dtype, torch.backends.cuda.matmul.allow_tf32) == "gemm")
-    if not gemm:
+    if gemm:
+        sums, counts64 = gemm_class_sums(f, lab, c)
+        # One device sync for both: whether every label fell in a class (the counts total K·N)
+        # and whether the GEMM's sums can be used (their float64 total is finite exactly when
+        # they all are).  About 12 launches in all; the labels' own checks and bincount (which
+        # syncs for the labels' maximum) made it 25 and two syncs.
+        in_range, total = torch.stack([counts64.sum(), sums.sum(dtype=torch.float64)]).tolist()
+        if in_range != k * n:
+            check_label_values(labels, num_classes)  # raises, naming the first label outside the range
+            raise AssertionError("the class counts missed labels that check_label_values accepts")
+        if math.isfinite(total):
+            means = sums.div_(counts64.clamp_min(1).to(acc).unsqueeze(-1))
+            return means.reshape(means_shape), counts64.to(torch.int64).reshape(counts_shape)
+    else:
         check_label_values(labels, num_classes)
     segments = k * c
     valid = (lab >= 0) & (lab < c)
     keys = torch.where(valid, lab + torch.arange(k, device=lab.device)[:, None] * c, segments).reshape(-1)
     counts = torch.bincount(keys, minlength=segments + 1)[:segments]
-    if gemm:
-        sums = gemm_class_sums(f, lab, c)
-        # One device sync for both: the labels' range and whether the GEMM's sums can be used.
-        bad_labels, bad_sums = torch.stack([(~valid).sum(), (~torch.isfinite(sums)).sum()]).tolist()
-        if bad_labels:
-            check_label_values(labels, num_classes)  # raises, naming the first label outside the range
-        if not bad_sums:
-            means = sums.div_(counts.reshape(k, c, 1).clamp_min(1).to(acc))
-            return means.reshape(means_shape), counts.reshape(counts_shape)
     means = torch.zeros(means_shape, dtype=acc, device=features.device)
     if k * n == 0 or d == 0:
         return means, counts.reshape(counts_shape)
