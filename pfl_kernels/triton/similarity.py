@@ -315,19 +315,31 @@ def pairwise_sqdist_triton(x: torch.Tensor, y) -> torch.Tensor:
     return _pairwise(x, y, MODE_SQDIST, 0.0)
 
 
+def _weights_emulated(sim_ptr, own_ptr, out_ptr, flags_ptr, *args, **meta):
+    """``_weights_kernel``'s flags in plain PyTorch, for tools that record launches instead of
+    making them (the compile test, ``gpu_launch.py --host``): the rows are good (their inputs
+    are); the weights are left unwritten."""
+    flags_ptr.zero_()
+
+
 @triton.jit
 def _weights_kernel(
-    sim_ptr, own_ptr, out_ptr, M, s_k, s_m, tau, scale, keep_at_least,
+    sim_ptr, own_ptr, out_ptr, flags_ptr, M, s_k, s_m, tau, scale, keep_at_least,
     HAS_OWN: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < M
     v = tl.load(sim_ptr + row * s_k + cols * s_m, mask=valid, other=0).to(tl.float32)
+    # The row's data checks, read on the host after the launch: NaN/Inf in sim, an own
+    # column outside [-1, M).  (A bad row's weights are garbage; the op raises then.)
+    bad = tl.max(((tl.abs(v) < float("inf")) == 0).to(tl.int32), axis=0)
     if HAS_OWN:
         own = tl.load(own_ptr + row)
+        bad = bad | ((own < -1) | (own >= M)).to(tl.int32)
     else:
         own = row
+    tl.store(flags_ptr + row, bad)
     is_own = cols.to(tl.int64) == own
     v = tl.where(is_own, 1.0, v)
     kept = valid & ((v >= tau) | is_own)
@@ -360,26 +372,35 @@ def _weights_kernel(
     tl.store(out_ptr + row * M + cols, w.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+_weights_kernel.emulate = _weights_emulated
+
+
 def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_keep: int, self_index):
     """Triton ``pfl::similarity_weights`` (float32 math; float64 sim and rows longer than
     _MAX_ROW use the reference).  Raises ValueError for NaN/Inf in sim or self_index values
-    outside [-1, M), as every kernel of the op (one device sync)."""
+    outside [-1, M), as every kernel of the op: the kernel flags each row, read in one sync after
+    it (the checks in PyTorch took five launches and a sync before it, two syncs with self_index)."""
     _check_weights_args(sim, tau, scale, min_keep, self_index)
     _check_devices(sim, self_index)
-    check_weights_values(sim, self_index)
     k, m = sim.shape
     if sim.dtype == torch.float64 or m > _MAX_ROW:
+        check_weights_values(sim, self_index)
         return _ref.similarity_weights(sim, tau, scale, min_keep, self_index)
     out = sim.new_empty((k, m), dtype=torch.float32)
     if out.numel() == 0:
+        check_weights_values(sim, self_index)  # self_index of K rows against M = 0 columns
         return out
     own = self_index.to(torch.int64) if self_index is not None else out
+    flags = torch.empty(k, dtype=torch.int32, device=sim.device)
     block = next_power_of_2(m)
     with _device_guard(sim):
         _launch(_weights_kernel)[(k,)](
-            sim, own, out, m, sim.stride(0), sim.stride(1), tau, scale, min(min_keep, m),
+            sim, own, out, flags, m, sim.stride(0), sim.stride(1), tau, scale, min(min_keep, m),
             HAS_OWN=self_index is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
         )
+    if bool(flags.any()):
+        check_weights_values(sim, self_index)  # raises, with the message of every kernel of the op
+        raise AssertionError("the weights kernel flagged rows that check_weights_values accepts")
     return out
 
 

@@ -134,6 +134,24 @@ def test_weights_raise_on_non_finite_sim(bad):
             torch.ops.pfl.similarity_weights(sim, 0.2, 3.0, 1, None)
 
 
+def test_weights_flags_every_bad_row_and_own_column():
+    """The kernel's flags: NaN in a client's own column (which the weights overwrite) still
+    raises; an own column of -2 or M; with both, self_index's error, as check_weights_values."""
+    sim = sim_of(6, 7)
+    sim[5, 5] = float("nan")
+    own = torch.tensor([0, 1, 2, 3, 4, 5], device=DEVICE)
+    with pytest.raises(ValueError, match="sim must be finite"):
+        ts.similarity_weights_triton(sim, 0.2, 3.0, 1, own)
+    for value in (-2, 7):
+        bad_own = own.clone()
+        bad_own[3] = value
+        with pytest.raises(ValueError, match=rf"self_index values must be in \[-1, 7\) .*got {value} in row 3"):
+            ts.similarity_weights_triton(sim, 0.2, 3.0, 1, bad_own)
+    minus_one = own.clone()
+    minus_one[0] = -1
+    ts.similarity_weights_triton(sim.nan_to_num(0.0), 0.2, 3.0, 1, minus_one)  # -1: no own column
+
+
 def sim_of(k, m, seed=0, levels=None):
     g = torch.Generator().manual_seed(seed)
     s = torch.rand(k, m, generator=g, dtype=F64) * 2 - 1
