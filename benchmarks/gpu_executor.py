@@ -153,25 +153,28 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
     return rows
 
 
-def profile_round(sizes: dict, device: str, top: int = 18) -> str:
-    """Where one captured batched LeNet-5 round spends its time, as text for the log: the host's
-    Python functions (cProfile, by own time) and the device's kernels (torch.profiler, by
-    device time).  The batched round is far slower than its GPU work; this says why."""
+def profile_round(sizes: dict, device: str, top: int = 18, *, model: str = "lenet5", factorized: bool = False,
+                  samples: Optional[int] = None, batch: int = 64, host: bool = True) -> str:
+    """Where one captured batched round of ``model`` spends its time, as text for the log: the
+    host's Python functions (cProfile, by own time; ``host``) and the device's kernels
+    (torch.profiler, by device time).  A batched round can be far slower than its GPU work
+    would say; this says why."""
     import cProfile
     import io
     import pstats
 
-    fed, algorithm = federation("lenet5", factorized=False, clients=sizes["clients"], samples=sizes["lenet_samples"],
-                                batch=64, executor="batched", device=device)
+    fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"],
+                                samples=samples or sizes["lenet_samples"], batch=batch, executor="batched", device=device)
     time_rounds(fed, algorithm, 1, device, warm=2)
     out = io.StringIO()
-    profiler = cProfile.Profile()
-    synchronize(device)
-    profiler.enable()
-    run_round(fed, algorithm, 3)
-    synchronize(device)
-    profiler.disable()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    if host:
+        profiler = cProfile.Profile()
+        synchronize(device)
+        profiler.enable()
+        run_round(fed, algorithm, 3)
+        synchronize(device)
+        profiler.disable()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -181,7 +184,8 @@ def profile_round(sizes: dict, device: str, top: int = 18) -> str:
     fed.close()
     sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     out.write(prof.key_averages().table(sort_by=sort, row_limit=top))
-    out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+    if host:
+        out.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
     return out.getvalue()
 
 
@@ -232,7 +236,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one timed round per variant (the full grid else)")
     parser.add_argument("--json", type=Path, default=None, help="where the rows go")
     parser.add_argument("--profile", action="store_true",
-                        help="also print a profile of one batched LeNet-5 round (host functions, device kernels)")
+                        help="also print a profile of one batched LeNet-5 round (host functions, device kernels) and the "
+                             "device kernels of one batched factorized ResNet-9 round")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_executor: no CUDA device; run with --dry-run to check the script on a CPU", file=sys.stderr)
@@ -276,6 +281,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"saved {path}", flush=True)
     if args.profile:  # last: a profiler that fails on some machine costs no measurement
         print("== profile of one batched LeNet-5 round\n" + profile_round(sizes, device), flush=True)
+        # ResNet-9 ran no faster batched than sequential: are its grouped convolutions' kernels
+        # (as LeNet-5's wgrad) where the time goes?  The device's kernels only.
+        print("== device kernels of one batched factorized ResNet-9 round\n"
+              + profile_round(sizes, device, model="resnet9", factorized=True, samples=sizes["resnet_samples"],
+                              batch=128 if not args.dry_run else 8, host=False), flush=True)
     return 0
 
 

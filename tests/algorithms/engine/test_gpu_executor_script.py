@@ -14,7 +14,7 @@ pytestmark = pytest.mark.heavy(seconds=40)  # scheduled first under xdist (tests
 
 def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     path = tmp_path / "executor.json"
-    assert gpu_executor.main(["--dry-run", "--json", str(path)]) == 0
+    assert gpu_executor.main(["--dry-run", "--profile", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert {(r["job"], r["executor"]) for r in result["rows"]} == {
         *((job, executor) for job in ("lenet5", "resnet9-factorized")
@@ -27,7 +27,13 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     assert all(r["steps"]["eager"] > 0 for r in result["rows"] if r["executor"].startswith("batched"))
     assert set(result["bf16_accuracy"]) == {"float32", "bf16"}
     assert result["table1"]["rounds"] == 1 and result["machine"]["dry_run"] is True and result["complete"] is True
-    assert "factorized-fl-table1 end to end" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "factorized-fl-table1 end to end" in out
+    # --profile: LeNet-5's host functions and kernels, then ResNet-9's kernels alone
+    lenet, resnet = out.split("== profile of one batched LeNet-5 round")[1].split(
+        "== device kernels of one batched factorized ResNet-9 round")
+    assert "tottime" in lenet and lenet.count("Self CPU time total") == 2
+    assert "tottime" not in resnet and resnet.count("Self CPU time total") == 1
 
 
 def test_a_run_cut_short_keeps_the_jobs_that_finished(tmp_path, monkeypatch):
