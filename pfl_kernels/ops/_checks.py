@@ -142,6 +142,14 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     return np.unique(offsets).size != offsets.size
 
 
+def raise_flagged(check, *args) -> None:
+    """A kernel flagged bad data: ``check(*args)``, the op's own PyTorch check, raises the
+    ValueError (and message) that every backend of the op gives.  It must: a check that passes
+    what the kernel flagged is a bug in one of the two (AssertionError)."""
+    check(*args)
+    raise AssertionError(f"a kernel flagged data that {check.__name__} accepts")
+
+
 def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
     """ValueError when two elements of ``t`` (an out= tensor) share memory: writing it would
     leave whichever value came last (one message for every op and kernel)."""

@@ -38,6 +38,20 @@ def register_all() -> None:
     from . import aggregate, branch, branch_aggregate, class_means, factorized, similarity  # noqa: F401
 
 
+def emulate_good_flags(kernel) -> None:
+    """Give ``kernel``, which writes data-check flags the op reads on the host into its
+    ``flags_ptr`` argument, an ``emulate``: the plain-PyTorch stand-in that tools recording
+    launches instead of making them call (``tests/kernels/test_triton_compiles.py``,
+    ``benchmarks/gpu_launch.py --host``).  It zeroes the flags (their inputs are good data)
+    and writes nothing else."""
+    index = kernel.arg_names.index("flags_ptr")
+
+    def emulate(*args, **meta):
+        args[index].zero_()
+
+    kernel.emulate = emulate
+
+
 def register_cuda(op: str, launcher: Callable) -> None:
     """Register ``launcher`` as the CUDA kernel of ``pfl::<op>`` and record it in ``LAUNCHERS``."""
     from ..ops._library import LIB

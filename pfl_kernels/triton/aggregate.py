@@ -35,9 +35,10 @@ the GEMM form (cuBLAS dgemm), which is what a float64 Triton dot would lower to 
 Weights are checked for NaN/Inf here too (one device sync, shared with counting the nonzeros).
 The counts (the weights' nonzeros and NaN/Inf, and the GEMM product's row 0's NaN/Inf) come
 from ``_count_kernel``, one launch each into a zeroed int64 buffer: the PyTorch reductions
-they replace were about 8 launches per sync, each a host round trip.  Syncs per call: one for those stats, a second for the GEMM's check of row 0 or for nothing
-on the sparse path (``nonzero_static`` with the count known); a new result whose signature
-took the GEMM last time runs it first and reads stats and check in one sync.
+they replace were about 8 launches per sync, each a host round trip.  Syncs per call: one
+for those stats, a second for the GEMM's check of row 0 or for nothing on the sparse path
+(``nonzero_static`` with the count known); a new result whose signature took the GEMM last
+time runs it first and reads stats and check in one sync.
 
 ``out=``: out may overlap params.  The dense kernel with a single K-block reads the whole
 params block of its columns before it writes the same columns of out, so an overlap in

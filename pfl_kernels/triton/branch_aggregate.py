@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ..ops import branch_aggregate as _ops  # noqa: F401  (defines the schema implemented here)
-from . import register_cuda
-from ..ops._checks import may_overlap
+from . import emulate_good_flags, register_cuda
+from ..ops._checks import may_overlap, raise_flagged
 from ..ops.branch_aggregate import _check_op_args
 from ..ops._memo import cdiv, next_power_of_2
 from ..ops.branch_aggregate import check_branch_values
@@ -105,14 +105,7 @@ def _coefficients_kernel(
     tl.store(flags_ptr + 1, tl.max(tl.max(bad_a, axis=1), axis=0))
 
 
-def _coefficients_emulated(alpha_ptr, counts_ptr, coef_ptr, flags_ptr, *args, **meta):
-    """``_coefficients_kernel``'s flags in plain PyTorch, for tools that record launches instead
-    of making them (the compile test, ``gpu_launch.py --host``), where the op reads them on
-    the host: the data is good (their inputs are); the coefficients are left unwritten."""
-    flags_ptr.zero_()
-
-
-_coefficients_kernel.emulate = _coefficients_emulated
+emulate_good_flags(_coefficients_kernel)  # the coefficients are left unwritten there
 
 
 @triton.jit
@@ -163,8 +156,7 @@ def _raise_on_bad_values(flags: torch.Tensor, alpha: torch.Tensor, counts: torch
     """The op's ValueError where the flags say the data is bad (one device sync); the message,
     with the first bad entry, comes from ``check_branch_values``."""
     if any(flags.tolist()):
-        check_branch_values(alpha, counts)
-        raise AssertionError("the coefficient kernel flagged values that check_branch_values accepts")
+        raise_flagged(check_branch_values, alpha, counts)
 
 
 def _aggregate_into(branch_params: torch.Tensor, coef: torch.Tensor, out: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..ops import class_means as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
+from ..ops._checks import raise_flagged
 from ..ops.class_means import _check_op_args, check_output_size
 from ..ops._memo import cdiv, next_power_of_2
 from ..ops.class_means import check_label_values, cuda_path, gemm_class_sums
@@ -93,8 +94,7 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
         # syncs for the labels' maximum) made it 25 and two syncs.
         in_range, total = torch.stack([counts64.sum(), sums.sum(dtype=torch.float64)]).tolist()
         if in_range != k * n:
-            check_label_values(labels, num_classes)  # raises, naming the first label outside the range
-            raise AssertionError("the class counts missed labels that check_label_values accepts")
+            raise_flagged(check_label_values, labels, num_classes)  # names the first label outside the range
         if math.isfinite(total):
             means = sums.div_(counts64.clamp_min(1).to(acc).unsqueeze(-1))
             return means.reshape(means_shape), counts64.to(torch.int64).reshape(counts_shape)

@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from ..ops import similarity as _ops  # (also defines the schemas implemented here)
-from . import register_cuda
+from . import emulate_good_flags, register_cuda
+from ..ops._checks import raise_flagged
 from ..ops.similarity import _check_pair, _check_weights_args
 from ..ops._memo import cdiv, metadata_cached, next_power_of_2
 from ..ops.similarity import check_weights_values
@@ -315,13 +316,6 @@ def pairwise_sqdist_triton(x: torch.Tensor, y) -> torch.Tensor:
     return _pairwise(x, y, MODE_SQDIST, 0.0)
 
 
-def _weights_emulated(sim_ptr, own_ptr, out_ptr, flags_ptr, *args, **meta):
-    """``_weights_kernel``'s flags in plain PyTorch, for tools that record launches instead of
-    making them (the compile test, ``gpu_launch.py --host``): the rows are good (their inputs
-    are); the weights are left unwritten."""
-    flags_ptr.zero_()
-
-
 @triton.jit
 def _weights_kernel(
     sim_ptr, own_ptr, out_ptr, flags_ptr, M, s_k, s_m, tau, scale, keep_at_least,
@@ -372,7 +366,7 @@ def _weights_kernel(
     tl.store(out_ptr + row * M + cols, w.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-_weights_kernel.emulate = _weights_emulated
+emulate_good_flags(_weights_kernel)  # the weights are left unwritten there
 
 
 def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_keep: int, self_index):
@@ -399,8 +393,7 @@ def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_k
             HAS_OWN=self_index is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)),
         )
     if bool(flags.any()):
-        check_weights_values(sim, self_index)  # raises, with the message of every kernel of the op
-        raise AssertionError("the weights kernel flagged rows that check_weights_values accepts")
+        raise_flagged(check_weights_values, sim, self_index)
     return out
 
 
