@@ -9,7 +9,9 @@ evaluation unless said, SGD lr 0.01, both executors from the same initial state)
 1. ``lenet5``: 20 clients x 500 samples, LeNet-5, batch 64, 1 epoch a round.  Target: batched
    >= 10x sequential.  Also batched under bfloat16 autocast (``--autocast bf16``), and the
    effect of bf16 on accuracy: the train-set accuracy after 20 rounds, float32 against bf16.
-   Each job also times the batched executor with cuDNN's autotuner on ("+cudnn-benchmark").
+   Each job also times the batched executor with cuDNN's autotuner on ("+cudnn-benchmark"), and
+   LeNet-5's with its per-client convolutions as im2col and batched GEMMs ("+gemm-conv",
+   ``--batched-conv gemm``) instead of vmap's grouped convolutions.
 2. ``resnet9-factorized``: 20 clients x 512 samples, ResNet-9 with every layer factorized,
    batch 128.  Target: batched >= 3x sequential.
 3. ``factorized-fl-table1``: one Factorized-FL CIFAR-10 setting of its Table 1 end to end
@@ -66,7 +68,7 @@ def synchronize(device: str) -> None:
 
 
 def federation(model_name: str, *, factorized: bool, clients: int, samples: int, batch: int, executor: str,
-               device: str, autocast: Optional[str] = None, cuda_graphs: bool = True):
+               device: str, autocast: Optional[str] = None, cuda_graphs: bool = True, batched_conv: str = "grouped"):
     """A FedAvg federation of random CIFAR-shaped shards on ``device``, the same for every executor."""
     gen = torch.Generator().manual_seed(0)
     # Each class a fixed random image under noise of the same size: learnable (LeNet-5, batched:
@@ -85,7 +87,7 @@ def federation(model_name: str, *, factorized: bool, clients: int, samples: int,
               for k in range(clients)]
     settings = EngineSettings(rounds=10 ** 6, eval_every=10 ** 6, optimizer=OptimizerSettings(lr=0.01, momentum=0.9),
                               schedule=LocalSchedule(batch_size=batch, epochs=1), executor=executor,
-                              autocast=autocast, cuda_graphs=cuda_graphs)
+                              autocast=autocast, cuda_graphs=cuda_graphs, batched_conv=batched_conv)
     algorithm = FedAvg()
     return federation_for(algorithm, model, inputs, labels, splits, settings, device=device), algorithm
 
@@ -117,25 +119,30 @@ def train_accuracy(fed) -> float:
 
 
 def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
-              device: str, *, bf16: bool) -> list[dict]:
+              device: str, *, bf16: bool, gemm: bool = False) -> list[dict]:
     """Each executor's round time (captured, and uncaptured: '-eager'), and its speed-up over the
     sequential executor as it runs by default (captured) and uncaptured."""
     rows, seconds = [], {}
-    variants = [("sequential", None, False, False), ("sequential", None, True, False), ("batched", None, False, False),
-                ("batched", None, True, False)] + ([("batched", "bf16", True, False)] if bf16 else [])
+    variants = [("sequential", None, False, False, "grouped"), ("sequential", None, True, False, "grouped"),
+                ("batched", None, False, False, "grouped"), ("batched", None, True, False, "grouped")]
+    if bf16:
+        variants.append(("batched", "bf16", True, False, "grouped"))
     # cuDNN's autotuner on (torch.backends.cudnn.benchmark): the batched round's grouped
     # convolutions (vmap of per-client weights) spent a third of the GPU time of an H200 round
-    # in one weight-gradient kernel; whether the autotuner finds a faster one is measured here.
-    variants.append(("batched", None, True, True))
-    for executor, autocast, graphs, tuned in variants:
+    # in one weight-gradient kernel; whether the autotuner finds a faster one is measured here,
+    # and (``gemm``) the same convolutions as im2col and batched GEMMs (``--batched-conv gemm``).
+    variants.append(("batched", None, True, True, "grouped"))
+    if gemm:
+        variants.append(("batched", None, True, False, "gemm"))
+    for executor, autocast, graphs, tuned, conv in variants:
         before = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = tuned
         try:
             fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"], samples=samples,
                                         batch=batch, executor=executor, device=device, autocast=autocast,
-                                        cuda_graphs=graphs)
+                                        cuda_graphs=graphs, batched_conv=conv)
             key = (executor + ("+bf16" if autocast else "") + ("+cudnn-benchmark" if tuned else "")
-                   + ("" if graphs else "-eager"))
+                   + ("+gemm-conv" if conv == "gemm" else "") + ("" if graphs else "-eager"))
             # Two warm-up rounds where steps are captured (a short last batch's is captured in
             # its second round), one where nothing is.
             seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
@@ -257,7 +264,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         path.write_text(json.dumps(result, indent=2))
 
     rows = result["rows"]
-    rows += speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True)
+    rows += speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True,
+                      gemm=True)
     save()
     rows += speed_job("resnet9-factorized", "resnet9", True, sizes["resnet_samples"], 128 if not args.dry_run else 8,
                       3.0, sizes, device, bf16=False)

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Optional, Union
 
 from .algorithms import ALGORITHMS
 from .data import DATASETS, SCENARIOS
+from .engine.conv_gemm import CHOICES as CONV_CHOICES
 from .engine.executors import CHOICES as EXECUTOR_CHOICES
 from .engine.optim import OPTIMIZERS, OptimizerSettings
 from .models import MODELS
@@ -77,6 +78,8 @@ class RunConfig:
     chunk_clients: Optional[PositiveInt] = None  # clients per chunk of the batched executor (None: from free memory)
     autocast: Optional[Annotated[str, OneOf(("bf16",))]] = None  # bf16: the training forward under bfloat16 autocast
     cuda_graphs: bool = True  # on CUDA, plain training steps replay as CUDA graphs (engine.step_graphs)
+    # How the batched executor runs per-client convolutions (engine.conv_gemm): grouped or gemm.
+    batched_conv: Annotated[str, OneOf(CONV_CHOICES)] = "grouped"
     data_root: Optional[str] = None  # None: $PFL_DATA_ROOT, else ./data
     augment: Optional[str] = None  # training-batch augmentation, e.g. "crop,flip" (see `pfl list`)
     samples_per_client: Optional[PositiveInt] = None
@@ -235,8 +238,10 @@ def config_from(values: dict) -> RunConfig:
 # is written (a resumed run is bitwise the same).  ``seed`` is left out too, since the seeds
 # are what an experiment is repeated over.
 # ``cuda_graphs`` replays the same kernels (the sequential executor's captured Adam differs from
-# its host step by float rounding, as the batched executor's reassociation does).
-NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "chunk_clients", "checkpoint_every", "cuda_graphs")
+# its host step by float rounding, as the batched executor's reassociation does), and so does
+# ``batched_conv`` (the same convolutions, summed in another order).
+NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "chunk_clients", "checkpoint_every", "cuda_graphs",
+                   "batched_conv")
 
 
 def with_defaults(saved: dict) -> dict:

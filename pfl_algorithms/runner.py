@@ -56,6 +56,7 @@ def build(config: RunConfig):
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=executor,
                               workers=config.workers, finetune_epochs=config.finetune(),
                               chunk_clients=config.chunk_clients, autocast=config.autocast, cuda_graphs=config.cuda_graphs,
+                              batched_conv=config.batched_conv,
                               threaded_hooks=config.executor == "auto" and torch.device(config.device).type == "cpu")
     augment = None
     if config.augment is not None:

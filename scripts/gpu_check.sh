@@ -48,13 +48,15 @@ log="$log_dir/gpu_check_$stage.log"
 # The kernel benchmarks of quick and bench-quick (gpu_branch --shared is in bench only).
 KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_branch_aggregate)
 # The test files with CUDA tests (quick; `tests` runs the whole suite): the Triton kernels'
-# (on the GPU, not the interpreter), the executors, captured steps and augmentation on CUDA, the package.
+# (on the GPU, not the interpreter), the executors, captured steps, GEMM convolutions and augmentation on
+# CUDA, the package.
 # The 10 tests that failed on the H200 (issue 30), first, in a stage of their own: twice the
 # whole test stage ran out of time before its report, and these must be seen to pass.
 FIXED_TESTS=(tests/kernels/test_aggregate_triton.py::test_gpu_opcheck_and_gradcheck
              tests/kernels/test_out_aliasing_triton.py::test_branch_aggregate_out_overlapping_inputs)
 GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
            tests/algorithms/engine/test_step_graphs.py tests/algorithms/engine/test_batched_eval.py
+           tests/algorithms/engine/test_conv_gemm.py
            tests/algorithms/test_augment.py tests/test_package.py)
 # Stage caps and floors in seconds (quick).  A stage runs for at most its cap, and never into
 # the floors of the stages after it: their sum is held back from the budget until they run.

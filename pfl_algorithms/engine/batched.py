@@ -362,7 +362,7 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
                         batches[i] = training_batch(fed, datas[i], batches[i], generators[i], None)
                 _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers,
                       members, batches, ranges, trained, loss_sum, samples, steps_taken, fed.settings.autocast,
-                      lr_scale=lr_scale)
+                      lr_scale=lr_scale, conv=fed.settings.batched_conv)
                 steps_on_device = False
                 continue
             if not steps_on_device:
@@ -384,7 +384,7 @@ def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, sta
     counts, samples and steps of every client."""
     step = batched_step(fed.step_graphs, cohort, chunk, x, y, optimizer=optimizer, ranges=ranges, trained=trained,
                         state_name=state_name, state=state, lrs=lrs is not None, lr_scale=lr_scale,
-                        autocast_mode=fed.settings.autocast, phases=phases, views=views)
+                        autocast_mode=fed.settings.autocast, phases=phases, views=views, conv=fed.settings.batched_conv)
     step.inputs["x"].copy_(x)
     step.inputs["y"].copy_(y)
     fed.step_graphs.run(step)
@@ -408,10 +408,12 @@ def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params,
 
 
 def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers, members,
-          batches, ranges, trained, loss_sum, samples, steps_taken, fed_autocast=None, lr_scale=None) -> None:
+          batches, ranges, trained, loss_sum, samples, steps_taken, fed_autocast=None, lr_scale=None,
+          conv: str = "grouped") -> None:
     """One optimizer step of the clients ``members`` (their batches have one size); ``lrs``:
     [C] each client's learning rate where they differ (None: the optimizer's for all);
-    ``lr_scale``: [C, P] each client's per-parameter multipliers of it (None: none)."""
+    ``lr_scale``: [C, P] each client's per-parameter multipliers of it (None: none); ``conv``:
+    how the per-client convolutions run (``stacked_forward``)."""
     idx = torch.tensor(members, device=params.device)
     whole = members == list(range(len(tasks)))
     layout = cohort.layout
@@ -426,7 +428,7 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
     y = torch.stack([batches[i][1] for i in members])
 
     per_client, logits, embeddings, statistics = stacked_forward(module, cohort, leaves, chunk_buffers,
-                                                                 chunk_int_buffers, x, y, fed_autocast)
+                                                                 chunk_int_buffers, x, y, fed_autocast, conv=conv)
     parts = statistics[1]
     terms = [tasks[i].plan[index].loss_terms for i in members]
     if any(terms):

@@ -19,6 +19,7 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .client import EvalResult, apply_download
+from .conv_gemm import batched_convolutions
 from .local import EVAL_BATCH, ChunkGather, scores
 
 
@@ -64,7 +65,8 @@ def evaluate_chunk(fed, cohort, tasks, batch_size: int = EVAL_BATCH) -> list[Eva
                 x, y = gather([indices[k][start:start + batch_size] for k in members], members)
                 whole = len(members) == len(tasks)
                 group = tensors if whole else {name: t[members] for name, t in tensors.items()}
-                logits = vmap(logits_of)(group, x)
+                with batched_convolutions(fed.settings.batched_conv):
+                    logits = vmap(logits_of)(group, x)
                 at = torch.tensor(members, device=params.device)
                 per_sample = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(len(members), -1)
                 loss.index_add_(0, at, per_sample.sum(1).double())

@@ -26,6 +26,7 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
+from .conv_gemm import batched_convolutions
 from .model_call import ModelOutputs, autocast, forward
 from .plan import run_grad_terms
 from .step_graphs import StaticStep, StepGraphs, hook_keys, static_like
@@ -80,17 +81,17 @@ def chunk_state(rows: SimpleNamespace, name: str, state: dict) -> dict:
 
 def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, optimizer, ranges, trained,
                  state_name: str, state: dict, lrs: bool, lr_scale: Optional[torch.Tensor], autocast_mode,
-                 phases, views) -> StaticStep:
+                 phases, views, conv: str = "grouped") -> StaticStep:
     """The static step of ``chunk`` (``chunk_rows``) for batches shaped as ``x`` and ``y``
     ([C, B, ...], [C, B]): it trains ``trained`` (None: every parameter) over ``ranges`` with
     ``optimizer``, each row at its ``chunk.lrs`` rate when ``lrs``, scaled by ``lr_scale`` (the
     chunk's persistent rows, or None), each client's ``phases`` gradient terms and after-step
-    hook (capturable ones) run on its row view in ``views``; the caller fills its inputs 'x' and
-    'y', and ``chunk.steps``."""
+    hook (capturable ones) run on its row view in ``views``, its convolutions run as ``conv``
+    says (``stacked_forward``); the caller fills its inputs 'x' and 'y', and ``chunk.steps``."""
     key = ("batched", cohort.name, chunk.chunk.capacity, chunk.count, tuple(x.shape), x.stride(), x.dtype,
            tuple(y.shape), optimizer, None if ranges is None else tuple(ranges),
-           None if trained is None else frozenset(trained), lrs, lr_scale is not None, autocast_mode, state_name,
-           tuple(sorted(state)), tuple(hook_keys(phase) for phase in phases))
+           None if trained is None else frozenset(trained), lrs, lr_scale is not None, autocast_mode, conv,
+           state_name, tuple(sorted(state)), tuple(hook_keys(phase) for phase in phases))
 
     def build() -> StaticStep:
         inputs = {"x": static_like(x), "y": static_like(y)}
@@ -105,7 +106,8 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
             leaves = {name: view.detach().requires_grad_(trained is None or name in trained)
                       for name, view in cohort.layout.views(chunk.params).items()}
             per_client, _, _, statistics = stacked_forward(module, cohort, leaves, chunk.buffers, chunk.int_buffers,
-                                                           inputs["x"], inputs["y"], autocast_mode, cache=False)
+                                                           inputs["x"], inputs["y"], autocast_mode, cache=False,
+                                                           conv=conv)
             write_back(statistics)
             per_client.sum().backward()
             with torch.no_grad():
@@ -127,13 +129,14 @@ def batched_step(graphs: StepGraphs, cohort, chunk: SimpleNamespace, x, y, *, op
 
 
 def stacked_forward(module, cohort, leaves: dict, buffers, int_buffers, x, y, autocast_mode, *,
-                    cache: bool = True):
+                    cache: bool = True, conv: str = "grouped"):
     """The vmapped forward of G clients of ``cohort`` on their batches ``x`` [G, B, ...] and ``y``
     [G, B]: ``module`` run by ``functional_call`` on each client's ``leaves`` (parameter name ->
     [G, *shape]) and buffer rows.  Returns (each client's mean cross-entropy [G], logits,
     embeddings or None, statistics), ``statistics`` holding BatchNorm's buffers as the copies the
-    forward updated, for ``write_back`` to copy into the rows.  The batched executor's general
-    step and its static step both run it."""
+    forward updated, for ``write_back`` to copy into the rows; ``conv``: how the per-client
+    convolutions run (``conv_gemm.batched_convolutions``).  The batched executor's general step
+    and its static step both run it."""
     outputs = ModelOutputs(module)
 
     def client_outputs(param_parts, buffer_parts, inputs):
@@ -145,7 +148,7 @@ def stacked_forward(module, cohort, leaves: dict, buffers, int_buffers, x, y, au
     # not a strided view of the stacked rows (nor a view taken inside the vmapped function).
     views = {**cohort.buffer_layout.views(buffers), **cohort.int_buffer_layout.views(int_buffers)}
     parts = {name: view.clone() for name, view in views.items()}
-    with autocast(autocast_mode, x.device, cache=cache):
+    with autocast(autocast_mode, x.device, cache=cache), batched_convolutions(conv):
         out = vmap(client_outputs)(leaves, parts, x)
     logits, embeddings = (out, None) if isinstance(out, torch.Tensor) else out
     # The loss in float32, as torch.autocast leaves it.

@@ -21,6 +21,7 @@ from ..data.partition import ClientSplit
 from ..models.base import head_parameter_names
 from .cohort import Cohort, StateSpec
 from .comm import CommLedger
+from .conv_gemm import CHOICES as CONV_CHOICES
 from .executor_factory import make_executor
 from .groups import BUFFERS, GroupRule, declare_groups
 from .local import LocalSchedule, conv_layout
@@ -47,6 +48,9 @@ class EngineSettings:
     ``autocast``: 'bf16' runs the training forward under bfloat16 autocast (None: float32).
     ``cuda_graphs``: on CUDA, plain training steps replay as CUDA graphs (``step_graphs``);
     no effect elsewhere.
+    ``batched_conv``: how the ``batched`` executor's vmapped forwards run per-client
+    convolutions: 'grouped' (vmap's grouped convolutions) or 'gemm' (im2col and one batched
+    GEMM, ``engine.conv_gemm``).
     ``optimizer``: the clients' optimizer and its settings (a phase may override them:
     ``Phase.settings_for``).
     """
@@ -67,6 +71,7 @@ class EngineSettings:
     autocast: Optional[str] = None
     threaded_hooks: bool = False
     cuda_graphs: bool = True
+    batched_conv: str = "grouped"
 
     def __post_init__(self):
         if self.rounds < 0:
@@ -86,6 +91,8 @@ class EngineSettings:
             raise ValueError(f"autocast must be None or 'bf16', got {self.autocast!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.batched_conv not in CONV_CHOICES:
+            raise ValueError(f"batched_conv must be one of {', '.join(CONV_CHOICES)}, got {self.batched_conv!r}")
         epochs = self.finetune_epochs
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"finetune_epochs must be an integer >= 0, got {epochs!r}")

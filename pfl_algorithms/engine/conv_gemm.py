@@ -1,0 +1,103 @@
+"""Per-client convolutions as batched GEMMs under ``vmap`` (the batched executor's
+``batched_conv='gemm'``).
+
+Under ``vmap`` a convolution whose weight is batched (each client its own) becomes one grouped
+convolution, a group per client.  On an H200 cuDNN's weight gradient of those grouped
+convolutions took a third of a batched LeNet-5 round's GPU time
+(``sm80_xmma_wgrad_implicit_gemm_indexed``, 0.3-0.6 ms a call for 20 clients of 64 images;
+README, "Executors").  Here the same convolution is written as im2col (``F.unfold``) and a
+matmul, which vmap turns into one batched GEMM over the clients; its backward is a GEMM for the
+weight and a GEMM plus col2im (``F.fold``) for the input, with no grouped kernel anywhere.
+
+The choice is a measured one, per device: on this project's 2-core CPUs the grouped
+convolution is faster (a vmapped LeNet-5 step of 20 clients x 64: 629 ms grouped, 931 ms as
+GEMMs), so ``'grouped'`` stays the default; ``benchmarks/gpu_executor.py`` times the batched
+LeNet-5 round both ways on a GPU.  The im2col buffer holds C_in·k_h·k_w values per output pixel
+(25x LeNet's first input, 9x a 3x3 convolution's), so the lowering suits small convolutions.
+
+Only what the lowering computes exactly as ``F.conv2d`` does is lowered: a batched weight,
+``groups == 1``, numeric padding or ``'valid'``, or ``'same'`` where it pads both sides alike.
+Everything else (a shared weight, which vmap folds into the batch of one dense convolution;
+grouped and depthwise convolutions; ``'same'`` with uneven padding) runs ``F.conv2d``.  Under
+autocast the input and weight are cast to the autocast dtype first, as ``conv2d``'s autocast
+does, so the im2col buffer is in that dtype too.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+CHOICES = ("grouped", "gemm")
+
+
+def _pair(value) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def _padding(padding, kernel: tuple[int, int], dilation: tuple[int, int]) -> Optional[tuple[int, int]]:
+    """``padding`` as the symmetric pair F.unfold takes, or None where it has none ('same' with an
+    odd total, which F.conv2d pads one more on the bottom and right)."""
+    if padding == "valid":
+        return 0, 0
+    if padding == "same":
+        totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
+        return None if any(t % 2 for t in totals) else (totals[0] // 2, totals[1] // 2)
+    return _pair(padding)
+
+
+def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, stride=1, padding=0,
+                dilation=1, groups: int = 1) -> Optional[torch.Tensor]:
+    """``F.conv2d(input, weight, bias, stride, padding, dilation, groups)`` as im2col and a
+    matmul (module docstring), or None where it is not lowered; ``input`` [N, C, H, W] or
+    [C, H, W], ``weight`` [O, C, k_h, k_w]."""
+    if groups != 1 or weight.dim() != 4 or input.dim() not in (3, 4) or (
+            isinstance(padding, str) and stride not in (1, (1, 1))):
+        return None
+    if not torch._C._functorch.is_batchedtensor(weight):
+        return None  # a shared weight: vmap makes one dense convolution of it, no grouped kernel
+    kernel, dilation_, stride_ = (int(weight.shape[2]), int(weight.shape[3])), _pair(dilation), _pair(stride)
+    pad = _padding(padding, kernel, dilation_)
+    if pad is None:
+        return None
+    unbatched = input.dim() == 3
+    x = input.unsqueeze(0) if unbatched else input
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # conv2d's autocast: both operands in its dtype
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    n, _, height, width = x.shape
+    out_h = (height + 2 * pad[0] - dilation_[0] * (kernel[0] - 1) - 1) // stride_[0] + 1
+    out_w = (width + 2 * pad[1] - dilation_[1] * (kernel[1] - 1) - 1) // stride_[1] + 1
+    columns = F.unfold(x, kernel, dilation=dilation_, padding=pad, stride=stride_)  # [N, C·k_h·k_w, L]
+    out = torch.matmul(weight.flatten(1), columns)  # [N, O, L]: vmap makes it one batched GEMM
+    if bias is not None:
+        out = out + bias.to(out.dtype)[:, None]
+    out = out.reshape(n, weight.shape[0], out_h, out_w)
+    return out[0] if unbatched else out
+
+
+class GemmConvolutions(TorchFunctionMode):
+    """Within the mode, ``F.conv2d`` calls that ``conv2d_gemm`` lowers run as im2col and a matmul;
+    every other call runs as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.conv2d:
+            out = conv2d_gemm(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def batched_convolutions(choice: str):
+    """The context a vmapped forward of per-client weights runs in: ``'grouped'`` (vmap's grouped
+    convolutions), ``'gemm'`` (``GemmConvolutions``)."""
+    if choice == "grouped":
+        return contextlib.nullcontext()
+    if choice == "gemm":
+        return GemmConvolutions()
+    raise ValueError(f"batched_conv must be one of {', '.join(CHOICES)}, got {choice!r}")
