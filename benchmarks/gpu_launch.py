@@ -252,7 +252,7 @@ def server_cases(dev, k, p, d, dry: bool) -> list[Case]:
     g = torch.Generator(device=dev).manual_seed(2)
     cases = []
     # weighted_average: sparse weights (density 0.05, as after similarity_weights) take the
-    # Triton CSR kernel; dense ones the GEMM (cuBLAS), compared with torch.mm.
+    # Triton sparse kernel; dense ones the GEMM (cuBLAS), compared with torch.mm.
     params = torch.randn(k, p, device=dev, generator=g)
     w = torch.rand(k, k, device=dev, generator=g) * (torch.rand(k, k, device=dev, generator=g) < 0.05)
     w.fill_diagonal_(1.0)

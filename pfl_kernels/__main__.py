@@ -20,7 +20,7 @@ def format_cuda_paths() -> str:
     means = class_means_path(1, 1, torch.float32, tf32)
     gemm_dim = f"D >= {similarity.GEMM_MIN_DIM}"
     rows = [
-        ("weighted_average", f"nonzero weights < {aggregate.SPARSE_DENSITY:g}*K*M", "triton (CSR gather)"),
+        ("weighted_average", f"nonzero weights < {aggregate.SPARSE_DENSITY:g}*K*M", "triton (sparse gather)"),
         ("weighted_average", "dense weights, float64", "gemm (cuBLAS dgemm)"),
         ("weighted_average", "dense weights, float32/bfloat16/float16",
          "gemm (torch.mm, NaN/Inf fix-up when params hold them)" if dense == "gemm"

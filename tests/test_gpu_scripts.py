@@ -65,7 +65,8 @@ def test_launch_dry_run(tmp_path, capsys):
     assert via["factorized_weight_backward"] == via["branch_combine_backward"] == "op"
     assert via["factorized_weight backward"] == via["branch_combine backward"] == "autograd"
     assert payload["summary"]["by_via"]["autograd"]["cases"] == 2
-    assert paths[("weighted_average", "K=20 P=257 density~0.05")] == "triton (2 launches)"  # counts, then the CSR gather
+    # the compaction (with the weights' stats), then the gather
+    assert paths[("weighted_average", "K=20 P=257 density~0.05")] == "triton (2 launches)"
     assert paths[("pairwise_cosine", "K=20 D=65536")] == "library (torch.mm)"
     assert paths[("pairwise_cosine", "K=20 D=33")] == "triton (3 launches)"
     assert payload["summary"]["cases"] == len(rows)

@@ -26,7 +26,7 @@ Semantics (documented, tested):
   cost grows with the number of nonzero weights, not with K·M.
 * Kernels: C++ on CPU (``csrc/cpu/aggregate.cpp``: BLAS per column block for dense
   float32/float64, a CSR gather for sparse weights, a register-blocked loop for bf16/fp16),
-  Triton on CUDA (``pfl_kernels/triton/aggregate.py``: ``tl.dot`` tiles or a CSR gather), the
+  Triton on CUDA (``pfl_kernels/triton/aggregate.py``: ``tl.dot`` tiles or a sparse gather), the
   plain-PyTorch reference elsewhere; all with the semantics above.
 
 Gradients: ``grad_weights = g θᵀ`` and ``grad_params = wᵀ g`` (itself a weighted average).
@@ -86,7 +86,7 @@ SPARSE_DENSITY = 0.3
 def cuda_path(k: int, m: int, nnz: int, dtype: torch.dtype, tf32: bool,
               sparse_density: float = SPARSE_DENSITY) -> str:
     """Which implementation serves ``weighted_average`` of [K, M] weights (``nnz`` nonzero)
-    and params of ``dtype`` on CUDA: 'sparse' (the Triton CSR gather), 'gemm'
+    and params of ``dtype`` on CUDA: 'sparse' (the Triton sparse gather), 'gemm'
     (``gemm_weighted_average``: one cuBLAS GEMM) or 'dense' (the Triton ``tl.dot`` kernel).
 
     Dense weights go to the GEMM: on an H200 (issue 30) the dense Triton kernel took 39.5 ms at

@@ -15,14 +15,15 @@ device:
   their row: each params tile is checked for NaN/Inf; its non-finite values are zeroed for
   the ``tl.dot`` and added back, one row of the tile at a time, only where the weight is
   nonzero (a slow path that only tiles holding NaN/Inf take).
-* sparse: the nonzero weights as CSR (row pointers, int32 columns, values in the
-  accumulation dtype), built with torch ops on the device; one program per (row, P-block)
-  gathers only the kept rows of params, ``_SPARSE_BLOCK_E`` of them per step with their
-  loads in flight together.  Cost ∝ nnz · P.  Rows are the fastest grid axis, so rows
-  sharing kept clients read them from L2 (loaded evict-last; out is stored evict-first).
+* sparse: each row's nonzero weights compacted to the front of its row of a [K, M] pair (int32
+  columns, values in the accumulation dtype) with the row's count, by ``_compact_kernel``;
+  one program per (row, P-block) gathers only the kept rows of params, ``_SPARSE_BLOCK_E``
+  of them per step with their loads in flight together.  Cost ∝ nnz · P.  Rows are the
+  fastest grid axis, so rows sharing kept clients read them from L2 (loaded evict-last; out
+  is stored evict-first).
 
 Which one serves (issue 30, item 2; ``pfl_kernels.ops.aggregate.cuda_path``): sparse weights
-take the CSR kernel; dense weights on CUDA take ``gemm_weighted_average`` (one cuBLAS GEMM,
+take the sparse kernel; dense weights on CUDA take ``gemm_weighted_average`` (one cuBLAS GEMM,
 a check of the product's first row for NaN/Inf, the reference's fix-up only when params hold
 NaN/Inf), since the dense kernel measured 39.5 ms against torch.mm's 0.71 ms on an H200
 (K = 100, P = 10^6).  The dense kernel serves only where torch's float32 matmuls may use TF32
@@ -33,11 +34,13 @@ float64 params: the sparse kernel accumulates in float64; dense float64 weights 
 the GEMM form (cuBLAS dgemm), which is what a float64 Triton dot would lower to at best.
 
 Weights are checked for NaN/Inf here too (one device sync, shared with counting the nonzeros).
-The counts (the weights' nonzeros and NaN/Inf, and the GEMM product's row 0's NaN/Inf) come
-from ``_count_kernel``, one launch each into a zeroed int64 buffer: the PyTorch reductions
-they replace were about 8 launches per sync, each a host round trip.  Syncs per call: one
-for those stats, a second for the GEMM's check of row 0 or for nothing on the sparse path
-(``nonzero_static`` with the count known); a new result whose signature took the GEMM last
+The weights' stats (each row's nonzeros and NaN/Inf) come from the same ``_compact_kernel``
+launch that lays out the sparse kernel's input, so the sparse path makes two launches and
+no other (the PyTorch reductions and the CSR build it replaces were 16, then 8 launches,
+each a host round trip on a GPU); the GEMM product's row-0 check, and the weights' stats
+where the GEMM runs speculatively, come from ``_count_kernel``, one launch each into a
+zeroed int64 buffer.  Syncs per call: one for the stats, a second for the GEMM's check of
+row 0 or for nothing on the sparse path; a new result whose signature took the GEMM last
 time runs it first and reads stats and check in one sync.
 
 ``out=``: out may overlap params.  The dense kernel with a single K-block reads the whole
@@ -48,7 +51,7 @@ shifted or differently strided view) first copies params.  Offsets are int64.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -72,6 +75,9 @@ _BLOCK_P = 128
 # benchmarks/gpu_aggregate.py times beside it.
 _SPARSE_BLOCK_P = 1024
 _SPARSE_BLOCK_E = 8
+# The compaction of the weights: columns of a row per step (a row of M weights takes
+# cdiv(M, this) steps of one program).  Tests shrink it.
+_COMPACT_BLOCK = 1024
 # The counting kernel: values per block, and at most this many programs (each adds its two
 # totals atomically).  Tests shrink these.
 _COUNT_BLOCK = 4096
@@ -124,9 +130,45 @@ def _dense_kernel(
 
 
 @triton.jit
+def _compact_kernel(w_ptr, col_ptr, val_ptr, stats_ptr, K, M, BLOCK: tl.constexpr):
+    # Row k of w [K, M] (contiguous): its nonzero weights, in column order, at the front of
+    # row k of col [K, M] (their columns, int32) and val [K, M] (their values); stats[0, k]
+    # = their number, stats[1, k] = the row's NaN/Inf (NaN != 0: kept, and then refused).
+    k = tl.program_id(0).to(tl.int64)
+    kept = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    bad = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    for m0 in range(0, M, BLOCK):
+        rm = m0 + tl.arange(0, BLOCK)
+        mm = rm < M
+        v = tl.load(w_ptr + k * M + rm, mask=mm, other=0)
+        keep = ((v != 0) & mm).to(tl.int32)
+        at = k * M + kept + tl.cumsum(keep, axis=0) - 1  # each kept weight's slot
+        tl.store(col_ptr + at, rm.to(tl.int32), mask=keep != 0)
+        tl.store(val_ptr + at, v, mask=keep != 0)
+        kept += tl.sum(keep, axis=0)
+        bad += tl.sum((((tl.abs(v) < float("inf")) == 0) & mm).to(tl.int32), axis=0)  # NaN and ±Inf
+    tl.store(stats_ptr + k, kept)
+    tl.store(stats_ptr + K + k, bad)
+
+
+def _compact_emulated(w_ptr, col_ptr, val_ptr, stats_ptr, K, M, **meta):
+    """``_compact_kernel``'s effect in plain PyTorch, for tools that record launches instead of
+    making them (the compile test, ``gpu_launch.py --host``): its stats are read on the host."""
+    w = w_ptr[:K * M].view(K, M)
+    keep = w != 0
+    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept columns first, in order
+    col_ptr[:K * M].view(K, M).copy_(order)
+    val_ptr[:K * M].view(K, M).copy_(w.gather(1, order))
+    stats_ptr.view(2, K).copy_(torch.stack([keep.sum(1), (~torch.isfinite(w)).sum(1)]))
+
+
+_compact_kernel.emulate = _compact_emulated
+
+
+@triton.jit
 def _sparse_kernel(
-    ptr_ptr, col_ptr, val_ptr, p_ptr, out_ptr,
-    K, P,
+    col_ptr, val_ptr, stats_ptr, p_ptr, out_ptr,
+    K, M, P,
     sp_m, so_k,
     ACC_F64: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -139,8 +181,8 @@ def _sparse_kernel(
         acc = tl.zeros([BLOCK_P], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_P], dtype=tl.float32)
-    e0 = tl.load(ptr_ptr + k)
-    e1 = tl.load(ptr_ptr + k + 1)
+    e0 = k * M  # row k's kept weights: the first stats[0, k] of its row of col and val
+    e1 = e0 + tl.load(stats_ptr + k)
     # BLOCK_E kept rows per step, their loads issued together (one row at a time left each
     # program waiting on a column index, then on its row, nnz times over).  Masked entries
     # read 0 for both weight and row: 0·0, so no NaN comes from a padded entry.
@@ -221,29 +263,38 @@ def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
     return stride > 0 and diff % size == 0 and (diff // size) % stride == 0
 
 
-def _weights_stats(w: torch.Tensor) -> int:
-    """Nonzeros of w; raises ValueError on NaN/Inf (one device sync for both)."""
-    counts = _new_counts(2, w)
-    _count_values(w, counts)
-    nnz, bad = counts.tolist()
-    if bad:
+class Compact(NamedTuple):
+    """``_compact``'s result: each row's nonzero weights at the front of its row of ``cols``
+    [K, M] int32 and ``vals`` [K, M], and ``stats`` [2, K] int32 on the device (each row's
+    nonzeros, then its NaN/Inf)."""
+    cols: torch.Tensor
+    vals: torch.Tensor
+    stats: torch.Tensor
+
+
+def _compact(w: torch.Tensor) -> Compact:
+    """The sparse kernel's input and the weights' stats from contiguous [K, M] weights: one
+    launch, no sync."""
+    k, m = w.shape
+    cols = torch.empty((k, m), dtype=torch.int32, device=w.device)
+    vals = torch.empty_like(w)
+    stats = torch.empty((2, k), dtype=torch.int32, device=w.device)
+    if k and m:
+        with _device_guard(w):
+            _launch(_compact_kernel)[(k,)](w, cols, vals, stats, k, m,
+                                           BLOCK=min(_COMPACT_BLOCK, next_power_of_2(m)), num_warps=4)
+    elif k:
+        stats.zero_()
+    return Compact(cols, vals, stats)
+
+
+def _weights_stats(w: torch.Tensor) -> tuple[int, Compact]:
+    """(nonzeros of w, ``_compact(w)``); raises ValueError on NaN/Inf (one device sync for both)."""
+    compact = _compact(w)
+    nonzeros, bad = compact.stats.tolist() if w.shape[0] else ([], [])
+    if any(bad):
         raise ValueError("weights must be finite (they hold NaN or Inf)")
-    return int(nnz)
-
-
-def _csr(w: torch.Tensor, nnz: int):
-    """(row pointers int64 [K+1], columns int32 [nnz], values [nnz]) of w's ``nnz`` nonzeros,
-    row-major.  ``nonzero_static`` with the count already known makes no device sync, where
-    ``nonzero`` makes one to learn the count (a second sync per call, after ``_weights_stats``)."""
-    mask = w != 0
-    ptr = torch.zeros(w.shape[0] + 1, dtype=torch.int64, device=w.device)
-    torch.cumsum(mask.sum(1), 0, out=ptr[1:])
-    try:
-        index = torch.nonzero_static(mask, size=nnz)
-    except (NotImplementedError, RuntimeError):  # a torch or device without it
-        index = mask.nonzero()
-    rows, cols = index[:, 0], index[:, 1]
-    return ptr, cols.to(torch.int32), w[rows, cols].contiguous()
+    return sum(nonzeros), compact
 
 
 # The path each signature of (weights, params) took last: a new result whose signature took
@@ -299,14 +350,14 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         params = params.contiguous()
     key = (weights.shape, weights.dtype, params.shape, params.dtype, params.device)
     gemm_device = acc == torch.float64 or out.device.type in _GEMM_DEVICES
-    nnz = None
+    nnz = compact = None
     if fresh and k and p and m and gemm_device and _LAST_PATH.get(key) == "gemm":
         # One device sync instead of two (stats, then the product's check) when the path holds.
         nnz = _speculative_gemm(w, params, out)
         if nnz is None:
             return
     if nnz is None:
-        nnz = _weights_stats(w)
+        nnz, compact = _weights_stats(w)
     if k == 0 or p == 0:
         return
     if m == 0:
@@ -325,10 +376,10 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         params = params.clone()
     with _device_guard(params):
         if sparse:
-            ptr, cols, vals = _csr(w, nnz)
+            cols, vals, stats = _compact(w) if compact is None else compact
             grid = (k * cdiv(p, _SPARSE_BLOCK_P),)
             _launch(_sparse_kernel)[grid](
-                ptr, cols, vals, params, out, k, p, params.stride(0), out.stride(0),
+                cols, vals, stats, params, out, k, m, p, params.stride(0), out.stride(0),
                 ACC_F64=acc == torch.float64, BLOCK_E=_SPARSE_BLOCK_E, BLOCK_P=_SPARSE_BLOCK_P,
                 num_warps=max(1, min(8, _SPARSE_BLOCK_P // 128)),
             )

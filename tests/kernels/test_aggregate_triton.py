@@ -1,4 +1,4 @@
-"""The Triton weighted_average kernels (dense tl.dot tiles, sparse CSR gather) against float64.
+"""The Triton weighted_average kernels (dense tl.dot tiles, sparse gather) against float64.
 
 In the Triton interpreter or on a CUDA device, skipped otherwise (see ``triton_support.py``):
 
@@ -41,6 +41,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(ta, "_BLOCK_P", 16)
         monkeypatch.setattr(ta, "_SPARSE_BLOCK_P", 16)
         monkeypatch.setattr(ta, "_SPARSE_BLOCK_E", 2)  # a row's kept clients over several steps
+        monkeypatch.setattr(ta, "_COMPACT_BLOCK", 4)  # a row of weights compacted over several steps
     return request.param
 
 
@@ -166,22 +167,33 @@ def test_non_finite_weights_raise():
         ta.weighted_average_triton(w, torch.randn(4, 5, device=DEVICE))
 
 
-def test_csr():
-    w = torch.tensor([[0.0, 2.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.5]], device=DEVICE)
-    ptr, cols, vals = ta._csr(w, 4)
-    assert ptr.tolist() == [0, 2, 2, 4] and cols.tolist() == [1, 3, 0, 3] and vals.tolist() == [2, 3, 1, 0.5]
-    assert cols.dtype == torch.int32
+@pytest.mark.parametrize("block", [1024, 4, 1], ids=["one-step", "several-steps", "one-column-steps"])
+def test_compact_puts_each_rows_nonzeros_first_with_the_stats(block, monkeypatch):
+    """Every row's nonzero weights in column order at the front of its row (a row spanning
+    several steps of the compaction), each row's count and NaN/Inf; -0.0 is zero, NaN and
+    ±Inf are kept and counted."""
+    monkeypatch.setattr(ta, "_COMPACT_BLOCK", block)
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(5, 11, generator=g, dtype=F64) * (torch.rand(5, 11, generator=g) < 0.4)
+    w[1] = 0.0
+    w[2, 3], w[3, 0], w[3, 10], w[4, 5] = -0.0, float("nan"), float("inf"), -float("inf")
+    w[4, 6] = 1.0
+    cols, vals, stats = ta._compact(w.to(DEVICE))
+    nonzero = w != 0
+    assert stats.dtype == torch.int32 and stats.tolist() == [nonzero.sum(1).tolist(), (~w.isfinite()).sum(1).tolist()]
+    for k in range(5):
+        n = int(nonzero[k].sum())
+        want = nonzero[k].nonzero().flatten()
+        assert cols.dtype == torch.int32 and cols[k, :n].tolist() == want.tolist()
+        torch.testing.assert_close(vals[k, :n].cpu(), w[k, want], rtol=0, atol=0, equal_nan=True)
+    assert stats[0, 1] == 0  # an all-zero row keeps nothing
 
 
-def test_csr_without_nonzero_static(monkeypatch):
-    """A torch (or device) without ``nonzero_static`` gets the same CSR through ``nonzero``."""
-    def missing(*args, **kwargs):
-        raise NotImplementedError("nonzero_static")
-
-    monkeypatch.setattr(torch, "nonzero_static", missing)
-    w = torch.tensor([[0.0, 2.0], [1.0, 0.0], [0.0, 0.0]], device=DEVICE)
-    ptr, cols, vals = ta._csr(w, 2)
-    assert ptr.tolist() == [0, 1, 2, 2] and cols.tolist() == [1, 0] and vals.tolist() == [2, 1]
+def test_compact_of_empty_weights():
+    for shape in [(0, 4), (3, 0), (0, 0)]:
+        cols, vals, stats = ta._compact(torch.empty(shape, device=DEVICE))
+        assert cols.shape == vals.shape == shape and stats.shape == (2, shape[0])
+        assert stats.tolist() == [[0] * shape[0]] * 2
 
 
 @interpreter_only

@@ -29,12 +29,12 @@ if RUNNABLE:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The Triton kernels launched (each still runs), but for weighted_average's counting of
-    values (``test_counts_*``), which precedes every path's choice."""
+    """The Triton kernels launched (each still runs), but for weighted_average's counting and
+    compaction of values (``test_counts_*``, ``test_compact_*``), which precede every path's choice."""
     seen = []
 
     def launch(kernel):
-        if kernel is not ta._count_kernel:
+        if kernel is not ta._count_kernel and kernel is not ta._compact_kernel:
             seen.append(kernel)
         return kernel
 
@@ -123,20 +123,21 @@ def test_counts_of_nonzeros_and_non_finite_values(size, block, programs, dtype, 
 
 
 def test_counts_replace_the_reductions_before_each_sync(routed, counted, fresh_paths):
-    """One counting launch per read: the weights (with the path's stats), the GEMM's row 0."""
+    """One launch per read: the weights' stats (from their compaction, or counted beside a
+    speculative GEMM), the GEMM's row 0."""
     params = torch.randn(6, 40, device=DEVICE)
-    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # stats, then the GEMM and its row 0
-    assert [x.shape for x, _ in counted] == [(30,), (40,)]
+    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # stats (compaction), the GEMM and its row 0
+    assert [x.shape for x, _ in counted] == [(40,)]
     counted.clear()
-    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # the speculative GEMM: both, one sync
+    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # the speculative GEMM: both counted, one sync
     assert [x.shape for x, _ in counted] == [(30,), (40,)]
     counted.clear()
     sparse = weights(5, 6, 0.1)
     ta.weighted_average_triton(sparse, params)  # the GEMM was speculated, the counts say sparse
     assert [x.shape for x, _ in counted] == [(30,), (40,)]
     counted.clear()
-    out = ta.weighted_average_triton(sparse, params)  # the signature now takes sparse: weights only
-    assert [x.shape for x, _ in counted] == [(30,)]
+    out = ta.weighted_average_triton(sparse, params)  # the signature now takes sparse: the compaction alone
+    assert counted == []
     assert_close(out, ref_agg.weighted_average(sparse.double(), params.double()), torch.float32)
 
 
@@ -146,7 +147,7 @@ class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
 
     FREE = {"view", "_unsafe_view", "t", "slice", "select", "alias", "as_strided", "expand", "empty", "empty_strided",
             "detach", "unsqueeze", "squeeze", "reshape", "permute", "transpose", "_reshape_alias", "copy_",
-            "_local_scalar_dense", "item", "new_empty", "new_empty_strided", "set_", "resize_"}
+            "_local_scalar_dense", "item", "new_empty", "new_empty_strided", "empty_like", "set_", "resize_"}
 
     def __init__(self):
         super().__init__()
@@ -160,8 +161,8 @@ class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_host_launches_per_call(routed, fresh_paths):
     """The PyTorch launches around the kernels (each a host round trip on a GPU): the dense
-    GEMM and a zeroed count buffer per sync (the reductions they replace were 15 launches),
-    the sparse path's CSR (the counting launches are Triton's: ``test_counts_*``)."""
+    GEMM and a zeroed count buffer per sync (the reductions they replace were 15 launches);
+    none on the sparse path, whose weights are compacted by a Triton launch (its CSR was 8)."""
     from pfl_kernels.triton import branch_aggregate as tba
 
     params, out = torch.randn(6, 40, device=DEVICE), torch.empty(5, 40, device=DEVICE)
@@ -169,8 +170,7 @@ def test_host_launches_per_call(routed, fresh_paths):
     calls = {"dense": lambda: ta.weighted_average_triton(dense, params),
              "dense out": lambda: ta.weighted_average_out_triton(dense, params, out=out),
              "sparse": lambda: ta.weighted_average_triton(sparse, params)}
-    want = {"dense": ["mm", "zeros"], "dense out": ["zeros", "mm", "zeros"],
-            "sparse": ["zeros", "ne", "zeros", "sum", "cumsum", "nonzero_static", "_to_copy", "index"]}
+    want = {"dense": ["mm", "zeros"], "dense out": ["mm", "zeros"], "sparse": []}
     for name, call in calls.items():
         call()  # the signature's path is known from here on
         with _KernelOps() as log:
@@ -297,7 +297,8 @@ def test_a_repeated_dense_signature_runs_the_gemm_first(routed, launches, fresh_
     """The second call of a signature that took the GEMM runs it before reading the weights'
     stats (one device sync for both): the same result, the reference's fix-up included."""
     stats = []
-    monkeypatch.setattr(ta, "_weights_stats", lambda w: stats.append(w) or int((w != 0).sum()))
+    weights_stats = ta._weights_stats
+    monkeypatch.setattr(ta, "_weights_stats", lambda w: stats.append(w) or weights_stats(w))
     params = torch.randn(6, 40, device=DEVICE)
     first = ta.weighted_average_triton(weights(5, 6, 1.0), params)
     assert len(stats) == 1 and first.shape == (5, 40)

@@ -114,7 +114,7 @@ def _launches() -> dict:
                 # server ops
                 params = rand(8, 300)
                 sparse = torch.eye(8, dtype=dtype)
-                ops.weighted_average(sparse, params)  # the CSR kernel
+                ops.weighted_average(sparse, params)  # the compaction, then the sparse kernel
                 torch.backends.cuda.matmul.allow_tf32 = True  # the tl.dot kernel serves dense weights then
                 ops.weighted_average(torch.softmax(torch.randn(8, 8, generator=g), 1).to(dtype), params)
                 torch.backends.cuda.matmul.allow_tf32 = tf32
