@@ -15,9 +15,10 @@ GEMMs), so ``'grouped'`` stays the default; ``benchmarks/gpu_executor.py`` times
 LeNet-5 round both ways on a GPU.  The im2col buffer holds C_in·k_h·k_w values per output pixel
 (25x LeNet's first input, 9x a 3x3 convolution's), so the lowering suits small convolutions.
 
-Only what the lowering computes exactly as ``F.conv2d`` does is lowered: a batched weight,
-``groups == 1``, numeric padding or ``'valid'``, or ``'same'`` where it pads both sides alike.
-Everything else (a shared weight, which vmap folds into the batch of one dense convolution;
+Only what the lowering computes exactly as ``F.conv2d`` does is lowered: a batched weight on
+a batched input, ``groups == 1``, numeric padding or ``'valid'``, or ``'same'`` where it pads
+both sides alike.  Everything else (a shared weight or input, which vmap folds into one dense
+convolution;
 grouped and depthwise convolutions; ``'same'`` with uneven padding) runs ``F.conv2d``.  Under
 autocast the input and weight are cast to the autocast dtype first, as ``conv2d``'s autocast
 does, so the im2col buffer is in that dtype too.
@@ -57,8 +58,8 @@ def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if groups != 1 or weight.dim() != 4 or input.dim() not in (3, 4) or (
             isinstance(padding, str) and stride not in (1, (1, 1))):
         return None
-    if not torch._C._functorch.is_batchedtensor(weight):
-        return None  # a shared weight: vmap makes one dense convolution of it, no grouped kernel
+    if not (torch._C._functorch.is_batchedtensor(weight) and torch._C._functorch.is_batchedtensor(input)):
+        return None  # a shared weight or a shared input: vmap makes one dense convolution of it
     kernel, dilation_, stride_ = (int(weight.shape[2]), int(weight.shape[3])), _pair(dilation), _pair(stride)
     pad = _padding(padding, kernel, dilation_)
     if pad is None:
@@ -66,9 +67,9 @@ def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # conv2d's autocast: both operands in its dtype
+    if torch.is_autocast_enabled(device):  # conv2d's autocast: its float operands but float64 in its dtype
         dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
+        x, weight = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, weight))
     n, _, height, width = x.shape
     out_h = (height + 2 * pad[0] - dilation_[0] * (kernel[0] - 1) - 1) // stride_[0] + 1
     out_w = (width + 2 * pad[1] - dilation_[1] * (kernel[1] - 1) - 1) // stride_[1] + 1

@@ -107,6 +107,8 @@ def test_what_it_cannot_lower_runs_as_f_conv2d(lowered):
     cases = [
         # a weight shared by the clients: vmap makes one dense convolution of it
         (lambda x, w, b: vmap(F.conv2d, in_dims=(0, None, None))(x, w[0], b[0]), (x, w, b)),
+        # an input shared by the clients (their weights as one convolution's output channels)
+        (lambda x, w, b: vmap(F.conv2d, in_dims=(None, 0, 0))(x[0], w, b), (x, w, b)),
         # grouped (here depthwise-like: 5 input channels in 5 groups, 10 outputs)
         (lambda x, w, b: vmap(lambda x, w: F.conv2d(x, w, groups=5))(x, w), (x, torch.randn(3, 10, 1, 3, 3,
                                                                                              dtype=x.dtype), b)),
@@ -145,6 +147,8 @@ def test_autocast_gives_conv2ds_dtype():
     scale = reference.abs().max()
     assert (got.double() - reference).abs().max() / scale < 2e-2  # bf16 operands, as conv2d's own
     assert (want.double() - reference).abs().max() / scale < 2e-2
+    with torch.autocast("cpu", dtype=torch.bfloat16), conv_gemm.GemmConvolutions():  # float64 is never cast
+        assert vmap(F.conv2d)(x.double(), w.double(), b.double()).dtype == torch.float64
 
 
 def test_the_choice_is_checked():
