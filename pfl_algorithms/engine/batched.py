@@ -61,7 +61,7 @@ from .batched_eval import batchable_evaluation, evaluate_chunk
 from .captured_steps import (batched_step, chunk_rows, chunk_state, copy_gradients, stacked_forward,
                              write_back)
 from .client import (ClientView, TaskValues, TrainResult, apply_download, finish_train_task, initial_optimizer_state,
-                     local_result, phase_lr_scale, phase_optimizer, phase_parameters, phase_schedule, trains_only,
+                     local_results, phase_lr_scale, phase_optimizer, phase_parameters, phase_schedule, trains_only,
                      training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
@@ -294,13 +294,14 @@ def train_chunk(fed, algorithm, cohort, tasks, capacity: Optional[int] = None) -
         _run_phase(fed, cohort, tasks, index, optimizer, states[state_name], views, params, grads, buffers,
                    int_buffers, generators, loss_sum, samples, steps_taken, chunk=chunk, state_name=state_name)
     results = []
+    locals_ = local_results(loss_sum, samples, steps_taken, params)
     for i, task in enumerate(tasks):
         # Each client ends as on the other executors: its new rows in the working model, the
         # upload asked of a normal ClientView, then stored (``finish_train_task``).
         cohort.work.load(params[i], buffers[i], int_buffers[i])
         view = ClientView(fed, cohort, task.client, task.round, task.download, extras[i], views[i]._values)
         view.step = views[i].step  # the last phase's steps, as the upload sees them alone
-        local = local_result(loss_sum[i], samples[i], steps_taken[i], params[i])
+        local = locals_[i]
         own_states = {name: {vector: value[i] for vector, value in state.items()} for name, state in states.items()}
         results.append(finish_train_task(fed, algorithm, view, local, own_states))
     return results

@@ -504,9 +504,22 @@ def initial_optimizer_state(fed, cohort, phase: Phase, name: str, rows, *, keep:
 def local_result(loss_total: Tensor, samples: int, steps: int, params: Tensor) -> LocalResult:
     """A task's :class:`LocalResult` from its summed loss (loss × samples per step), samples,
     steps and final parameters: finite when the parameters and the loss are."""
-    mean = float(loss_total / samples) if samples else float("nan")
-    finite = all_finite(params) and (samples == 0 or bool(torch.isfinite(loss_total)))
-    return LocalResult(loss=mean, samples=samples, steps=steps, finite=finite)
+    return local_results(loss_total[None], [samples], [steps], params[None])[0]
+
+
+def local_results(loss_totals: Tensor, samples: Sequence[int], steps: Sequence[int],
+                  params: Tensor) -> list[LocalResult]:
+    """``local_result`` of each of C tasks, from their summed losses [C] (float64), samples,
+    steps and final parameters [C, P], with one device sync for all of them (three per task,
+    read one by one, were a host round trip each on a GPU).  The mean loss is divided on the
+    host, in float64 as on the device."""
+    # x·0 is ±0 for a finite x and NaN otherwise (all_finite): each row's sum is 0 exactly
+    # when the row is finite.
+    finite_rows = params.mul(0).sum(1) == 0
+    totals, finite = torch.stack([loss_totals, finite_rows.to(loss_totals.dtype)]).tolist()
+    return [LocalResult(loss=total / n if n else float("nan"), samples=n, steps=k,
+                        finite=ok == 1 and (n == 0 or math.isfinite(total)))
+            for total, ok, n, k in zip(totals, finite, samples, steps)]
 
 
 def all_finite(t: Tensor) -> bool:

@@ -110,3 +110,24 @@ def test_evaluate_counts_correct_predictions():
         want = (module(inputs).argmax(1) == labels).double().mean().item()
     acc, loss, n = evaluate(module, inputs, labels, torch.arange(20), batch_size=7)
     assert n == 20 and acc == pytest.approx(want) and loss > 0
+
+
+def test_local_results_of_a_chunk_in_one_read():
+    """Each task's mean loss (its float64 sum over its samples), and finite exactly when its
+    parameters and its loss are; a task without samples has a NaN loss and is finite when its
+    parameters are."""
+    from pfl_algorithms.engine.client import local_result, local_results
+
+    totals = torch.tensor([6.0, 1.0, float("inf"), 2.5, 0.0, 7.0], dtype=torch.float64)
+    params = torch.randn(6, 9)
+    params[1, 4] = float("nan")
+    params[3, 0] = -float("inf")
+    samples, steps = [4, 3, 5, 2, 0, 3], [1, 1, 2, 1, 0, 1]
+    results = local_results(totals, samples, steps, params)
+    assert [r.finite for r in results] == [True, False, False, False, True, True]
+    assert [r.loss for r in results[:4]] == [1.5, 1.0 / 3.0, float("inf"), 1.25]
+    assert results[4].loss != results[4].loss and results[5].loss == 7.0 / 3.0  # NaN without samples
+    assert [(r.samples, r.steps) for r in results] == list(zip(samples, steps))
+    for i, result in enumerate(results):  # one task alone reads the same
+        alone = local_result(totals[i], samples[i], steps[i], params[i])
+        assert (alone.loss == result.loss or alone.loss != alone.loss) and alone.finite == result.finite
