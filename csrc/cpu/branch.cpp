@@ -475,7 +475,10 @@ void project_row(scalar_t* x, int64_t s, int64_t B, at::opmath_type<scalar_t>* u
     for (int64_t j = 0; j < B; ++j) x[j * s] = std::numeric_limits<scalar_t>::quiet_NaN();
     return;
   }
-  for (int64_t j = 0; j < B; ++j) u[j] = rounded(static_cast<acc_t>(x[j * s]) - x_max);
+  // Entries more than 1 below the maximum are never in the support (theta >= -1): raised to
+  // -2 (as the reference does), they leave rho and theta as they are and keep the prefix sums
+  // finite for rows spanning more than half the float range.
+  for (int64_t j = 0; j < B; ++j) u[j] = std::max(rounded(static_cast<acc_t>(x[j * s]) - x_max), acc_t(-2));
   std::sort(u, u + B, std::greater<acc_t>());
   cum_t cum = 0;
   int64_t rho = 0;  // the number of j with u_j - c_j / j > 0 (a prefix)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from ..reference import branch as ref
-from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, has_values
+from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, has_values, values_finite
 from ._memo import metadata_cached
 from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
@@ -277,7 +277,7 @@ def project_simplex_(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x must have B >= 1 entries in its last dim, got shape {list(x.shape)}")
     # Meta and fake tensors have no values to read; under torch.compile the check still runs
     # (a graph break, as before).
-    if (torch.compiler.is_compiling() or has_values(x)) and not torch.isfinite(x).all():
+    if (torch.compiler.is_compiling() or has_values(x)) and not values_finite(x):
         raise ValueError("x must be finite to be projected onto the simplex (it holds NaN or Inf)")
     torch.ops.pfl.project_simplex_(x)
     return x

@@ -48,7 +48,11 @@ def project_simplex_(x: torch.Tensor) -> None:
     # The projection commutes with adding a constant to a row (θ absorbs it): working on
     # x − max(x) keeps u_1 = 0 in the support even when |x| is beyond 1/eps.
     x_max = v.amax(dim=-1, keepdim=True)
-    u, _ = torch.sort(v - x_max, dim=-1, descending=True)
+    # Shifted entries below -1 are never in the support (θ >= -1: the maximum, shifted to 0,
+    # projects to -θ <= 1): raised to -2, they leave ρ and θ as they are, and the prefix sums
+    # stay within 2B + 1 (a row spanning more than half the float range summed to -inf, which
+    # put every entry in the support and made a finite row all Inf).
+    u, _ = torch.sort((v - x_max).clamp_min(-2), dim=-1, descending=True)
     c = torch.cumsum(u, dim=-1) - 1
     j = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=x.dtype)
     support = (u - c / j) > 0  # true for j = 1..ρ (a prefix; ρ >= 1 since u_1 = 0)

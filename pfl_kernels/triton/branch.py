@@ -211,13 +211,17 @@ def _project_simplex_kernel(
     x_max = tl.max(tl.where(m2, x, -float("inf")), axis=1)
     x_max = tl.where(rm, x_max, 0)  # rows past the end: keep them finite
     xs = x - x_max[:, None]
+    # Entries more than 1 below the maximum are never in the support (θ >= -1): summed and
+    # tested as -2 (the reference's clamp), the sums stay finite for rows spanning more than
+    # half the float range.
+    xc = tl.maximum(xs, -2.0)
 
     cnt = tl.zeros([BLOCK_R, BLOCK_B], dtype=tl.int32)
     s = tl.zeros([BLOCK_R, BLOCK_B], dtype=x.dtype)
     if BLOCK_J == BLOCK_B:  # the whole row in one chunk: compare x with itself
         ge = (x[:, None, :] >= x[:, :, None]) & m2[:, None, :]  # [r, i, j]: x_j >= x_i
         cnt += tl.sum(ge.to(tl.int32), axis=2)
-        s += tl.sum(tl.where(ge, xs[:, None, :], 0), axis=2)
+        s += tl.sum(tl.where(ge, xc[:, None, :], 0), axis=2)
     else:  # long rows: the j axis in chunks (re-read from L1/L2)
         for j0 in range(0, B, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
@@ -225,12 +229,12 @@ def _project_simplex_kernel(
             xj = tl.load(x_ptr + row_off + j[None, :] * s_b, mask=mj, other=0).to(x.dtype)
             ge = (xj[:, None, :] >= x[:, :, None]) & mj[:, None, :]
             cnt += tl.sum(ge.to(tl.int32), axis=2)
-            s += tl.sum(tl.where(ge, (xj - x_max[:, None])[:, None, :], 0), axis=2)
+            s += tl.sum(tl.where(ge, tl.maximum(xj - x_max[:, None], -2.0)[:, None, :], 0), axis=2)
 
     c = s - 1
     nf = tl.maximum(cnt, 1).to(x.dtype)  # cnt >= 1 on valid lanes (x_i >= x_i)
     t = c / nf
-    support = (xs - t > 0) & m2
+    support = (xc - t > 0) & m2
     rho = tl.max(tl.where(support, cnt, 0), axis=1)
     theta = tl.max(tl.where(support & (cnt == rho[:, None]), t, -float("inf")), axis=1)
     theta = tl.where(rm, theta, 0)

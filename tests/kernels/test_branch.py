@@ -216,6 +216,25 @@ def test_project_simplex_matches_sort_based_reference(case, dtype):
         assert_close(got, x.to(torch.float64), dtype, "a point on the simplex is its own projection")
 
 
+def rows_spanning_the_float_range(dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Finite rows whose entries span more than half the float range (their shifted prefix
+    sums once overflowed to -inf: a finite row came out all Inf), and their exact projections."""
+    big = 0.9 * torch.finfo(dtype).max
+    rows = torch.tensor([[big, 0.5, -big, 1.0, -big], [0.25, -big, 0.5, -big, -big],
+                         [big, big, -big, 0.0, 0.0], [-big, -big, -big, -big, big]], dtype=torch.float64)
+    want = torch.tensor([[1.0, 0, 0, 0, 0], [0.375, 0, 0.625, 0, 0], [0.5, 0.5, 0, 0, 0], [0, 0, 0, 0, 1.0]],
+                        dtype=torch.float64)
+    return rows.to(dtype), want.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+def test_project_simplex_of_rows_spanning_the_float_range(kernel, dtype):
+    x, want = rows_spanning_the_float_range(dtype)
+    (project_simplex_ if kernel == "op" else ref.project_simplex_)(x)
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+
+
 def test_project_simplex_non_contiguous_view_leaves_the_rest_untouched():
     base = torch.randn(6, 9, dtype=torch.float64)
     before = base.clone()
@@ -318,6 +337,29 @@ def test_project_simplex_wrapper_refuses_nan_and_leaves_x_unchanged():
     with pytest.raises(ValueError, match="finite"):
         project_simplex_(x)
     torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("value", [NAN, INF, -INF, 3e38], ids=["nan", "inf", "-inf", "large"])
+def test_the_wrapper_finds_one_non_finite_value_anywhere(value, dtype):
+    """Its check is one reduction (``values_finite``): a single NaN, +Inf or -Inf among finite
+    values, in a strided view, is refused; a large finite value is not (float16 and bfloat16
+    hold 3e38 as Inf and 3e38, so it is refused only where it is not finite)."""
+    from pfl_kernels.ops._checks import values_finite
+
+    base = torch.rand(9, 7, dtype=torch.float64)
+    base[5, 4] = value
+    x = base.to(dtype).t()  # a strided view of x.T
+    finite = bool(torch.isfinite(x).all())
+    assert values_finite(x) == finite and values_finite(x[:0]) and values_finite(x[:, :5])  # x[4, 5] is the value
+    before = x.clone()
+    if finite:
+        project_simplex_(x)
+        assert torch.isfinite(x).all()
+    else:
+        with pytest.raises(ValueError, match="finite"):
+            project_simplex_(x)
+        torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
 
 
 def test_cpu_runs_the_cpp_kernels():

@@ -209,6 +209,17 @@ def test_project_simplex(case, dtype):
     check_projection(x, x0, dtype, case)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16, torch.float16], ids=str)
+def test_project_simplex_of_rows_spanning_the_float_range(dtype):
+    """Rows whose shifted sums once overflowed (every entry then in the support: all Inf)."""
+    from tests.kernels.test_branch import rows_spanning_the_float_range
+
+    x, want = rows_spanning_the_float_range(dtype)
+    x = x.to(DEVICE)
+    tb.project_simplex_triton_(x)
+    torch.testing.assert_close(x.cpu(), want, rtol=0, atol=0)
+
+
 def test_project_simplex_ties_exact():
     """Ties split evenly: the same zeros and equal values as the sorted reference."""
     x = torch.tensor([[2.0, 2.0, -1.0, -1.0], [1.0, 1.0, 1.0, 0.0], [0.3, -0.2, 0.3, 0.3]],
