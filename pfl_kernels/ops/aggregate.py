@@ -43,7 +43,7 @@ import torch
 
 from ..reference import aggregate as ref
 from ._checks import (FLOAT_DTYPES, check_out, check_out_without_grad, copy_into_when_compiling, has_values,
-                      may_overlap)
+                      may_overlap, values_finite)
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
 
@@ -314,7 +314,7 @@ def reflection_weights(attention: torch.Tensor, *, self_index: Optional[torch.Te
     # while torch.compile traces (a graph break); non-finite weights still meet
     # weighted_average's own check, and an out-of-range self_index the scatter's.
     check_values = has_values(attention)
-    if check_values and not bool(torch.isfinite(attention).all()):
+    if check_values and not values_finite(attention):
         raise ValueError("attention must be finite (it holds NaN or Inf)")
     k, m = attention.shape
     if self_index is None:

@@ -328,8 +328,11 @@ def test_reflection_with_self_index_and_grad():
 def test_reflection_errors():
     with pytest.raises(ValueError, match="not square"):
         reflection_weights(torch.rand(2, 3))
-    with pytest.raises(ValueError, match="finite"):
-        reflection_weights(torch.tensor([[float("nan")]]))
+    for value in (float("nan"), float("inf"), -float("inf")):  # one value among finite ones
+        attention = torch.rand(3, 4)
+        attention[2, 1] = value
+        with pytest.raises(ValueError, match="attention must be finite"):
+            reflection_weights(attention, self_index=torch.tensor([0, 1, 2]))
     with pytest.raises(TypeError, match="self_index must be an integer"):
         reflection_weights(torch.rand(2, 3), self_index=torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match=r"self_index must have shape \[2\]"):
