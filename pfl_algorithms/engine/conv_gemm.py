@@ -2,26 +2,31 @@
 ``batched_conv='gemm'``).
 
 Under ``vmap`` a convolution whose weight is batched (each client its own) becomes one grouped
-convolution, a group per client.  On an H200 cuDNN's weight gradient of those grouped
-convolutions took a third of a batched LeNet-5 round's GPU time
+convolution, a group per client.  On an H200 cuDNN's kernels for those grouped convolutions
+took about 70% of a batched LeNet-5 round's GPU time, its weight gradient alone a third
 (``sm80_xmma_wgrad_implicit_gemm_indexed``, 0.3-0.6 ms a call for 20 clients of 64 images;
-README, "Executors").  Here the same convolution is written as im2col (``F.unfold``) and a
-matmul, which vmap turns into one batched GEMM over the clients; its backward is a GEMM for the
-weight and a GEMM plus col2im (``F.fold``) for the input, with no grouped kernel anywhere.
+README, "Executors").  Here the same convolution is im2col (``F.unfold``) and a matmul, which
+vmap turns into one ``bmm`` over every client's images; the backward is a ``bmm`` and a sum
+over the images for the weight, a ``bmm`` and col2im (``F.fold``) for the input: no grouped
+kernel and no layout conversion anywhere.
 
 The choice is a measured one, per device: on this project's 2-core CPUs the grouped
-convolution is faster (a vmapped LeNet-5 step of 20 clients x 64: 629 ms grouped, 931 ms as
-GEMMs), so ``'grouped'`` stays the default; ``benchmarks/gpu_executor.py`` times the batched
-LeNet-5 round both ways on a GPU.  The im2col buffer holds C_in·k_h·k_w values per output pixel
-(25x LeNet's first input, 9x a 3x3 convolution's), so the lowering suits small convolutions.
+convolution is faster, since the CPU's im2col outweighs it (a vmapped LeNet-5 step, forward
+and backward, 20 clients x 64 CIFAR-shaped images: 194 ms grouped, 405 ms as GEMMs; medians
+of 9 interleaved repeats in one process), so ``'grouped'`` stays the default;
+``benchmarks/gpu_executor.py`` times the batched LeNet-5 round both ways on a GPU.  The im2col
+buffer holds C_in·k_h·k_w values per output pixel (25x LeNet's first input, 9x a 3x3
+convolution's), so the lowering suits small convolutions.
 
-Only what the lowering computes exactly as ``F.conv2d`` does is lowered: a batched weight on
-a batched input, ``groups == 1``, numeric padding or ``'valid'``, or ``'same'`` where it pads
-both sides alike.  Everything else (a shared weight or input, which vmap folds into one dense
-convolution;
-grouped and depthwise convolutions; ``'same'`` with uneven padding) runs ``F.conv2d``.  Under
-autocast the input and weight are cast to the autocast dtype first, as ``conv2d``'s autocast
-does, so the im2col buffer is in that dtype too.
+Only what the lowering computes exactly as ``F.conv2d`` does is lowered: a batched weight on a
+batched input, ``groups == 1``, numeric padding or ``'valid'``, or ``'same'`` where it pads
+both sides alike.  Everything else runs ``F.conv2d``: a shared weight or input (vmap folds it
+into one dense convolution), grouped and depthwise convolutions, ``'same'`` with uneven
+padding.  Under autocast the float32 input and weight are cast to the autocast dtype first, as
+``conv2d``'s autocast does, so the im2col buffer is in that dtype too.  (On CUDA, autocast
+casts vmap's grouped convolutions as well; a CPU's autocast lists ``conv2d`` but not the
+``aten::convolution`` that vmap's batching rule calls, so there ``--autocast bf16`` leaves the
+grouped form in float32.)
 """
 from __future__ import annotations
 
