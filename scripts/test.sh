@@ -25,16 +25,7 @@ WORKERS=${PFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 PHASES=${PFL_TEST_PHASES:-info main slow no-extension triton benchmarks floor}
 LOGS=$(mktemp -d)
-FLOOR_PREP=
-trap '[ -z "$FLOOR_PREP" ] || kill "$FLOOR_PREP" 2>/dev/null; rm -rf "$LOGS"' EXIT
-# The floor phase's torch install and build (about 2 minutes) run in the background from here,
-# at low priority, while the earlier phases run: the main phase leaves a core mostly idle
-# while Flower's deployment test waits out its round timeouts.  The floor phase waits for it,
-# shows its output, and redoes whatever it did not finish (test_floor.sh checks each step).
-if [[ " $PHASES " == *" floor "* ]] && [ -f scripts/test_floor.sh ]; then
-  nice -n 10 bash scripts/test_floor.sh --prepare >"$LOGS/floor-prepare.log" 2>&1 &
-  FLOOR_PREP=$!
-fi
+trap 'rm -rf "$LOGS"' EXIT
 declare -a SUMMARY=()
 FAILED=0
 
@@ -63,9 +54,6 @@ phase() {
                 "$((SECONDS - start))" "$(echo "$last" | sed 's/^ *//')")")
 }
 
-# after_log FILE COMMAND...: FILE's lines (a background step's output, if any), then COMMAND.
-after_log() { local file=$1; shift; [ ! -s "$file" ] || cat "$file"; "$@"; }
-
 # count KIND LINE: the number before KIND in a pytest closing line (0 if none).
 count() { local n; n=$(echo "$2" | grep -oE "[0-9]+ $1\b" | grep -oE '^[0-9]+' | head -1); echo "${n:-0}"; }
 PASSED=0; SKIPPED=0; BAD=0
@@ -81,11 +69,7 @@ phase triton env TRITON_INTERPRET=1 "${PYTEST[@]}" tests -m triton_interpret "$@
 # shapes (the server-side suites' full shapes take gigabytes), so they stay working.
 phase benchmarks env PFL_BENCH_QUICK=1 OMP_WAIT_POLICY=PASSIVE "${PYTEST[@]}" benchmarks/bench_*.py --benchmark-disable "$@"
 if [ -f scripts/test_floor.sh ]; then
-  if [ -n "$FLOOR_PREP" ]; then
-    wait "$FLOOR_PREP" || true  # a failed preparation is redone, and reported, by the phase itself
-    FLOOR_PREP=
-  fi
-  phase floor after_log "$LOGS/floor-prepare.log" bash scripts/test_floor.sh "$@"
+  phase floor bash scripts/test_floor.sh "$@"
 fi
 
 echo; echo "=== summary"

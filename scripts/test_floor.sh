@@ -14,12 +14,8 @@
 #   The copy is refreshed on every run; the extension is rebuilt only when setup.py,
 #   pyproject.toml or csrc/ change (ninja then recompiles only the changed files).
 # Quick when everything is in place already: the copy, a hash and the tests.
-# --prepare (first argument): install, copy and build, then stop before the tests
-# (scripts/test.sh runs it in the background while the earlier phases run).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PREPARE=0
-if [ "${1:-}" = "--prepare" ]; then PREPARE=1; shift; fi
 
 PYTHON=${PYTHON:-python3}
 VENV=${PFL_FLOOR_VENV:-.venv-floor}
@@ -89,10 +85,6 @@ if [ "$want" != "$(cat "$stamp" 2>/dev/null || true)" ] || ! ls "$BUILD"/lib/pfl
   echo "floor: built (${SECONDS}s so far)"
 fi
 cp "$BUILD"/lib/pfl_kernels/_C*.so "$SRC/pfl_kernels/"
-if [ "$PREPARE" = 1 ]; then
-  echo "floor: prepared (${SECONDS}s)"
-  exit 0
-fi
 
 cd "$SRC"
 # The tests must run on the extension: without it they would pass on the reference kernels.
