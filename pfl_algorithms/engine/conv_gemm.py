@@ -99,11 +99,14 @@ class GemmConvolutions(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def check_choice(choice) -> None:
+    """ValueError unless ``choice`` is one of ``CHOICES`` (the ``batched_conv`` setting)."""
+    if choice not in CHOICES:
+        raise ValueError(f"batched_conv must be one of {', '.join(CHOICES)}, got {choice!r}")
+
+
 def batched_convolutions(choice: str):
     """The context a vmapped forward of per-client weights runs in: ``'grouped'`` (vmap's grouped
     convolutions), ``'gemm'`` (``GemmConvolutions``)."""
-    if choice == "grouped":
-        return contextlib.nullcontext()
-    if choice == "gemm":
-        return GemmConvolutions()
-    raise ValueError(f"batched_conv must be one of {', '.join(CHOICES)}, got {choice!r}")
+    check_choice(choice)
+    return GemmConvolutions() if choice == "gemm" else contextlib.nullcontext()

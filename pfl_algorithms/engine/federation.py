@@ -21,7 +21,7 @@ from ..data.partition import ClientSplit
 from ..models.base import head_parameter_names
 from .cohort import Cohort, StateSpec
 from .comm import CommLedger
-from .conv_gemm import CHOICES as CONV_CHOICES
+from .conv_gemm import check_choice as check_conv_choice
 from .executor_factory import make_executor
 from .groups import BUFFERS, GroupRule, declare_groups
 from .local import LocalSchedule, conv_layout
@@ -91,8 +91,7 @@ class EngineSettings:
             raise ValueError(f"autocast must be None or 'bf16', got {self.autocast!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        if self.batched_conv not in CONV_CHOICES:
-            raise ValueError(f"batched_conv must be one of {', '.join(CONV_CHOICES)}, got {self.batched_conv!r}")
+        check_conv_choice(self.batched_conv)
         epochs = self.finetune_epochs
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"finetune_epochs must be an integer >= 0, got {epochs!r}")

@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 
 from ..reference import similarity as ref
-from ._checks import FLOAT_DTYPES, check_same, check_tensor
+from ._checks import FLOAT_DTYPES, check_same, check_tensor, values_finite
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
 
@@ -117,7 +117,7 @@ def check_weights_values(sim, self_index) -> None:
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"self_index values must be in [-1, {m}) (a column of sim, or -1 for none), "
                              f"got {int(self_index[i])} in row {i}")
-    if sim.numel() and not bool(torch.isfinite(sim).all()):
+    if not values_finite(sim):
         raise ValueError("sim must be finite (it holds NaN or Inf)")
 
 

@@ -291,7 +291,7 @@ def _compact(w: torch.Tensor) -> Compact:
 def _weights_stats(w: torch.Tensor) -> tuple[int, Compact]:
     """(nonzeros of w, ``_compact(w)``); raises ValueError on NaN/Inf (one device sync for both)."""
     compact = _compact(w)
-    nonzeros, bad = compact.stats.tolist() if w.shape[0] else ([], [])
+    nonzeros, bad = compact.stats.tolist()
     if any(bad):
         raise ValueError("weights must be finite (they hold NaN or Inf)")
     return sum(nonzeros), compact
