@@ -1,15 +1,15 @@
 """Triton kernel of ``pfl::class_means`` (Fed-CMA's class-conditional means), for CUDA.
 
-Deterministic, without atomics: the samples are first grouped by (client, class) with plain
-PyTorch ops on the device (a stable sort of the keys k·C + label, the counts by ``bincount``
-and their exclusive prefix sums), then one program per (client·class, D-block) adds its
-class's rows in sample order in float32 (float64 for float64) registers, divides by the count
-and stores its block of means once.  Every feature row is read once (per D-block).  A class
-without a sample stores 0.
+Deterministic, without floating-point atomics: the samples are first grouped by (client,
+class) with plain PyTorch ops on the device (``segment_keys``: a stable sort of one key per
+sample, the counts by an integer scatter, exact in any order, and their exclusive prefix
+sums), then one program per (client·class, D-block) adds its class's rows in sample order in
+float32 (float64 for float64) registers, divides by the count and stores its block of means
+once.  Every feature row is read once (per D-block).  A class without a sample stores 0.
 
-Labels outside [0, num_classes) raise ValueError, as in every kernel of the op
-(``ops.class_means.check_label_values``; on the GEMM path the counts tell, read in the sync
-that also checks the sums).
+Labels outside [0, num_classes) raise ValueError, as in every kernel of the op: both paths
+count them with the rest (read in the path's one device sync), and
+``ops.class_means.check_label_values`` then names the first.
 
 With few classes that grid is small (C = 10: ten programs per D-block, each adding N/10 rows
 in turn), so where C <= D the sums come from a one-hot GEMM instead (issue 30, item 2; see
@@ -51,10 +51,11 @@ def _class_means_kernel(
     seg = (pid // n_db).to(tl.int64)  # k·C + c
     db = pid % n_db
     k = seg // C
+    slot = seg + 2 * k + 1  # k·(C + 2) + c + 1: each client's keys hold two more slots, for the labels out of range
     d = db * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
-    start = tl.load(start_ptr + seg)
-    count = tl.load(count_ptr + seg)
+    start = tl.load(start_ptr + slot)
+    count = tl.load(count_ptr + slot)
     if ACC_F64:
         acc = tl.zeros([BLOCK_D], dtype=tl.float64)
     else:
@@ -65,6 +66,27 @@ def _class_means_kernel(
         acc += tl.load(base + n * sf_n, mask=dm, other=0).to(acc.dtype)
     denom = tl.maximum(count, 1).to(acc.dtype)
     tl.store(out_ptr + seg * D + d, acc / denom, mask=dm)
+
+
+def segment_keys(labels: torch.Tensor, num_classes: int, *, count_outside: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The segment kernel's grouping of labels [K, N] (int64): (keys [K·N], counts [K·(C+2)]
+    int64, the number of labels outside [0, C)), with one device sync for that number (none,
+    and 0, when not ``count_outside``: labels already checked).
+
+    Client k's label l has key k·(C+2) + clamp(l, -1, C) + 1: its classes are slots 1..C of
+    its C+2, a label below 0 lands in slot 0 and one of C or more in slot C+1, so one sort of
+    the keys groups every client's classes in sample order (stable) and the out-of-range
+    labels are counted with the rest, without the reads of a separate check (``bincount``
+    also reads the keys' maximum on CUDA: a second sync).  Integer sums are exact in any
+    order, so the counts are deterministic."""
+    k, n = labels.shape
+    width = num_classes + 2
+    keys = (labels.clamp(-1, num_classes) + torch.arange(1, k * width, width, device=labels.device)[:, None]).reshape(-1)
+    counts = torch.zeros(k * width, dtype=torch.int64, device=labels.device)
+    counts.index_add_(0, keys, torch.ones((), dtype=torch.int64, device=labels.device).expand(k * n))
+    outside = int(counts.view(k, width)[:, ::width - 1].sum()) if count_outside and k * n else 0
+    return keys, counts, outside
 
 
 def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
@@ -98,25 +120,25 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
         if math.isfinite(total):
             means = sums.div_(counts64.clamp_min(1).to(acc).unsqueeze(-1))
             return means.reshape(means_shape), counts64.to(torch.int64).reshape(counts_shape)
-    else:
-        check_label_values(labels, num_classes)
-    segments = k * c
-    valid = (lab >= 0) & (lab < c)
-    keys = torch.where(valid, lab + torch.arange(k, device=lab.device)[:, None] * c, segments).reshape(-1)
-    counts = torch.bincount(keys, minlength=segments + 1)[:segments]
-    means = torch.zeros(means_shape, dtype=acc, device=features.device)
+    # The segment kernel: about 12 launches and one sync (the out-of-range labels' count; the
+    # GEMM's sync has counted them where it ran first).
+    keys, slots, outside = segment_keys(lab, c, count_outside=not gemm)
+    if outside:
+        raise_flagged(check_label_values, labels, num_classes)  # names the first label outside the range
+    counts = slots.view(k, c + 2)[:, 1:c + 1].contiguous().reshape(counts_shape)
     if k * n == 0 or d == 0:
-        return means, counts.reshape(counts_shape)
-    order = torch.sort(keys, stable=True).indices  # flat sample indices k·N + n, grouped by segment
-    start = torch.cumsum(counts, 0) - counts
+        return torch.zeros(means_shape, dtype=acc, device=features.device), counts
+    means = torch.empty(means_shape, dtype=acc, device=features.device)  # the kernel writes every class, empty ones 0
+    order = torch.sort(keys, stable=True).indices  # flat sample indices k·N + n, grouped by key
+    start = torch.cumsum(slots, 0) - slots
     block = min(_MAX_BLOCK_D, next_power_of_2(d))
     n_db = cdiv(d, block)
     with _device_guard(features):
-        _launch(_class_means_kernel)[(segments * n_db,)](
-            f, order, start, counts, means, n, d, n_db, *f.stride(), c,
+        _launch(_class_means_kernel)[(k * c * n_db,)](
+            f, order, start, slots, means, n, d, n_db, *f.stride(), c,
             ACC_F64=acc == torch.float64, BLOCK_D=block, num_warps=max(1, min(4, block // 64)),
         )
-    return means, counts.reshape(counts_shape)
+    return means, counts
 
 
 register_cuda("class_means", class_means_triton)

@@ -72,6 +72,26 @@ def test_out_of_range_labels_raise():
         tcm.class_means_triton(features, labels, 4)
 
 
+@pytest.mark.parametrize("bad", [-1, 4, -7, 2**40], ids=str)
+def test_out_of_range_labels_of_a_client_raise(bad):
+    """Per client, labels below 0 and from C up are counted in two slots of their own (the keys'
+    ends, -1 and C included): the error names the first in sample order, client by client."""
+    features, labels = make_inputs(11, 3, 4, clients=3, seed=5)
+    labels[2, 1] = 5
+    labels[1, 7] = bad
+    with pytest.raises(ValueError, match=rf"labels\[1, 7\] = {bad}"):
+        tcm.class_means_triton(features, labels, 4)
+
+
+def test_segment_keys_group_each_clients_classes():
+    labels = torch.tensor([[2, -3, 0, 2, 9], [1, 1, 3, 0, 2]], device=DEVICE)
+    keys, counts, outside = tcm.segment_keys(labels, 3)
+    assert outside == 3  # -3 and 9 of client 0, 3 of client 1
+    assert keys.tolist() == [3, 0, 1, 3, 4, 7, 7, 9, 6, 8]
+    assert counts.tolist() == [1, 1, 0, 2, 1, 0, 1, 2, 1, 1]  # per client: below 0, classes 0, 1, 2, from 3 up
+    assert tcm.segment_keys(labels, 3, count_outside=False)[2] == 0  # no read, no sync
+
+
 def test_num_classes_beyond_int64_raises():
     """The launcher refuses an output whose element count wraps int64, as every kernel does."""
     features, labels = make_inputs(3, 4, 2, clients=2, seed=4)

@@ -182,6 +182,32 @@ def test_host_launches_per_call(routed, fresh_paths):
     assert log.ops == []  # two Triton launches, nothing else
 
 
+def test_segment_class_means_reads_the_device_once(routed):
+    """The segment path (C > D here) groups the labels with one sort and counts them, the
+    out-of-range ones included, in one scatter: one device read (was two: the labels' own
+    check, and ``bincount``'s maximum on CUDA) and no separate pass over the labels."""
+    features, labels = class_data((3, 40, 3), 5)
+    tc.class_means_triton(features, labels, 5)
+    with _KernelOps() as log:
+        tc.class_means_triton(features, labels, 5)
+    with _Reads() as reads:
+        tc.class_means_triton(features, labels, 5)
+    assert reads.count == 1
+    assert "bincount" not in log.ops and len(log.ops) <= 12, log.ops
+
+
+class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the reads of a device value by the host (each a sync on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
 def test_sparse_weighted_average_keeps_its_kernel(routed, launches):
     params = torch.randn(20, 33, dtype=torch.float32, device=DEVICE)
     w = weights(10, 20, 0.1)
