@@ -18,8 +18,9 @@
 # later ones (the executor jobs, last, keep at least their floor); a stage that fails or times
 # out is reported and the next one still runs.  Its log and the
 # JSON of the 7 benchmark suites it ran (8 files) go to $OUT where it is set; the JSON also
-# stays in benchmarks/results/ under the device's name.  The closing lines list each stage's
-# status and time.
+# stays in benchmarks/results/ under the device's name.  Then benchmarks/gpu_targets.py prints
+# issue 30's targets, each met or not, from this run's JSON; the closing lines list each
+# stage's status and time.
 #
 # dry-run: the same stages as quick, each in its dry-run form, so that a CPU machine finds what
 # would break before a GPU is spent (CI runs each of these commands in its own test, listed in
@@ -140,6 +141,17 @@ run_stage() {
   esac
 }
 
+# targets ARGS...: issue 30's targets met or not, from the JSON the stages wrote (gpu_targets.py:
+# reads files, runs nothing on the device, so it is outside the budget and runs even when it is spent).
+targets() {
+  local status
+  set +e
+  timeout 60 "$PY" benchmarks/gpu_targets.py "$@" 2>&1 | tee -a "$log"
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -eq 0 ]; then summary+=("gpu_targets: ok"); else summary+=("gpu_targets: FAILED (exit $status)"); failed=1; fi
+}
+
 finish() {
   {
     echo "== gpu_check $stage: $((SECONDS - start_s))s"
@@ -180,6 +192,7 @@ if [ "$stage" = quick ]; then
   done
   run_stage gpu_launch "$CAP_LAUNCH" "$FLOOR_LAUNCH" "$PY" benchmarks/gpu_launch.py --quick
   run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick --profile
+  targets --newer-than "$stamp"
   finish
   if [ -n "${OUT:-}" ]; then
     # at most 8 files come back from $OUT: the log and this run's JSON (one per suite)
@@ -191,6 +204,7 @@ fi
 
 if [ "$stage" = dry-run ]; then
   export TRITON_INTERPRET=1  # before triton is imported: the launchers run on CPU tensors
+  stamp=$(mktemp)  # the JSON written after it is this run's
   run_stage build 120 0 bash -c "set -eo pipefail; dry_build"
   run_stage tests 300 0 "$PY" -m pytest "${GPU_TESTS[@]}" -qq -p no:cacheprovider -m "not slow" --collect-only \
     -p xdist -n 0
@@ -200,6 +214,10 @@ if [ "$stage" = dry-run ]; then
   run_stage gpu_branch_shared 300 0 "$PY" benchmarks/gpu_branch.py --shared --dry-run
   run_stage gpu_launch 300 0 "$PY" benchmarks/gpu_launch.py --dry-run
   run_stage gpu_executor 300 0 "$PY" benchmarks/gpu_executor.py --dry-run --profile
+  # the dry runs' JSON: in tempfile.gettempdir()/pfl_gpu_dry_run (benchmarks/_gpu_common.py)
+  targets --newer-than "$stamp" --results "${TMPDIR:-/tmp}/pfl_gpu_dry_run" \
+    --device dry_run_triton_interpreter_on_cpu,dry_run_cpu
+  rm -f "$stamp"
   finish
   exit $failed
 fi

@@ -148,11 +148,16 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     assert all(c.endswith("| DIRECT=") for c in calls if c.startswith("benchmarks/"))
     scripts = [c.split()[0] for c in calls if c.startswith("benchmarks/")]
     assert scripts == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + ["benchmarks/gpu_launch.py",
-                                                                         "benchmarks/gpu_executor.py"]
-    assert all("--quick" in c and "--dry-run" not in c for c in calls if c.startswith("benchmarks/"))
+                                                                         "benchmarks/gpu_executor.py",
+                                                                         "benchmarks/gpu_targets.py"]
+    measuring, verdict = [c for c in calls if c.startswith("benchmarks/")][:-1], calls[-1]
+    assert all("--quick" in c and "--dry-run" not in c for c in measuring)
+    # the verdict reads this run's JSON only (not an older run's, where a stage failed)
+    assert verdict.startswith("benchmarks/gpu_targets.py --newer-than ")
     log = (out / "gpu_check_quick.log").read_text()
     for name in ["build", "tests_fixed", "tests", *KERNEL_BENCHMARKS, "gpu_launch", "gpu_executor"]:
         assert f"== stage {name} (timeout " in log and f"   {name}: ok" in log
+    assert "   gpu_targets: ok" in log
     assert len(list(out.iterdir())) <= 8
 
 
@@ -175,6 +180,7 @@ def test_the_budget_caps_every_stage(tmp_path):
     assert proc.returncode == 1
     log = (out / "gpu_check_quick.log").read_text()
     assert "build: TIMED OUT after 6s" in log and "gpu_executor: skipped (budget spent)" in log
+    assert "gpu_targets: ok" in log  # it reads files only: it runs when the budget is spent
 
 
 def test_a_slow_stage_leaves_the_later_stages_their_floors(tmp_path):
@@ -200,8 +206,10 @@ def test_dry_run_runs_every_stage_in_its_dry_run_form(tmp_path):
     assert any(c.startswith("-m pytest tests") and "--collect-only" in c and "-p xdist" in c for c in calls)
     bench = [c for c in calls if c.startswith("benchmarks/")]
     assert [c.split()[0] for c in bench] == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + [
-        "benchmarks/gpu_branch.py", "benchmarks/gpu_launch.py", "benchmarks/gpu_executor.py"]
-    assert all("--dry-run" in c and "| TRITON_INTERPRET=1 |" in c for c in bench)
+        "benchmarks/gpu_branch.py", "benchmarks/gpu_launch.py", "benchmarks/gpu_executor.py",
+        "benchmarks/gpu_targets.py"]
+    assert all("--dry-run" in c and "| TRITON_INTERPRET=1 |" in c for c in bench[:-1])
+    assert "pfl_gpu_dry_run --device dry_run_triton_interpreter_on_cpu,dry_run_cpu" in bench[-1]
 
 
 @pytest.mark.parametrize("breaks,stage", [("gpu_launch.py", "gpu_launch"), ("import setuptools", "build"),

@@ -1,0 +1,313 @@
+"""Issue 30's GPU targets, each met or not, from one device's benchmark results.
+
+    python benchmarks/gpu_targets.py [--device SLUG[,SLUG...]] [--results DIR] [--newer-than FILE]
+                                     [--json PATH]
+
+Reads ``<suite>_gpu_<SLUG>.json`` from ``benchmarks/results`` (``SLUG``: the device's name as
+the GPU scripts write it, e.g. ``nvidia_h200``; default: the CUDA device here, else the only
+one with results; given several, each suite's first found, as the dry runs' executor job
+names its device apart; ``--newer-than``: only files written after FILE) and prints one
+table: each target of issue 30 with its figure, whether it is met, and the suite it comes
+from, then the figures it asks to be reported (bf16 autocast's speed and accuracy effect,
+the GEMM convolutions).  ``scripts/gpu_check.sh quick`` runs it last, on that run's files, so
+its log ends with the verdict; on a CPU it reads committed results.
+
+A suite without results (not run, or its stage failed) leaves its targets "not measured".
+Nothing is measured here: every figure is the suites' own, read from their rows.
+
+Targets (issue 30):
+
+* launch: each public op's host time per call within 25 µs of the bare Triton launches of the
+  same kernels (``gpu_launch.py``; rows called through autograd are counted apart, since the
+  autograd engine's own time is in them); with direct launches too, where measured.
+* calls: every op at least as fast as its eager composition, at every shape of the kernel
+  suites (fused ÷ eager time ≥ 1.0; dense ``weighted_average`` against ``torch.mm``).
+* dense ``weighted_average`` within 1.2× of ``torch.mm`` at the suite's targeted size
+  (P = 10^7); sparse (density 0.05) at least 3× faster than dense mm at K = 100, P = 10^7.
+* the largest factorized and branch cases at 70% or more of a device copy's bandwidth.
+* the batched executor: LeNet-5 ≥ 10× the sequential executor, factorized ResNet-9 ≥ 3×,
+  Factorized-FL's Table 1 cell ≤ 300 s for 50 rounds (projected by ``--quick``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+SUITES = ("launch", "factorized", "branch", "similarity", "aggregate", "branch_aggregate", "executor")
+LAUNCH_US = 25.0
+CALL_SPEEDUP = 1.0
+DENSE_OVER_MM = 1.2
+SPARSE_SPEEDUP = 3.0
+COPY_SHARE = 0.7
+EXECUTOR_SPEEDUP = {"lenet5": 10.0, "resnet9-factorized": 3.0}
+TABLE1_S = 300.0
+
+
+@dataclass
+class Target:
+    name: str
+    figure: str
+    met: Optional[bool]  # None: not measured
+    source: str
+
+    @property
+    def verdict(self) -> str:
+        return "not measured" if self.met is None else ("met" if self.met else "MISSED")
+
+
+def load(results: Path, slugs: Sequence[str], newer_than: Optional[float] = None) -> dict:
+    """Each suite's JSON for the first device of ``slugs`` that has it (absent suites left out);
+    ``newer_than`` (a time stamp): only files written after it (one run's, not older ones')."""
+    found = {}
+    for suite in SUITES:
+        for slug in slugs:
+            path = results / f"{suite}_gpu_{slug}.json"
+            if path.is_file() and (newer_than is None or path.stat().st_mtime > newer_than):
+                found[suite] = json.loads(path.read_text())
+                break
+    return found
+
+
+def _shape(row: dict) -> str:
+    keys = ("op", "shape", "clients", "branches", "dim", "params", "density", "direction", "layout", "via")
+    return " ".join(f"{k}={row[k]}" if k not in ("op", "direction", "layout", "via") else str(row[k])
+                    for k in keys if row.get(k) not in (None, ""))
+
+
+def _missing(name: str, suite: str) -> Target:
+    return Target(name, "-", None, f"{suite}_gpu (absent)")
+
+
+def launch_targets(data: dict) -> list[Target]:
+    """Host time per call of each public op, less its bare launches', against 25 µs."""
+    name = f"launch: public op host time - bare launch <= {LAUNCH_US:g} us"
+    if "launch" not in data:
+        return [_missing(name, "launch")]
+    rows = [r for r in data["launch"]["rows"] if r.get("via", "op") != "autograd"]
+    autograd = [r for r in data["launch"]["rows"] if r.get("via") == "autograd"]
+    targets = []
+    for label, key in (("", "public_host_us"), (" (direct launches)", "direct_host_us")):
+        measured = [r for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if not measured:
+            if key == "public_host_us":
+                targets.append(_missing(name, "launch"))
+            continue
+        over = {(r["op"], r["shape"]): r[key] - r["bare_host_us"] for r in measured}
+        worst = max(over, key=over.get)
+        within = sum(v <= LAUNCH_US for v in over.values())
+        figure = f"{within}/{len(over)} within; worst {over[worst]:.1f} us ({' '.join(worst)})"
+        if autograd and key == "public_host_us":
+            figure += f"; {len(autograd)} autograd rows apart"
+        targets.append(Target(name + label, figure, within == len(over), "launch_gpu"))
+    return targets
+
+
+def _speedup(row: dict) -> Optional[float]:
+    value = row.get("speedup_vs_eager", row.get("speedup_vs_mm"))
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def call_targets(data: dict) -> list[Target]:
+    """Every op >= 1.0x its eager composition at every shape, one line per kernel suite."""
+    targets = []
+    for suite in ("factorized", "branch", "similarity", "aggregate", "branch_aggregate"):
+        name = f"calls: {suite} >= {CALL_SPEEDUP:g}x eager at every shape"
+        if suite not in data:
+            targets.append(_missing(name, suite))
+            continue
+        rows = [(r, _speedup(r)) for r in data[suite]["rows"]]
+        rows = [(r, s) for r, s in rows if s is not None]
+        if not rows:
+            targets.append(_missing(name, suite))
+            continue
+        worst, speed = min(rows, key=lambda rs: rs[1])
+        within = sum(s >= CALL_SPEEDUP for _, s in rows)
+        targets.append(Target(name, f"{within}/{len(rows)}; worst {speed:.2f}x ({_shape(worst)})",
+                              within == len(rows), f"{suite}_gpu"))
+    return targets
+
+
+def aggregate_targets(data: dict) -> list[Target]:
+    """Dense weighted_average against torch.mm, and sparse against dense mm."""
+    dense_name = f"weighted_average dense <= {DENSE_OVER_MM:g}x torch.mm (P = 10^7)"
+    sparse_name = f"weighted_average sparse 0.05 >= {SPARSE_SPEEDUP:g}x dense mm (K = 100, P = 10^7)"
+    if "aggregate" not in data:
+        return [_missing(dense_name, "aggregate"), _missing(sparse_name, "aggregate")]
+    rows = data["aggregate"]["rows"]
+    targets = []
+    dense = [r for r in rows if r.get("density") == 1.0 and r.get("targeted")]
+    if dense:
+        worst = max(dense, key=lambda r: r["fused_ms"] / r["eager_ms"])
+        ratio = worst["fused_ms"] / worst["eager_ms"]
+        targets.append(Target(dense_name, f"worst {ratio:.2f}x ({_shape(worst)})", ratio <= DENSE_OVER_MM,
+                              "aggregate_gpu"))
+    else:
+        targets.append(_missing(dense_name, "aggregate"))
+    sparse = [r for r in rows if r.get("density") == 0.05 and r.get("clients") == 100 and r.get("params") == 10 ** 7]
+    if sparse:
+        speed = sparse[0]["eager_ms"] / sparse[0]["fused_ms"]
+        targets.append(Target(sparse_name, f"{speed:.2f}x", speed >= SPARSE_SPEEDUP, "aggregate_gpu"))
+    else:
+        targets.append(_missing(sparse_name, "aggregate"))
+    return targets
+
+
+def bandwidth_targets(data: dict) -> list[Target]:
+    """The largest factorized and branch cases' share of a device copy's bandwidth."""
+    targets = []
+    for suite in ("factorized", "branch"):
+        name = f"{suite}: largest case >= {COPY_SHARE:.0%} of copy bandwidth"
+        if suite not in data:
+            targets.append(_missing(name, suite))
+            continue
+        shares = {}
+        for direction in ("forward", "backward"):
+            rows = [r for r in data[suite]["rows"] if r.get("direction") == direction and r.get("fused_ms")]
+            if rows:
+                largest = max(rows, key=lambda r: r["bytes"])
+                shares[direction] = (largest["copy_ms"] / largest["fused_ms"], largest)
+        if not shares:
+            targets.append(_missing(name, suite))
+            continue
+        figure = "; ".join(f"{d} {s:.0%} ({_shape(r)})" for d, (s, r) in shares.items())
+        targets.append(Target(name, figure, all(s >= COPY_SHARE for s, _ in shares.values()), f"{suite}_gpu"))
+    return targets
+
+
+def executor_targets(data: dict) -> list[Target]:
+    """The batched executor against the sequential one (both as a user runs them), and Table 1."""
+    names = {job: f"executor: {job} batched >= {x:g}x sequential" for job, x in EXECUTOR_SPEEDUP.items()}
+    table1_name = f"executor: Factorized-FL Table 1 cell <= {TABLE1_S:g} s (50 rounds)"
+    if "executor" not in data:
+        return [*(_missing(n, "executor") for n in names.values()), _missing(table1_name, "executor")]
+    rows = data["executor"]["rows"]
+    targets = []
+    for job, goal in EXECUTOR_SPEEDUP.items():
+        row = next((r for r in rows if r["job"] == job and r["executor"] == "batched"), None)
+        if row is None:
+            targets.append(_missing(names[job], "executor"))
+            continue
+        speed = row["speedup_vs_sequential"]
+        targets.append(Target(names[job], f"{speed:.2f}x ({row['round_s'] * 1e3:.1f} ms a round)", speed >= goal,
+                              "executor_gpu"))
+    table1 = data["executor"].get("table1")
+    if table1:
+        how = "projected from " if table1["rounds_run"] < table1["paper_rounds"] else ""
+        targets.append(Target(table1_name, f"{table1['projected_s']:.0f} s ({how}{table1['rounds_run']} rounds)",
+                              table1["projected_s"] <= TABLE1_S, "executor_gpu"))
+    else:
+        targets.append(_missing(table1_name, "executor"))
+    return targets
+
+
+def reported(data: dict) -> list[str]:
+    """What the issue asks to report besides its targets: bf16 autocast's speed and accuracy,
+    and each other batched variant against the plain batched executor."""
+    if "executor" not in data:
+        return []
+    rows = data["executor"]["rows"]
+    lines = []
+    for job in EXECUTOR_SPEEDUP:
+        base = next((r for r in rows if r["job"] == job and r["executor"] == "batched"), None)
+        for row in rows:
+            if base and row["job"] == job and row["executor"].startswith("batched+"):
+                lines.append(f"{job} {row['executor']}: {row['round_s'] * 1e3:.1f} ms a round against batched's "
+                             f"{base['round_s'] * 1e3:.1f} ms ({base['round_s'] / row['round_s']:.2f}x)")
+    accuracy = data["executor"].get("bf16_accuracy")
+    if accuracy:
+        lines.append(f"bf16 autocast, LeNet-5 train accuracy: float32 {accuracy['float32']:.4f}, "
+                     f"bf16 {accuracy['bf16']:.4f}")
+    return lines
+
+
+def all_targets(data: dict) -> list[Target]:
+    return [*launch_targets(data), *call_targets(data), *aggregate_targets(data), *bandwidth_targets(data),
+            *executor_targets(data)]
+
+
+def result_slugs(results: Path) -> list[str]:
+    """The devices with results of any suite in ``results`` (``gpu_branch.py --shared``'s
+    ``branch_gpu_shared_<device>.json`` is not a suite here)."""
+    return sorted({path.stem.split("_gpu_", 1)[1] for path in results.glob("*_gpu_*.json")
+                   if path.stem.split("_gpu_", 1)[0] in SUITES and not path.stem.startswith("branch_gpu_shared_")})
+
+
+def _cuda_slug() -> Optional[str]:
+    """The CUDA device's name as the GPU scripts write it, None without one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    from benchmarks._gpu_common import sanitize
+
+    return sanitize(torch.cuda.get_device_name())
+
+
+def device_slugs(results: Path, given: Optional[str]) -> list[str]:
+    """``given`` (comma-separated), else the CUDA device's, else the one device with results
+    in ``results`` (ValueError when there are several or none)."""
+    if given:
+        return [slug.strip() for slug in given.split(",") if slug.strip()]
+    cuda = _cuda_slug()
+    if cuda:
+        return [cuda]
+    slugs = result_slugs(results)
+    if len(slugs) != 1:
+        raise ValueError(f"--device must name one of the devices with results in {results}: "
+                         f"{', '.join(slugs) or 'none'}")
+    return slugs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", help="the device's name as in the results' file names (e.g. nvidia_h200)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the *_gpu_<device>.json files")
+    parser.add_argument("--json", type=Path, help="also write the table here as JSON")
+    parser.add_argument("--newer-than", type=Path, metavar="FILE",
+                        help="read only results written after FILE was (gpu_check.sh: this run's, so a suite whose "
+                             "stage failed is 'not measured', not an older run's figures)")
+    args = parser.parse_args(argv)
+    if not args.results.is_dir():
+        parser.error(f"--results must be a folder, got {args.results}")
+    if args.newer_than is not None and not args.newer_than.exists():
+        parser.error(f"--newer-than must name an existing file, got {args.newer_than}")
+    try:
+        slugs = device_slugs(args.results, args.device)
+    except ValueError as error:
+        parser.error(str(error))
+    data = load(args.results, slugs, args.newer_than.stat().st_mtime if args.newer_than else None)
+    slug = ",".join(slugs)
+    if not data:
+        parser.error(f"--device {slug}: no <suite>_gpu_<device>.json of it in {args.results}")
+    targets = all_targets(data)
+    width = max(len(t.name) for t in targets)
+    dry = sorted(suite for suite, d in data.items() if d.get("machine", {}).get("dry_run"))
+    print(f"== issue 30 targets on {slug} ({sum(t.met is True for t in targets)} of {len(targets)} met)")
+    if dry:
+        print(f"   dry runs ({', '.join(dry)}): tiny shapes on a CPU, their figures mean nothing")
+    for t in targets:
+        print(f"{t.name:<{width}}  {t.verdict:<12}  {t.figure}  [{t.source}]")
+    notes = reported(data)
+    if notes:
+        print("== reported")
+        print("\n".join(notes))
+    if args.json:
+        args.json.write_text(json.dumps({"device": slug, "dry_runs": dry, "targets": [asdict(t) | {"verdict": t.verdict}
+                                                                       for t in targets],
+                                         "reported": notes}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""benchmarks/gpu_targets.py: issue 30's verdict from a GPU run's JSON (no device needed).
+
+Each target is checked on both sides of its bound with rows written here in the suites'
+formats, and the script is run on the committed results of every device that has them."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from benchmarks import gpu_targets as gt
+
+SLUG = "test_gpu"
+
+
+def launch_row(op, public, bare, direct=float("nan"), via="op"):
+    return {"op": op, "shape": "s", "path": "triton (1 launch)", "public_host_us": public, "bare_host_us": bare,
+            "direct_host_us": direct, "via": via}
+
+
+def kernel_row(fused, eager, copy=None, **shape):
+    return {"fused_ms": fused, "eager_ms": eager, "copy_ms": copy if copy is not None else fused,
+            "speedup_vs_eager": eager / fused, "bytes": 100, **shape}
+
+
+def suites(**over) -> dict:
+    """Results in which every target is met; ``over`` replaces whole suites (None: absent)."""
+    data = {
+        "launch": {"rows": [launch_row("factorized_weight", 40.0, 20.0, 22.0),
+                            launch_row("factorized_weight backward", 400.0, 20.0, via="autograd")]},
+        "factorized": {"rows": [kernel_row(1.0, 2.0, 0.8, direction="forward", shape=[8, 8]),
+                                kernel_row(1.0, 1.0, 0.7, direction="backward", shape=[8, 8])]},
+        "branch": {"rows": [kernel_row(1.0, 1.5, 0.9, direction="forward"),
+                            kernel_row(1.0, 1.5, 0.75, direction="backward")]},
+        "similarity": {"rows": [kernel_row(1.0, 1.1, op="cosine")]},
+        "aggregate": {"rows": [
+            {"clients": 20, "params": 10 ** 7, "density": 1.0, "targeted": True, "fused_ms": 1.2, "eager_ms": 1.0,
+             "speedup_vs_mm": 1.0},
+            {"clients": 100, "params": 10 ** 7, "density": 0.05, "targeted": False, "fused_ms": 1.0, "eager_ms": 3.0,
+             "speedup_vs_mm": 3.0}]},
+        "branch_aggregate": {"rows": [kernel_row(1.0, 1.0, op="aggregate")]},
+        "executor": {"rows": [
+            {"job": "lenet5", "executor": "batched", "round_s": 0.01, "speedup_vs_sequential": 10.0},
+            {"job": "lenet5", "executor": "batched+bf16", "round_s": 0.005, "speedup_vs_sequential": 20.0},
+            {"job": "resnet9-factorized", "executor": "batched", "round_s": 0.1, "speedup_vs_sequential": 3.0}],
+            "bf16_accuracy": {"float32": 0.86, "bf16": 0.85},
+            "table1": {"rounds_run": 3, "paper_rounds": 50, "projected_s": 300.0}},
+    }
+    for suite, value in over.items():
+        if value is None:
+            data.pop(suite)
+        else:
+            data[suite] = value
+    return data
+
+
+def verdicts(data) -> dict:
+    return {t.name: t for t in gt.all_targets(data)}
+
+
+def test_every_target_met_at_its_bounds():
+    targets = gt.all_targets(suites())
+    assert all(t.met is True for t in targets), [t for t in targets if t.met is not True]
+    names = [t.name for t in targets]
+    assert len(names) == len(set(names)) == 14  # launch twice (as is, direct), 5 call suites, 2+2+3
+    assert any("(direct launches)" in n for n in names)
+
+
+@pytest.mark.parametrize("suite,rows,name", [
+    ("launch", [launch_row("x", 45.1, 20.0, 30.0)], "launch: public op host time - bare launch <= 25 us"),
+    ("similarity", [kernel_row(1.0, 0.99, op="cosine")], "calls: similarity >= 1x eager at every shape"),
+    ("branch", [kernel_row(1.0, 1.5, 0.69, direction="forward")], "branch: largest case >= 70% of copy bandwidth"),
+])
+def test_just_past_a_bound_is_missed(suite, rows, name):
+    target = verdicts(suites(**{suite: {"rows": rows}}))[name]
+    assert target.met is False and target.verdict == "MISSED"
+
+
+def test_the_aggregate_and_executor_bounds():
+    data = suites()
+    data["aggregate"]["rows"][0]["fused_ms"] = 1.21  # 1.21x torch.mm
+    data["aggregate"]["rows"][1]["eager_ms"] = 2.99  # 2.99x faster than dense mm
+    data["executor"]["rows"][0]["speedup_vs_sequential"] = 9.99
+    data["executor"]["table1"]["projected_s"] = 300.5
+    missed = {t.name for t in gt.all_targets(data) if t.met is False}
+    assert missed == {"weighted_average dense <= 1.2x torch.mm (P = 10^7)",
+                      "weighted_average sparse 0.05 >= 3x dense mm (K = 100, P = 10^7)",
+                      "executor: lenet5 batched >= 10x sequential",
+                      "executor: Factorized-FL Table 1 cell <= 300 s (50 rounds)"}
+
+
+def test_autograd_rows_are_counted_apart_and_the_worst_is_named():
+    data = suites(launch={"rows": [launch_row("a", 30.0, 20.0), launch_row("b", 50.0, 20.0, via="op"),
+                                   launch_row("c", 900.0, 20.0, via="autograd")]})
+    target = verdicts(data)["launch: public op host time - bare launch <= 25 us"]
+    assert target.met is False and target.figure.startswith("1/2 within; worst 30.0 us (b s)")
+    assert "1 autograd rows apart" in target.figure
+    assert not any("direct" in n for n in verdicts(data))  # not measured with direct launches: no line
+
+
+def test_an_absent_suite_leaves_its_targets_not_measured():
+    targets = verdicts(suites(executor=None, aggregate=None))
+    gone = [t for t in targets.values() if t.met is None]
+    assert {t.name for t in gone} == {
+        "executor: lenet5 batched >= 10x sequential", "executor: resnet9-factorized batched >= 3x sequential",
+        "executor: Factorized-FL Table 1 cell <= 300 s (50 rounds)", "calls: aggregate >= 1x eager at every shape",
+        "weighted_average dense <= 1.2x torch.mm (P = 10^7)",
+        "weighted_average sparse 0.05 >= 3x dense mm (K = 100, P = 10^7)"}
+    assert all(t.verdict == "not measured" for t in gone)
+
+
+def test_reported_bf16_and_variants():
+    lines = gt.reported(suites())
+    assert lines == ["lenet5 batched+bf16: 5.0 ms a round against batched's 10.0 ms (2.00x)",
+                     "bf16 autocast, LeNet-5 train accuracy: float32 0.8600, bf16 0.8500"]
+
+
+def write(folder, data, slug=SLUG):
+    for suite, payload in data.items():
+        (folder / f"{suite}_gpu_{slug}.json").write_text(json.dumps(payload))
+
+
+def test_main_reads_only_files_newer_than_the_stamp(tmp_path, capsys):
+    """gpu_check.sh passes its stamp: a suite whose stage failed this run is not measured, not
+    an older run's figures."""
+    write(tmp_path, suites())
+    stamp = tmp_path / "stamp"
+    stamp.write_text("")
+    old = time.time() - 100
+    os.utime(stamp, (old, old))
+    os.utime(tmp_path / f"executor_gpu_{SLUG}.json", (old - 10, old - 10))
+    out = tmp_path / "targets.json"
+    assert gt.main(["--results", str(tmp_path), "--device", SLUG, "--newer-than", str(stamp),
+                    "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"== issue 30 targets on {SLUG} (11 of 14 met)" in text
+    payload = json.loads(out.read_text())
+    assert [t["verdict"] for t in payload["targets"]].count("not measured") == 3
+    assert payload["dry_runs"] == [] and payload["reported"] == []
+
+
+def test_main_says_when_the_figures_are_a_dry_run(tmp_path, capsys):
+    data = suites()
+    data["launch"]["machine"] = {"dry_run": True}
+    write(tmp_path, data)
+    assert gt.main(["--results", str(tmp_path)]) == 0  # the one device there
+    assert "dry runs (launch): tiny shapes on a CPU, their figures mean nothing" in capsys.readouterr().out
+
+
+def test_several_devices_take_each_suite_from_the_first_that_has_it(tmp_path):
+    write(tmp_path, suites(executor=None), "kernels_dev")
+    write(tmp_path, {"executor": suites()["executor"]}, "executor_dev")
+    data = gt.load(tmp_path, ["kernels_dev", "executor_dev"])
+    assert set(data) == set(gt.SUITES)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--results", "/nonexistent/folder"], "--results must be a folder"),
+    (["--device", "nope"], "--device nope: no <suite>_gpu_<device>.json of it"),
+    (["--newer-than", "/nonexistent/stamp", "--device", SLUG], "--newer-than must name an existing file"),
+])
+def test_bad_arguments_get_one_line(tmp_path, capsys, args, message):
+    write(tmp_path, suites())
+    if "--results" not in args:
+        args = [*args, "--results", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        gt.main(args)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_two_devices_without_device_named_are_refused(tmp_path, capsys, monkeypatch):
+    write(tmp_path, suites(), "one")
+    write(tmp_path, suites(), "two")
+    monkeypatch.setattr(gt, "_cuda_slug", lambda: None)
+    with pytest.raises(SystemExit) as exit_:
+        gt.main(["--results", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"--device must name one of the devices with results in {tmp_path}: one, two" in capsys.readouterr().err
+
+
+def test_the_shared_branch_results_are_not_a_device(tmp_path):
+    write(tmp_path, suites())
+    (tmp_path / f"branch_gpu_shared_{SLUG}.json").write_text("{}")
+    (tmp_path / "notes_gpu_x.json").write_text("{}")
+    assert gt.result_slugs(tmp_path) == [SLUG]
+
+
+@pytest.mark.parametrize("slug", gt.result_slugs(gt.RESULTS))
+def test_the_committed_results_of_each_device(slug, capsys):
+    """Every committed GPU run reads: each target gets a verdict and a figure where measured."""
+    assert gt.main(["--device", slug]) == 0
+    targets = gt.all_targets(gt.load(gt.RESULTS, [slug]))
+    assert all(t.figure != "-" for t in targets if t.met is not None)
+    assert sum(t.met is not None for t in targets) >= 1
