@@ -16,6 +16,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PFL_WITH_FLOWER=1 bash scripts/setup.sh || { echo "test.sh: setup failed (see above)"; exit 1; }
 PY=${PFL_VENV:-.venv}/bin/python
+# Idle OpenMP threads sleep instead of spinning: each worker's torch uses every core, so with one
+# worker per core a spinning worker takes the cores the others need for their many small ops
+# (the main phase on 2 cores: 351 s with OpenMP's default, 270 s passive; one run each, the same
+# 4674 tests).  A value set by the caller is kept.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 # Test files run in parallel (pytest-xdist), one worker per core up to 4 (each file whole on
 # one worker, so a file's fixtures are built once); PFL_TEST_WORKERS=0 runs in this process.
 # Files go out in collection order, the ones marked heavy first (tests/conftest.py), not in
@@ -67,7 +72,7 @@ phase no-extension env PFL_KERNELS_DISABLE_EXTENSION=1 "${PYTEST[@]}" tests/kern
 phase triton env TRITON_INTERPRET=1 "${PYTEST[@]}" tests -m triton_interpret "$@"
 # Benchmarks are never timed in CI; run each benchmarked function once, at the quick-mode
 # shapes (the server-side suites' full shapes take gigabytes), so they stay working.
-phase benchmarks env PFL_BENCH_QUICK=1 OMP_WAIT_POLICY=PASSIVE "${PYTEST[@]}" benchmarks/bench_*.py --benchmark-disable "$@"
+phase benchmarks env PFL_BENCH_QUICK=1 "${PYTEST[@]}" benchmarks/bench_*.py --benchmark-disable "$@"
 if [ -f scripts/test_floor.sh ]; then
   phase floor bash scripts/test_floor.sh "$@"
 fi
