@@ -60,9 +60,9 @@ from torch.func import functional_call
 from .batched_eval import batchable_evaluation, evaluate_chunk
 from .captured_steps import (batched_step, chunk_rows, chunk_state, copy_gradients, stacked_forward,
                              write_back)
-from .client import (ClientView, TaskValues, TrainResult, apply_download, finish_train_task, initial_optimizer_state,
-                     local_results, phase_lr_scale, phase_optimizer, phase_parameters, phase_schedule, trains_only,
-                     training_batch)
+from .client import (ClientView, TaskValues, TrainResult, apply_download, finish_train_task_later,
+                     initial_optimizer_state, local_results, phase_lr_scale, phase_optimizer, phase_parameters,
+                     phase_schedule, resolve_train_results, trains_only, training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
 from .local import ChunkGather, client_batches
@@ -303,8 +303,8 @@ def train_chunk(fed, algorithm, cohort, tasks, capacity: Optional[int] = None) -
         view.step = views[i].step  # the last phase's steps, as the upload sees them alone
         local = locals_[i]
         own_states = {name: {vector: value[i] for vector, value in state.items()} for name, state in states.items()}
-        results.append(finish_train_task(fed, algorithm, view, local, own_states))
-    return results
+        results.append(finish_train_task_later(fed, algorithm, view, local, own_states))
+    return resolve_train_results(results)  # every upload's check in one device sync
 
 
 def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads, buffers, int_buffers, generators,

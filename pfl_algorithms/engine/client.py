@@ -38,6 +38,7 @@ from .messages import Message, Sparse
 from .model_call import autocast, forward
 from .plan import Batch, Phase, check_lr_scales, run_grad_terms, state_names
 from .step_graphs import capturable
+from .working import store_into
 
 
 @dataclass(frozen=True)
@@ -532,6 +533,13 @@ def all_finite(t: Tensor) -> bool:
 def message_finite(message: Message) -> bool:
     """Whether every floating value ``message`` carries is finite: its tensors, and the tensors
     and float numbers among its extras (nested in dicts, lists and tuples); one device sync."""
+    return bool(message_finite_flag(message))
+
+
+def message_finite_flag(message: Message) -> bool | Tensor:
+    """``message_finite`` without reading the device: False when a float number among the
+    extras is not finite, True when no floating tensor is left to check, else a 0-dim bool
+    tensor (on the tensors' device) that holds exactly when all of them are finite."""
     floats, numbers = [], []
 
     def walk(value) -> None:
@@ -551,8 +559,10 @@ def message_finite(message: Message) -> bool:
     walk(message.extras)
     if not all(math.isfinite(number) for number in numbers):
         return False
+    if not floats:
+        return True
     # x·0 is 0 for a finite x and NaN otherwise (all_finite), summed over every tensor at once
-    return not floats or bool(sum(t.detach().mul(0).sum(dtype=torch.float64) for t in floats) == 0)
+    return sum(t.detach().mul(0).sum(dtype=torch.float64) for t in floats) == 0
 
 
 def run_plan(fed, view: ClientView, plan: Sequence[Phase], generator, *, keep_state: bool,
@@ -593,25 +603,94 @@ def finish_train_task(fed, algorithm, view: ClientView, result: LocalResult, sta
     ``states``: name -> vectors and steps)."""
     if not result.finite:
         return TrainResult(view.client, result)
-    cohort, row = view._cohort, view._cohort.row(view.client)
+    upload = task_upload(algorithm, view)
+    if upload is not None and not message_finite(upload):
+        # Finite parameters can still give a non-finite upload (an overflowing delta, an infinite
+        # loss in the extras): the client is skipped, as Flower's server refuses such a reply.
+        return TrainResult(view.client, replace(result, finite=False))
+    store_client_rows(fed, view, states)
+    return TrainResult(view.client, result, upload)
+
+
+@dataclass
+class PendingTrainResult:
+    """A finished training task whose upload's check may still be on the device: ``finite`` is
+    a bool, or a 0-dim bool tensor that ``resolve_train_results`` reads, then makes the stores
+    ``later`` (rows on another device than the check: (row, value) pairs) if it holds."""
+
+    result: TrainResult
+    finite: bool | Tensor
+    later: list = field(default_factory=list)
+
+
+def finish_train_task_later(fed, algorithm, view: ClientView, result: LocalResult, states: dict
+                            ) -> PendingTrainResult:
+    """``finish_train_task`` without its device sync, for an executor that finishes many tasks
+    in turn (a GPU waited on each check, once per client): the rows are stored only where the
+    upload's check holds, selected on the device, and ``resolve_train_results`` then reads
+    every task's check at once.  The same rows and results as ``finish_train_task``."""
+    if not result.finite:
+        return PendingTrainResult(TrainResult(view.client, result), False)
+    upload = task_upload(algorithm, view)
+    finite = True if upload is None else message_finite_flag(upload)
+    later = []
+    if finite is not False:
+        later = store_client_rows(fed, view, states, where=None if finite is True else finite)
+    return PendingTrainResult(TrainResult(view.client, result, upload), finite, later)
+
+
+def resolve_train_results(pending: Sequence[PendingTrainResult]) -> list[TrainResult]:
+    """The results of ``finish_train_task_later``'s tasks, their checks read in one device sync
+    (per device): a task whose upload is not finite sent nothing and is marked not finite; the
+    others' stores left for the host are made."""
+    checks = [p.finite for p in pending if isinstance(p.finite, Tensor)]
+    read: dict[int, bool] = {}
+    for device in {c.device for c in checks}:
+        on_device = [c for c in checks if c.device == device]
+        read.update(zip(map(id, on_device), torch.stack(on_device).tolist()))
+    results = []
+    for p in pending:
+        finite = read[id(p.finite)] if isinstance(p.finite, Tensor) else p.finite
+        if not finite:
+            results.append(TrainResult(p.result.client, replace(p.result.local, finite=False)))
+            continue
+        for row, value in p.later:
+            store_into(row, value)
+        results.append(p.result)
+    return results
+
+
+def task_upload(algorithm, view: ClientView) -> Optional[Message]:
+    """The algorithm's upload for the loaded client, with the task's reported values in its extras."""
     upload = algorithm.upload(view)
     reported = view._values.reported
     if reported:
         upload = (Message(extras=dict(reported), num_examples=view.num_examples) if upload is None
                   else replace(upload, extras={**upload.extras, **reported}))
-    if upload is not None and not message_finite(upload):
-        # Finite parameters can still give a non-finite upload (an overflowing delta, an infinite
-        # loss in the extras): the client is skipped, as Flower's server refuses such a reply.
-        return TrainResult(view.client, replace(result, finite=False))
-    view._work.store(cohort.params.row(row), cohort.buffers.row(row), cohort.int_buffers.row(row))
-    for name, value in view._extra.items():
-        cohort.extra[name].row(row).copy_(value)
+    return upload
+
+
+def store_client_rows(fed, view: ClientView, states: dict, where: Optional[Tensor] = None) -> list:
+    """Store the loaded client's new state in its rows: parameters, buffers, extra state and, when
+    kept, the optimizer ``states`` (name -> vectors and steps); with ``where`` (a 0-dim bool
+    tensor) only if it holds, selected on the device (``working.store_into``).  Returns the
+    stores of rows on another device than ``where`` (the host's step counts), as (row, value)
+    pairs for the caller to make once it has read ``where``."""
+    cohort, row, work = view._cohort, view._cohort.row(view.client), view._work
+    stores = [(cohort.params.row(row), work.params), (cohort.buffers.row(row), work.buffers),
+              (cohort.int_buffers.row(row), work.int_buffers)]
+    stores += [(cohort.extra[name].row(row), value) for name, value in view._extra.items()]
     if fed.settings.optimizer_state == "keep":
         for name, state in states.items():
-            for vector, bank in cohort.optimizer_state[name].items():
-                bank.row(row).copy_(state[vector])
-            cohort.optimizer_steps[name][row] = state["steps"]
-    return TrainResult(view.client, result, upload)
+            stores += [(bank.row(row), state[vector]) for vector, bank in cohort.optimizer_state[name].items()]
+            stores.append((cohort.optimizer_steps[name][row], state["steps"]))
+    later = []
+    for destination, value in stores:
+        if where is not None and destination.device != where.device:
+            later.append((destination, value))
+        else:
+            store_into(destination, value, where)
+    return later
 
 
 def run_eval_task(fed, task: EvalTask) -> EvalResult:

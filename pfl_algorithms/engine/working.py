@@ -103,3 +103,13 @@ class WorkingModel:
         """Whether the module still uses the flat vectors (nothing replaced its tensors)."""
         base = self.params.untyped_storage().data_ptr()
         return all(p.untyped_storage().data_ptr() == base for p in self.module.parameters())
+
+
+@torch.no_grad()
+def store_into(row: torch.Tensor, value: torch.Tensor, where: Optional[torch.Tensor] = None) -> None:
+    """``row <- value``; with ``where`` (a 0-dim bool tensor on ``row``'s device), only if it
+    holds: an elementwise select into ``row`` itself, bit for bit either value, and no sync."""
+    if where is None:
+        row.copy_(value)
+    else:
+        torch.where(where, value, row, out=row)

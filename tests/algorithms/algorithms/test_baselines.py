@@ -206,6 +206,48 @@ def test_a_non_finite_upload_skips_its_client_as_flower_does(bad, executor):
         torch.testing.assert_close(value, clean.global_model[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("executor", ["sequential", "batched"])
+def test_a_skipped_upload_keeps_the_clients_optimizer_state_too(executor):
+    """With kept optimizer state (momentum), the client whose upload is not finite keeps its
+    momentum rows and step count as they were; the batched executor stores each client's rows
+    only where its check holds, selected on the device, and reads every check at once."""
+    class LoudFromRound1(LoudFedAvg):
+        def upload(self, view):
+            return FedAvg.upload(self, view) if view.round == 0 else super().upload(view)
+
+    algo = LoudFromRound1("payload")
+    fed = make_federation(algo, steps=2, executor=executor, optimizer_state="keep",
+                          optimizer_settings={"lr": 0.1, "momentum": 0.9})
+    run_round(fed, algo, 0)  # every client finite: momentum and step counts exist
+    cohort = fed.cohorts[0]
+    (name, state), = cohort.optimizer_state.items()
+    before = {vector: bank.row(1).clone() for vector, bank in state.items()}
+    steps = cohort.optimizer_steps[name].clone()
+    assert int(steps[1]) == 2 and any(v.abs().sum() > 0 for v in before.values())
+    params = [row(fed, k).clone() for k in range(3)]
+    record = run_round(fed, algo, 1)
+    assert record.skipped == [1]
+    for vector, bank in state.items():
+        assert torch.equal(bank.row(1), before[vector])
+    assert cohort.optimizer_steps[name].tolist() == [4, 2, 4]
+    assert torch.equal(row(fed, 1), params[1]) and not torch.equal(row(fed, 0), params[0])
+
+
+def test_resolving_later_results_reads_each_check_once_and_stores_only_the_finite():
+    from pfl_algorithms.engine.client import PendingTrainResult, TrainResult, resolve_train_results
+    from pfl_algorithms.engine.local import LocalResult
+
+    local = LocalResult(loss=0.5, samples=3, steps=1, finite=True)
+    rows = [torch.zeros(2) for _ in range(4)]
+    value = torch.tensor([1.0, 2.0])
+    pending = [PendingTrainResult(TrainResult(k, local, upload=object()), finite, [(rows[k], value)])
+               for k, finite in enumerate([torch.tensor(True), torch.tensor(False), True, False])]
+    results = resolve_train_results(pending)
+    assert [r.finite for r in results] == [True, False, True, False]
+    assert [r.upload is not None for r in results] == [True, False, True, False]
+    assert [r.tolist() for r in rows] == [[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [0.0, 0.0]]
+
+
 def test_message_finite_looks_at_every_floating_value():
     from pfl_algorithms.engine.client import message_finite
     from pfl_algorithms.engine.messages import Message

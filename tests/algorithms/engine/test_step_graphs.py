@@ -346,3 +346,15 @@ def test_captured_bf16_steps_run_on_cuda():
     plain, _ = cuda_run("batched", capture=False, optimizer="sgd", autocast="bf16", dtype=torch.float32)
     assert counts["replayed"] > 0
     assert_close_state(captured, plain, rtol=1e-3, atol=1e-4)
+
+
+@cuda
+def test_batched_and_sequential_keep_the_same_state_on_cuda():
+    """The batched executor stores each client's rows only where its upload's check holds, on
+    the device, and its host step counts after reading every check at once: the state (with
+    Adam's moments and step counts kept) equals the sequential executor's."""
+    batched, _ = cuda_run("batched", capture=False, optimizer="adam")
+    sequential, _ = cuda_run("sequential", capture=False, optimizer="adam")
+    steps = batched["cohorts"]["model"]["optimizer_steps"]
+    assert steps and all(int(counts.min()) > 0 for counts in steps.values())
+    assert_close_state(batched, sequential, rtol=1e-9, atol=1e-10)  # step counts exactly
