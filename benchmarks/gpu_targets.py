@@ -1,7 +1,7 @@
 """Issue 30's GPU targets, each met or not, from one device's benchmark results.
 
     python benchmarks/gpu_targets.py [--device SLUG[,SLUG...]] [--results DIR] [--newer-than FILE]
-                                     [--json PATH]
+                                     [--log GPU_CHECK_LOG] [--json PATH]
 
 Reads ``<suite>_gpu_<SLUG>.json`` from ``benchmarks/results`` (``SLUG``: the device's name as
 the GPU scripts write it, e.g. ``nvidia_h200``; default: the CUDA device here, else the only
@@ -17,6 +17,8 @@ Nothing is measured here: every figure is the suites' own, read from their rows.
 
 Targets (issue 30):
 
+* tests (from ``--log``, a ``gpu_check.sh quick`` log): the 10 GPU tests that failed on the
+  H200 pass, and every test of the GPU test stage passes (run with direct launches on).
 * launch: each public op's host time per call within 25 µs of the bare Triton launches of the
   same kernels (``gpu_launch.py``; rows called through autograd are counted apart, since the
   autograd engine's own time is in them); with direct launches too, where measured.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -229,9 +232,46 @@ def reported(data: dict) -> list[str]:
     return lines
 
 
-def all_targets(data: dict) -> list[Target]:
-    return [*launch_targets(data), *call_targets(data), *aggregate_targets(data), *bandwidth_targets(data),
-            *executor_targets(data)]
+FIXED_TESTS = 10  # the GPU tests that failed on the H200 (gpu_check.sh's FIXED_TESTS: 1 + 9 cases)
+_PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
+
+
+def stage_results(log: str) -> dict:
+    """Each stage of a ``gpu_check.sh`` log -> the counts of its last pytest summary line
+    ({'passed': n, 'failed': n, ...}; empty when it printed none: it timed out or crashed)."""
+    stages, name = {}, None
+    for line in log.splitlines():
+        if line.startswith("== stage "):
+            name = line[len("== stage "):].split(" ", 1)[0].rstrip(":")
+            stages[name] = {}
+        elif name and re.match(r"^=*\s*\d+ (passed|failed|errors?)", line):
+            stages[name] = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
+                            for n, kind in _PYTEST_COUNT.findall(line)}
+    return stages
+
+
+def test_targets(log: str) -> list[Target]:
+    """The GPU tests of a ``gpu_check.sh quick`` log: the 10 that failed on the H200 pass, and
+    the whole GPU test stage passes (with direct launches on, as that stage runs them)."""
+    stages = stage_results(log)
+    targets = []
+    for stage, name, least in (("tests_fixed", f"tests: the {FIXED_TESTS} that failed on the H200 pass", FIXED_TESTS),
+                               ("tests", "tests: every GPU test passes (direct launches on)", 1)):
+        counts = stages.get(stage)
+        if not counts:
+            why = "not run" if counts is None else "no pytest summary (timed out or crashed)"
+            targets.append(Target(name, why, None, "gpu_check log"))
+            continue
+        bad = counts.get("failed", 0) + counts.get("error", 0)
+        figure = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+        targets.append(Target(name, figure, bad == 0 and counts.get("passed", 0) >= least, "gpu_check log"))
+    return targets
+
+
+def all_targets(data: dict, log: Optional[str] = None) -> list[Target]:
+    """Every target from the suites' JSON (``data``) and, given a gpu_check log, its tests."""
+    return [*(test_targets(log) if log is not None else []), *launch_targets(data), *call_targets(data),
+            *aggregate_targets(data), *bandwidth_targets(data), *executor_targets(data)]
 
 
 def result_slugs(results: Path) -> list[str]:
@@ -274,12 +314,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", help="the device's name as in the results' file names (e.g. nvidia_h200)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the *_gpu_<device>.json files")
     parser.add_argument("--json", type=Path, help="also write the table here as JSON")
+    parser.add_argument("--log", type=Path, help="a gpu_check.sh log: also its GPU tests' targets")
     parser.add_argument("--newer-than", type=Path, metavar="FILE",
                         help="read only results written after FILE was (gpu_check.sh: this run's, so a suite whose "
                              "stage failed is 'not measured', not an older run's figures)")
     args = parser.parse_args(argv)
     if not args.results.is_dir():
         parser.error(f"--results must be a folder, got {args.results}")
+    if args.log is not None and not args.log.is_file():
+        parser.error(f"--log must name a gpu_check.sh log file, got {args.log}")
     if args.newer_than is not None and not args.newer_than.exists():
         parser.error(f"--newer-than must name an existing file, got {args.newer_than}")
     try:
@@ -290,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     slug = ",".join(slugs)
     if not data:
         parser.error(f"--device {slug}: no <suite>_gpu_<device>.json of it in {args.results}")
-    targets = all_targets(data)
+    targets = all_targets(data, args.log.read_text(errors="replace") if args.log else None)
     width = max(len(t.name) for t in targets)
     dry = sorted(suite for suite, d in data.items() if d.get("machine", {}).get("dry_run"))
     print(f"== issue 30 targets on {slug} ({sum(t.met is True for t in targets)} of {len(targets)} met)")

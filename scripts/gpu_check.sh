@@ -192,7 +192,7 @@ if [ "$stage" = quick ]; then
   done
   run_stage gpu_launch "$CAP_LAUNCH" "$FLOOR_LAUNCH" "$PY" benchmarks/gpu_launch.py --quick
   run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick --profile
-  targets --newer-than "$stamp"
+  targets --newer-than "$stamp" --log "$log"
   finish
   if [ -n "${OUT:-}" ]; then
     # at most 8 files come back from $OUT: the log and this run's JSON (one per suite)

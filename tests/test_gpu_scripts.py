@@ -153,7 +153,7 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     measuring, verdict = [c for c in calls if c.startswith("benchmarks/")][:-1], calls[-1]
     assert all("--quick" in c and "--dry-run" not in c for c in measuring)
     # the verdict reads this run's JSON only (not an older run's, where a stage failed)
-    assert verdict.startswith("benchmarks/gpu_targets.py --newer-than ")
+    assert verdict.startswith("benchmarks/gpu_targets.py --newer-than ") and "--log " in verdict
     log = (out / "gpu_check_quick.log").read_text()
     for name in ["build", "tests_fixed", "tests", *KERNEL_BENCHMARKS, "gpu_launch", "gpu_executor"]:
         assert f"== stage {name} (timeout " in log and f"   {name}: ok" in log

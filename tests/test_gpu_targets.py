@@ -111,6 +111,33 @@ def test_an_absent_suite_leaves_its_targets_not_measured():
     assert all(t.verdict == "not measured" for t in gone)
 
 
+LOG = """== stage build (timeout 110s): bash -c build
+== stage tests_fixed (timeout 60s): python3 -m pytest tests/kernels/test_aggregate_triton.py::x
+..........
+10 passed in 12.50s
+== stage tests (timeout 150s): python3 -m pytest tests/kernels/test_branch_triton.py
+....F...
+=========== 1 failed, 1200 passed, 30 skipped, 2 errors in 140.1s ===========
+== stage gpu_factorized (timeout 40s): python3 benchmarks/gpu_factorized.py --quick
+"""
+
+
+def test_the_gpu_tests_of_a_gpu_check_log():
+    assert gt.stage_results(LOG) == {"build": {}, "tests_fixed": {"passed": 10},
+                                     "tests": {"failed": 1, "passed": 1200, "skipped": 30, "error": 2},
+                                     "gpu_factorized": {}}
+    fixed, tests = gt.test_targets(LOG)
+    assert fixed.met is True and fixed.figure == "10 passed"
+    assert tests.met is False and tests.figure == "1 failed, 1200 passed, 30 skipped, 2 error"
+    assert gt.test_targets(LOG.replace("1 failed, ", "").replace(", 2 errors", ""))[1].met is True
+    # a stage cut off before its summary, and one not run
+    cut = LOG.split("=========== 1 failed")[0]
+    fixed, tests = gt.test_targets(cut.replace("== stage tests_fixed", "== stage other"))
+    assert (fixed.met, fixed.figure) == (None, "not run")
+    assert (tests.met, tests.figure) == (None, "no pytest summary (timed out or crashed)")
+    assert gt.test_targets(LOG.replace("10 passed", "9 passed"))[0].met is False  # one of the 10 not run
+
+
 def test_reported_bf16_and_variants():
     lines = gt.reported(suites())
     assert lines == ["lenet5 batched+bf16: 5.0 ms a round against batched's 10.0 ms (2.00x)",
@@ -132,12 +159,15 @@ def test_main_reads_only_files_newer_than_the_stamp(tmp_path, capsys):
     os.utime(stamp, (old, old))
     os.utime(tmp_path / f"executor_gpu_{SLUG}.json", (old - 10, old - 10))
     out = tmp_path / "targets.json"
+    log = tmp_path / "gpu_check_quick.log"
+    log.write_text(LOG)
     assert gt.main(["--results", str(tmp_path), "--device", SLUG, "--newer-than", str(stamp),
-                    "--json", str(out)]) == 0
+                    "--json", str(out), "--log", str(log)]) == 0
     text = capsys.readouterr().out
-    assert f"== issue 30 targets on {SLUG} (11 of 14 met)" in text
+    assert f"== issue 30 targets on {SLUG} (12 of 16 met)" in text
     payload = json.loads(out.read_text())
     assert [t["verdict"] for t in payload["targets"]].count("not measured") == 3
+    assert [t["verdict"] for t in payload["targets"][:2]] == ["met", "MISSED"]
     assert payload["dry_runs"] == [] and payload["reported"] == []
 
 
@@ -160,6 +190,7 @@ def test_several_devices_take_each_suite_from_the_first_that_has_it(tmp_path):
     (["--results", "/nonexistent/folder"], "--results must be a folder"),
     (["--device", "nope"], "--device nope: no <suite>_gpu_<device>.json of it"),
     (["--newer-than", "/nonexistent/stamp", "--device", SLUG], "--newer-than must name an existing file"),
+    (["--log", "/nonexistent/log", "--device", SLUG], "--log must name a gpu_check.sh log file"),
 ])
 def test_bad_arguments_get_one_line(tmp_path, capsys, args, message):
     write(tmp_path, suites())
@@ -194,3 +225,5 @@ def test_the_committed_results_of_each_device(slug, capsys):
     targets = gt.all_targets(gt.load(gt.RESULTS, [slug]))
     assert all(t.figure != "-" for t in targets if t.met is not None)
     assert sum(t.met is not None for t in targets) >= 1
+    for log in gt.RESULTS.glob(f"gpu_check_quick_{slug}_*.log"):  # the logs of its runs read too
+        assert len(gt.test_targets(log.read_text(errors="replace"))) == 2
