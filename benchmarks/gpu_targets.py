@@ -339,6 +339,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"== issue 30 targets on {slug} ({sum(t.met is True for t in targets)} of {len(targets)} met)")
     if dry:
         print(f"   dry runs ({', '.join(dry)}): tiny shapes on a CPU, their figures mean nothing")
+    cut = sorted(suite for suite, d in data.items() if d.get("complete") is False)
+    if cut:
+        print(f"   incomplete ({', '.join(cut)}): the stage ended before its last job; what it did not "
+              f"write is not measured")
     for t in targets:
         print(f"{t.name:<{width}}  {t.verdict:<12}  {t.figure}  [{t.source}]")
     notes = reported(data)

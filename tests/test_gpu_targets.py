@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -177,6 +178,13 @@ def test_main_says_when_the_figures_are_a_dry_run(tmp_path, capsys):
     write(tmp_path, data)
     assert gt.main(["--results", str(tmp_path)]) == 0  # the one device there
     assert "dry runs (launch): tiny shapes on a CPU, their figures mean nothing" in capsys.readouterr().out
+    data["executor"]["complete"] = False
+    data["executor"].pop("table1")
+    write(tmp_path, data)
+    assert gt.main(["--results", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "incomplete (executor): the stage ended before its last job" in text
+    assert re.search(r"Table 1 cell <= 300 s \(50 rounds\)\s+not measured", text)
 
 
 def test_several_devices_take_each_suite_from_the_first_that_has_it(tmp_path):
