@@ -50,7 +50,6 @@ import functools
 import inspect
 import os
 import sys
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -60,7 +59,7 @@ from torch.func import functional_call
 from .batched_eval import batchable_evaluation, evaluate_chunk
 from .captured_steps import (batched_step, chunk_rows, chunk_state, copy_gradients, stacked_forward,
                              write_back)
-from .client import (ClientView, TaskValues, TrainResult, apply_download, finish_train_task_later,
+from .client import (ClientView, TaskValues, TrainResult, apply_downloads, finish_train_task_later,
                      initial_optimizer_state, local_results, phase_lr_scale, phase_optimizer, phase_parameters,
                      phase_schedule, resolve_train_results, trains_only, training_batch)
 from .cohort_stats import answer_statistics
@@ -276,8 +275,7 @@ def train_chunk(fed, algorithm, cohort, tasks, capacity: Optional[int] = None) -
     buffers = chunk.buffers.copy_(cohort.buffers.data[rows])
     int_buffers = chunk.int_buffers.copy_(cohort.int_buffers.data[rows])
     grads = chunk.grads.zero_()
-    for i, task in enumerate(tasks):
-        apply_download(cohort, SimpleNamespace(params=params[i], buffers=buffers[i]), task.download, task.client)
+    apply_downloads(cohort, params, buffers, tasks)
     extras = [{name: bank.row(r).clone() for name, bank in cohort.extra.items()} for r in rows]
     views = [_row_view(fed, cohort, t, extras[i], params[i], grads[i], buffers[i]) for i, t in enumerate(tasks)]
     generators = [fed.generator("train", t.round, t.client) for t in tasks]

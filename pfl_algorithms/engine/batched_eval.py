@@ -12,13 +12,12 @@ fine-tunes first (an ``Evaluation`` with a plan) runs on the threaded executor.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import torch
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import EvalResult, apply_download
+from .client import EvalResult, apply_downloads
 from .conv_gemm import batched_convolutions
 from .local import EVAL_BATCH, ChunkGather, scores
 
@@ -37,9 +36,7 @@ def evaluate_chunk(fed, cohort, tasks, batch_size: int = EVAL_BATCH) -> list[Eva
     bank = cohort.params if source == "params" else cohort.extra[source]
     params, buffers = bank.data[rows].clone(), cohort.buffers.data[rows].clone()
     int_buffers = cohort.int_buffers.data[rows].clone()
-    for i, task in enumerate(tasks):
-        apply_download(cohort, SimpleNamespace(params=params[i], buffers=buffers[i]), task.evaluation.download,
-                       task.client)
+    apply_downloads(cohort, params, buffers, tasks)
     tensors = {**cohort.layout.views(params), **cohort.buffer_layout.views(buffers),
                **cohort.int_buffer_layout.views(int_buffers)}
     module = cohort.work.module

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -335,22 +336,41 @@ class ClientView:
 def apply_download(cohort, work, message: Optional[Message], client: int) -> None:
     """Write a download's tensors into the working model: groups into their parameter ranges,
     ``buffers`` into the shared groups' buffers (nothing for a download with ``apply=False``,
-    which the plan reads instead)."""
+    which the plan reads instead).  ``work``'s vectors may also be rows [C, P] of several
+    clients that receive the same message (``client`` the first of them): each row gets it."""
     if message is None or not message.apply:
         return
     for name in message.tensors:
         if name == BUFFERS:
-            target = work.buffers[cohort.shared_buffer_span()]
+            target = work.buffers[..., cohort.shared_buffer_span()]
         elif name in cohort.groups.members:
-            target = work.params[cohort.span(name)]
+            target = work.params[..., cohort.span(name)]
         else:
             raise ValueError(f"the download to client {client} carries {name!r}, which is no parameter group of "
                              f"its architecture {cohort.name!r} (groups: {', '.join(cohort.groups.order)})")
         value = message.dense(name)
-        if value.shape != target.shape:
+        if value.shape != target.shape[-1:]:
             raise ValueError(f"the download's {name!r} has shape {list(value.shape)} but client {client}'s "
-                             f"{name!r} has {list(target.shape)}")
+                             f"{name!r} has {list(target.shape[-1:])}")
         target.copy_(value)
+
+
+def apply_downloads(cohort, params: Tensor, buffers: Tensor, tasks: Sequence) -> None:
+    """``apply_download`` of each task's download (``task.download``, or ``task.evaluation.download``
+    for evaluation tasks) into its row of ``params`` / ``buffers`` ([C, P] and [C, B], in task
+    order), one copy per tensor for each run of tasks that share one message (FedAvg sends
+    every client the same), instead of one per client (each a launch on a GPU)."""
+    def download(task):
+        return task.evaluation.download if isinstance(task, EvalTask) else task.download
+
+    start = 0
+    while start < len(tasks):
+        end = start + 1
+        while end < len(tasks) and download(tasks[end]) is download(tasks[start]):
+            end += 1
+        apply_download(cohort, SimpleNamespace(params=params[start:end], buffers=buffers[start:end]),
+                       download(tasks[start]), tasks[start].client)
+        start = end
 
 
 def phase_optimizer(phase: Phase, settings):

@@ -277,3 +277,40 @@ def test_batched_and_sequential_read_each_clients_lr_from_its_phases_settings(mo
         rates.append(set(read))
     assert rates[0] == rates[1] == {(0.1 * (1 + k) * 0.5, 0.5) for k in range(3)}
     assert_close_state(*states, **TOL)
+
+
+def test_downloads_shared_by_a_run_of_clients_are_written_once(monkeypatch):
+    """apply_downloads writes each run of tasks sharing one message with one copy per tensor,
+    and gives every row what apply_download gives it client by client."""
+    from types import SimpleNamespace
+
+    from pfl_algorithms.engine import client as client_mod
+    from pfl_algorithms.engine.messages import Message
+
+    fed = make_federation(make_algorithm("fedavg"), executor="batched")
+    cohort = fed.cohorts[0]
+    group = cohort.groups.order[0]
+    width = cohort.span(group).stop - cohort.span(group).start
+    shared = Message({group: torch.arange(width, dtype=torch.float64)})
+    own = Message({group: -torch.ones(width, dtype=torch.float64)})
+    downloads = [shared, shared, own, shared, None]
+    tasks = [SimpleNamespace(client=k % 3, download=d) for k, d in enumerate(downloads)]
+    params = torch.randn(5, cohort.params.data.shape[1], dtype=torch.float64)
+    buffers = torch.randn(5, cohort.buffers.data.shape[1], dtype=torch.float64)
+    want = params.clone()
+    for i, task in enumerate(tasks):
+        client_mod.apply_download(cohort, SimpleNamespace(params=want[i], buffers=buffers[i]), task.download,
+                                  task.client)
+    calls = []
+    real = client_mod.apply_download
+    monkeypatch.setattr(client_mod, "apply_download", lambda cohort, work, message, client: (
+        calls.append(work.params.shape[0]), real(cohort, work, message, client)))
+    client_mod.apply_downloads(cohort, params, buffers, tasks)
+    assert calls == [2, 1, 1, 1]  # the first two share a message; the rest differ from their neighbours
+    assert torch.equal(params, want)
+    wrong = [SimpleNamespace(client=2, download=Message({"nope": torch.zeros(3)}))] * 2
+    with pytest.raises(ValueError, match="the download to client 2 carries 'nope'"):
+        client_mod.apply_downloads(cohort, params, buffers, wrong)
+    short = [SimpleNamespace(client=1, download=Message({group: torch.zeros(width + 1)}))] * 2
+    with pytest.raises(ValueError, match=rf"has shape \[{width + 1}\] but client 1's '{group}' has \[{width}\]"):
+        client_mod.apply_downloads(cohort, params, buffers, short)
