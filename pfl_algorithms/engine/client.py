@@ -694,8 +694,8 @@ def store_client_rows(fed, view: ClientView, states: dict, where: Optional[Tenso
     """Store the loaded client's new state in its rows: parameters, buffers, extra state and, when
     kept, the optimizer ``states`` (name -> vectors and steps); with ``where`` (a 0-dim bool
     tensor) only if it holds, selected on the device (``working.store_into``).  Returns the
-    stores of rows on another device than ``where`` (the host's step counts), as (row, value)
-    pairs for the caller to make once it has read ``where``."""
+    stores whose row or value is on another device than ``where`` (the host's step counts), as
+    (row, value) pairs for the caller to make once it has read ``where``."""
     cohort, row, work = view._cohort, view._cohort.row(view.client), view._work
     stores = [(cohort.params.row(row), work.params), (cohort.buffers.row(row), work.buffers),
               (cohort.int_buffers.row(row), work.int_buffers)]
@@ -706,7 +706,7 @@ def store_client_rows(fed, view: ClientView, states: dict, where: Optional[Tenso
             stores.append((cohort.optimizer_steps[name][row], state["steps"]))
     later = []
     for destination, value in stores:
-        if where is not None and destination.device != where.device:
+        if where is not None and (destination.device != where.device or value.device != where.device):
             later.append((destination, value))
         else:
             store_into(destination, value, where)

@@ -248,6 +248,31 @@ def test_resolving_later_results_reads_each_check_once_and_stores_only_the_finit
     assert [r.tolist() for r in rows] == [[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [0.0, 0.0]]
 
 
+def test_stores_across_devices_wait_for_the_check():
+    """A row or a value on another device than the upload's check (the host's step counts
+    beside a GPU's check) is not selected on the device but left for after the check's read;
+    the rest is selected where the check is."""
+    from types import SimpleNamespace
+
+    from pfl_algorithms.engine import client as client_mod
+
+    algo = FedAvg()
+    fed = make_federation(algo, optimizer_state="keep", optimizer_settings={"lr": 0.1, "momentum": 0.9})
+    run_round(fed, algo, 0)  # the kept state's banks exist from here
+    cohort = fed.cohorts[0]
+    view = SimpleNamespace(_cohort=cohort, client=1, _work=cohort.work, _extra={})
+    (name, state), = cohort.optimizer_state.items()
+    ones = {vector: torch.ones_like(bank.row(1)) for vector, bank in state.items()}
+    steps = torch.tensor(7, device="meta")  # a value on another device than the check
+    later = client_mod.store_client_rows(fed, view, {name: {**ones, "steps": steps}}, where=torch.tensor(True))
+    assert later == [(later[0][0], steps)] and later[0][0].data_ptr() == cohort.optimizer_steps[name][1].data_ptr()
+    for vector, bank in state.items():  # selected on the check's device: stored (the check holds)
+        assert torch.equal(bank.row(1), ones[vector])
+    later = client_mod.store_client_rows(fed, view, {name: {**ones, "steps": torch.tensor(9)}},
+                                         where=torch.tensor(True, device="meta"))
+    assert len(later) == 3 + len(state) + 1  # every row is on another device than this check
+
+
 def test_message_finite_looks_at_every_floating_value():
     from pfl_algorithms.engine.client import message_finite
     from pfl_algorithms.engine.messages import Message
