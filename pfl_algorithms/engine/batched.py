@@ -275,7 +275,7 @@ def train_chunk(fed, algorithm, cohort, tasks, capacity: Optional[int] = None) -
     buffers = chunk.buffers.copy_(cohort.buffers.data[rows])
     int_buffers = chunk.int_buffers.copy_(cohort.int_buffers.data[rows])
     grads = chunk.grads.zero_()
-    apply_downloads(cohort, params, buffers, tasks)
+    apply_downloads(cohort, params, buffers, [t.download for t in tasks], [t.client for t in tasks])
     extras = [{name: bank.row(r).clone() for name, bank in cohort.extra.items()} for r in rows]
     views = [_row_view(fed, cohort, t, extras[i], params[i], grads[i], buffers[i]) for i, t in enumerate(tasks)]
     generators = [fed.generator("train", t.round, t.client) for t in tasks]

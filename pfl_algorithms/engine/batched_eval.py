@@ -12,7 +12,6 @@ fine-tunes first (an ``Evaluation`` with a plan) runs on the threaded executor.
 """
 from __future__ import annotations
 
-
 import torch
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
@@ -36,7 +35,7 @@ def evaluate_chunk(fed, cohort, tasks, batch_size: int = EVAL_BATCH) -> list[Eva
     bank = cohort.params if source == "params" else cohort.extra[source]
     params, buffers = bank.data[rows].clone(), cohort.buffers.data[rows].clone()
     int_buffers = cohort.int_buffers.data[rows].clone()
-    apply_downloads(cohort, params, buffers, tasks)
+    apply_downloads(cohort, params, buffers, [t.evaluation.download for t in tasks], [t.client for t in tasks])
     tensors = {**cohort.layout.views(params), **cohort.buffer_layout.views(buffers),
                **cohort.int_buffer_layout.views(int_buffers)}
     module = cohort.work.module

@@ -355,21 +355,19 @@ def apply_download(cohort, work, message: Optional[Message], client: int) -> Non
         target.copy_(value)
 
 
-def apply_downloads(cohort, params: Tensor, buffers: Tensor, tasks: Sequence) -> None:
-    """``apply_download`` of each task's download (``task.download``, or ``task.evaluation.download``
-    for evaluation tasks) into its row of ``params`` / ``buffers`` ([C, P] and [C, B], in task
-    order), one copy per tensor for each run of tasks that share one message (FedAvg sends
-    every client the same), instead of one per client (each a launch on a GPU)."""
-    def download(task):
-        return task.evaluation.download if isinstance(task, EvalTask) else task.download
-
+def apply_downloads(cohort, params: Tensor, buffers: Tensor, downloads: Sequence[Optional[Message]],
+                    clients: Sequence[int]) -> None:
+    """``apply_download`` of each client's download into its row of ``params`` / ``buffers``
+    ([C, P] and [C, B], in the order of ``downloads`` and ``clients``), one copy per tensor for
+    each run of clients that share one message (FedAvg sends every client the same), instead of
+    one per client (each a launch on a GPU)."""
     start = 0
-    while start < len(tasks):
+    while start < len(downloads):
         end = start + 1
-        while end < len(tasks) and download(tasks[end]) is download(tasks[start]):
+        while end < len(downloads) and downloads[end] is downloads[start]:
             end += 1
         apply_download(cohort, SimpleNamespace(params=params[start:end], buffers=buffers[start:end]),
-                       download(tasks[start]), tasks[start].client)
+                       downloads[start], clients[start])
         start = end
 
 

@@ -82,7 +82,8 @@ def segment_keys(labels: torch.Tensor, num_classes: int, *, count_outside: bool 
     order, so the counts are deterministic."""
     k, n = labels.shape
     width = num_classes + 2
-    keys = (labels.clamp(-1, num_classes) + torch.arange(1, k * width, width, device=labels.device)[:, None]).reshape(-1)
+    first_slots = torch.arange(1, k * width, width, device=labels.device)  # each client's class 0
+    keys = (labels.clamp(-1, num_classes) + first_slots[:, None]).reshape(-1)
     counts = torch.zeros(k * width, dtype=torch.int64, device=labels.device)
     counts.index_add_(0, keys, torch.ones((), dtype=torch.int64, device=labels.device).expand(k * n))
     outside = int(counts.view(k, width)[:, ::width - 1].sum()) if count_outside and k * n else 0

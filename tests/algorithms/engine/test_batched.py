@@ -305,12 +305,12 @@ def test_downloads_shared_by_a_run_of_clients_are_written_once(monkeypatch):
     real = client_mod.apply_download
     monkeypatch.setattr(client_mod, "apply_download", lambda cohort, work, message, client: (
         calls.append(work.params.shape[0]), real(cohort, work, message, client)))
-    client_mod.apply_downloads(cohort, params, buffers, tasks)
+    client_mod.apply_downloads(cohort, params, buffers, downloads, [t.client for t in tasks])
     assert calls == [2, 1, 1, 1]  # the first two share a message; the rest differ from their neighbours
     assert torch.equal(params, want)
-    wrong = [SimpleNamespace(client=2, download=Message({"nope": torch.zeros(3)}))] * 2
+    wrong = Message({"nope": torch.zeros(3)})
     with pytest.raises(ValueError, match="the download to client 2 carries 'nope'"):
-        client_mod.apply_downloads(cohort, params, buffers, wrong)
-    short = [SimpleNamespace(client=1, download=Message({group: torch.zeros(width + 1)}))] * 2
+        client_mod.apply_downloads(cohort, params, buffers, [wrong, wrong], [2, 0])
+    short = Message({group: torch.zeros(width + 1)})
     with pytest.raises(ValueError, match=rf"has shape \[{width + 1}\] but client 1's '{group}' has \[{width}\]"):
-        client_mod.apply_downloads(cohort, params, buffers, short)
+        client_mod.apply_downloads(cohort, params, buffers, [short, short], [1, 2])
