@@ -444,13 +444,24 @@ def _routing_on_cpu(dry: bool):
 class _Stub:
     """Stands in for what ``_launch(kernel)`` returns: ``[grid](...)`` does nothing, except for
     a kernel whose outputs the op reads on the host (data checks, counts): its ``emulate``, a
-    plain-PyTorch stand-in, writes them (its CPU time is then part of the host time)."""
+    plain-PyTorch stand-in, writes them, timed into ``emulated_s`` (the stand-in's sort and
+    gathers on a CPU stand for a kernel on the device: not host work, so left out of the
+    host time)."""
+
+    emulated_s = 0.0  # seconds spent in emulations since the last reset
 
     def __init__(self, kernel):
         self.emulate = getattr(kernel, "emulate", None)
 
     def __getitem__(self, grid):
-        return self.emulate or (lambda *args, **kwargs: None)
+        if self.emulate is None:
+            return lambda *args, **kwargs: None
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            self.emulate(*args, **kwargs)
+            _Stub.emulated_s += time.perf_counter() - t0
+        return timed
 
 
 @contextlib.contextmanager
@@ -467,6 +478,22 @@ def stubbed_launches() -> Iterator[None]:
     finally:
         for m, launch in saved:
             m._launch = launch
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int) -> tuple[float, float]:
+    """(host µs per call less the emulations' time, the emulations' µs per call) under
+    ``stubbed_launches``: medians over ``repeats`` runs of ``calls`` back-to-back calls."""
+    fn()
+    host, emulated = [], []
+    for _ in range(repeats):
+        _Stub.emulated_s = 0.0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - t0
+        host.append((elapsed - _Stub.emulated_s) / calls * 1e6)
+        emulated.append(_Stub.emulated_s / calls * 1e6)
+    return statistics.median(host), statistics.median(emulated)
 
 
 def host_main(calls: int, repeats: int, json_path: Optional[Path], dry_run: bool = False) -> int:
@@ -489,9 +516,10 @@ def host_main(calls: int, repeats: int, json_path: Optional[Path], dry_run: bool
                 if case.library is not None:  # its GEMM would run for real on the CPU: not host time
                     print(f"{case.op:<27} {case.shape:<26} skipped: served by a library GEMM", flush=True)
                     continue
-                host_us, _ = per_call_us(case.public, calls, repeats, cuda=False)
-                rows.append({"op": case.op, "shape": case.shape, "host_us": host_us})
-                print(f"{case.op:<27} {case.shape:<26} {host_us:>8.1f} us", flush=True)
+                host_us, emulated_us = host_us_per_call(case.public, calls, repeats)
+                rows.append({"op": case.op, "shape": case.shape, "host_us": host_us, "emulated_us": emulated_us})
+                emulated = f"  (+{emulated_us:.1f} us emulating a kernel whose output it reads)" if emulated_us else ""
+                print(f"{case.op:<27} {case.shape:<26} {host_us:>8.1f} us{emulated}", flush=True)
     finally:
         torch.set_num_threads(threads)
     # a dry run's figures (2 calls) mean nothing: never over the committed results
@@ -500,7 +528,9 @@ def host_main(calls: int, repeats: int, json_path: Optional[Path], dry_run: bool
     path.write_text(json.dumps({"suite": "launch_host", "machine": {
         "processor": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1},
         "config": {"calls": calls, "repeats": repeats, "launches": "skipped (stubbed)",
-                   "timing": "time.perf_counter around back-to-back calls; medians over repeats"},
+                   "timing": "time.perf_counter around back-to-back calls; medians over repeats",
+                   "emulated_us": "the plain-PyTorch stand-ins of kernels whose outputs the op reads "
+                                  "(device work on a GPU), timed apart and left out of host_us"},
         "rows": rows}, indent=2))
     print(f"wrote {path}")
     return 0

@@ -89,7 +89,9 @@ def test_launch_host_mode_times_every_op_with_launches_skipped(tmp_path, capsys)
     assert {r["op"] for r in rows} >= {"factorized_weight", "factorized_weight backward", "factorized_weight_backward",
                                        "soft_threshold_", "branch_combine", "branch_combine_backward",
                                        "project_simplex_", "similarity_weights"}
-    assert all(r["host_us"] > 0 for r in rows)
+    assert all(r["host_us"] > 0 and r["emulated_us"] >= 0 for r in rows)
+    # the sparse weighted_average reads its compaction kernel's counts: that stand-in is timed apart
+    assert [r["emulated_us"] > 0 for r in rows if r["op"] == "weighted_average"] == [True]
     assert "skipped: served by a library GEMM" in capsys.readouterr().out
     from pfl_kernels.ops import factorized_weight
     from pfl_kernels.triton import aggregate as ta, factorized as tf

@@ -115,9 +115,14 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
     def extent(t):
-        spans = [(n - 1) * s for n, s in zip(t.shape, t.stride())]
-        lo, hi = sum(x for x in spans if x < 0), sum(x for x in spans if x > 0) + 1
-        return t.data_ptr() + lo * t.element_size(), t.data_ptr() + hi * t.element_size()
+        lo = hi = 0  # in elements from data_ptr: the lowest and the highest it can address
+        for n, s in zip(t.shape, t.stride()):
+            if s > 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+        start, size = t.data_ptr(), t.element_size()
+        return start + lo * size, start + (hi + 1) * size
 
     alo, ahi = extent(a)
     blo, bhi = extent(b)

@@ -372,7 +372,8 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         _gemm_into(w, params, out)
         return
     block_k = _block_k(k)
-    if may_overlap(out, params) and (sparse or cdiv(k, block_k) > 1 or not _rows_of(out, params)):
+    # A fresh out (the op's own new tensor) shares no memory with params: no check to pay for.
+    if not fresh and may_overlap(out, params) and (sparse or cdiv(k, block_k) > 1 or not _rows_of(out, params)):
         params = params.clone()
     with _device_guard(params):
         if sparse:
