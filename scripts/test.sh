@@ -7,7 +7,7 @@
 #   no-extension  tests/kernels and tests/nn on the reference kernels (no C++ extension)
 #   triton        the Triton kernels in the interpreter (TRITON_INTERPRET=1, tiny shapes)
 #   benchmarks    each benchmarked function once at its quick shapes (never timed)
-#   floor         tests/kernels and tests/nn built against torch 2.11, the declared floor
+#   floor         tests/kernels, tests/nn and the GPU check's other files built against torch 2.11, the declared floor
 #
 # Every phase runs and reports even when an earlier one failed; the script exits non-zero at
 # the end if any phase failed, after a summary line per phase and a total.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The floor phase of CI: build pfl-kernels against torch 2.11.0, the oldest torch pyproject.toml
-# declares, and run tests/kernels and tests/nn on it.  Arguments go to pytest.
+# declares, and run tests/kernels, tests/nn and the engine's GPU-check files on it.  Arguments go to pytest.
 #
 # - The venv is .venv-floor (PFL_FLOOR_VENV), with torch==$PFL_FLOOR_TORCH (default 2.11.0)
 #   and only what these tests need (Triton only where torch's wheel brings it: its tests skip
@@ -91,4 +91,12 @@ cd "$SRC"
 "$PY" -c "import pfl_kernels._C, torch; print('floor: pfl_kernels._C built against torch', torch.__version__)"
 cores=$(nproc 2>/dev/null || echo 2)
 WORKERS=${PFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
-exec "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile tests/kernels tests/nn "$@"
+# Besides tests/kernels and tests/nn: the CPU side of every other file that gpu_check.sh runs on
+# the GPU machines (its GPU_TESTS), whose torch is 2.11 too (executors, captured steps, batched
+# evaluation, GEMM convolutions, augmentation, the package; about 10 s), so a torch-2.11 break
+# there shows here before a GPU is spent on it (tests/test_gpu_scripts.py keeps the lists in step).
+FLOOR_TESTS=(tests/kernels tests/nn
+             tests/algorithms/engine/test_executors.py tests/algorithms/engine/test_step_graphs.py
+             tests/algorithms/engine/test_batched_eval.py tests/algorithms/engine/test_conv_gemm.py
+             tests/algorithms/test_augment.py tests/test_package.py)
+exec "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile "${FLOOR_TESTS[@]}" "$@"

@@ -276,3 +276,22 @@ def test_launch_python_refuses_bad_counts(capsys):
     with pytest.raises(SystemExit):
         launch_python.main(["--calls", "0"])
     assert "--calls must be >= 1, got 0" in capsys.readouterr().err
+
+
+def _bash_array(script: str, name: str) -> list[str]:
+    """The words of ``NAME=(...)`` in a script (comments dropped)."""
+    import re
+
+    body = re.search(rf"^{name}=\((.*?)\)", script, re.S | re.M).group(1)
+    return [w for line in body.splitlines() for w in line.split("#")[0].split()]
+
+
+def test_floor_phase_runs_every_file_the_gpu_check_runs():
+    """The GPU machines' torch is 2.11, the floor's: each file of gpu_check.sh's GPU_TESTS is in
+    the floor phase (its kernel files through tests/kernels), so a break on 2.11 shows on a CPU."""
+    gpu = _bash_array((ROOT / "scripts/gpu_check.sh").read_text(), "GPU_TESTS")
+    floor = _bash_array((ROOT / "scripts/test_floor.sh").read_text(), "FLOOR_TESTS")
+    assert "tests/kernels/*_triton.py" in gpu and len(gpu) > 3
+    covered = [f for f in gpu if f in floor or any(f.startswith(d + "/") for d in floor)]
+    assert covered == gpu
+    assert all((ROOT / f).exists() for f in floor)
