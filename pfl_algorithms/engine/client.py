@@ -532,13 +532,21 @@ def local_results(loss_totals: Tensor, samples: Sequence[int], steps: Sequence[i
     steps and final parameters [C, P], with one device sync for all of them (three per task,
     read one by one, were a host round trip each on a GPU).  The mean loss is divided on the
     host, in float64 as on the device."""
-    # x·0 is ±0 for a finite x and NaN otherwise (all_finite): each row's sum is 0 exactly
-    # when the row is finite.
-    finite_rows = params.mul(0).sum(1) == 0
+    finite_rows = finite_sums(params, 1).mul(0) == 0  # x·0: 0 for a finite sum, else NaN
     totals, finite = torch.stack([loss_totals, finite_rows.to(loss_totals.dtype)]).tolist()
     return [LocalResult(loss=total / n if n else float("nan"), samples=n, steps=k,
                         finite=ok == 1 and (n == 0 or math.isfinite(total)))
             for total, ok, n, k in zip(totals, finite, samples, steps)]
+
+
+def finite_sums(t: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Float64 sums of floating ``t`` (over ``dim``; all of it when None) that are finite
+    exactly where every summed element is: a float32 (or narrower) value is below 2^128, so
+    no float64 sum of them can overflow, and one pass reads ``t`` with no temporary (x·0 and
+    its sum read it twice and wrote a copy); a float64 sum can overflow, so float64 elements
+    are summed as x·0 (±0 for a finite x, NaN otherwise)."""
+    x = t.mul(0) if t.dtype == torch.float64 else t
+    return x.sum(dtype=torch.float64) if dim is None else x.sum(dim, dtype=torch.float64)
 
 
 def all_finite(t: Tensor) -> bool:
@@ -579,8 +587,13 @@ def message_finite_flag(message: Message) -> bool | Tensor:
         return False
     if not floats:
         return True
-    # x·0 is 0 for a finite x and NaN otherwise (all_finite), summed over every tensor at once
-    return sum(t.detach().mul(0).sum(dtype=torch.float64) for t in floats) == 0
+    # One finite_sums per tensor, added up (from the first: sum()'s 0 + tensor is one more
+    # launch); finite sums add to a finite total (each below 2^128 times its size), and x·0 of
+    # the total is 0 exactly when it is finite.
+    total, *rest = (finite_sums(t.detach()) for t in floats)
+    for term in rest:
+        total = total + term
+    return total.mul(0) == 0
 
 
 def run_plan(fed, view: ClientView, plan: Sequence[Phase], generator, *, keep_state: bool,

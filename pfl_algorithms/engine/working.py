@@ -82,12 +82,12 @@ class WorkingModel:
     @torch.no_grad()
     def load(self, params: torch.Tensor, buffers: Optional[torch.Tensor] = None,
              int_buffers: Optional[torch.Tensor] = None) -> None:
-        """Copy a client's rows into the working vectors."""
+        """Copy a client's rows into the working vectors (an empty row into an empty vector,
+        a model without buffers, is skipped: each copy is a dispatch per client)."""
         self.params.copy_(params)
-        if buffers is not None:
-            self.buffers.copy_(buffers)
-        if int_buffers is not None:
-            self.int_buffers.copy_(int_buffers)
+        for mine, row in ((self.buffers, buffers), (self.int_buffers, int_buffers)):
+            if row is not None and (mine.numel() or row.numel()):
+                mine.copy_(row)
 
     @torch.no_grad()
     def store(self, params: torch.Tensor, buffers: Optional[torch.Tensor] = None,
@@ -108,7 +108,10 @@ class WorkingModel:
 @torch.no_grad()
 def store_into(row: torch.Tensor, value: torch.Tensor, where: Optional[torch.Tensor] = None) -> None:
     """``row <- value``; with ``where`` (a 0-dim bool tensor on ``row``'s device), only if it
-    holds: an elementwise select into ``row`` itself, bit for bit either value, and no sync."""
+    holds: an elementwise select into ``row`` itself, bit for bit either value, and no sync.
+    Both empty (a model without buffers): nothing to do, and no dispatch."""
+    if row.numel() == 0 and value.numel() == 0:
+        return
     if where is None:
         row.copy_(value)
     else:

@@ -285,6 +285,11 @@ def test_message_finite_looks_at_every_floating_value():
     assert not message_finite(replace(ok, extras={"deep": {"a": [(torch.zeros(2), float("nan"))]}}))
     assert not message_finite(replace(ok, extras={"deep": {"a": [(torch.tensor([float("nan")]), 2.0)]}}))
     assert message_finite(replace(ok, extras={"big": torch.tensor([3e38]), "ints": torch.tensor([2 ** 62])}))
+    # the largest values of two tensors, which overflow any sum in their own dtype, are finite
+    top = torch.full((5,), torch.finfo(torch.float64).max, dtype=torch.float64)
+    assert message_finite(Message(tensors={"a": top, "b": torch.full((3,), 3.4e38)}))
+    assert not message_finite(Message(tensors={"a": top, "b": torch.tensor([float("inf")])}))
+    assert not message_finite(Message(tensors={"a": torch.tensor([float("inf")]), "b": torch.tensor([-float("inf")])}))
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))

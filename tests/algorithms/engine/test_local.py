@@ -131,3 +131,26 @@ def test_local_results_of_a_chunk_in_one_read():
     for i, result in enumerate(results):  # one task alone reads the same
         alone = local_result(totals[i], samples[i], steps[i], params[i])
         assert (alone.loss == result.loss or alone.loss != alone.loss) and alone.finite == result.finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_finite_sums_are_finite_exactly_where_every_element_is(dtype):
+    """finite_sums: each row's sum finite iff the row is, at the dtype's extremes too (rows of
+    its largest values, both signs, which a sum in the dtype itself would overflow), with one
+    NaN, +Inf, -Inf or both infinities among finite values; the whole-tensor form agrees."""
+    from pfl_algorithms.engine.client import finite_sums
+
+    big = torch.finfo(dtype).max
+    rows = torch.randn(8, 37, dtype=torch.float64).to(dtype)
+    rows[1] = big
+    rows[2] = -big
+    rows[3, 5] = float("nan")
+    rows[4, 0] = float("inf")
+    rows[5, 36] = -float("inf")
+    rows[6, 1], rows[6, 2] = float("inf"), -float("inf")
+    rows[7] = torch.finfo(dtype).tiny
+    sums = finite_sums(rows, 1)
+    assert sums.dtype == torch.float64 and sums.shape == (8,)
+    assert torch.isfinite(sums).tolist() == [True, True, True, False, False, False, False, True]
+    assert bool(torch.isfinite(finite_sums(rows[[0, 1, 2, 7]]))) and not bool(torch.isfinite(finite_sums(rows)))
+    assert finite_sums(rows[:0], 1).shape == (0,) and float(finite_sums(rows[:0])) == 0.0

@@ -38,3 +38,39 @@ def test_a_tied_parameter_is_one_flat_slot_in_every_module_holding_it():
     loss = F.cross_entropy(reference(x), y)
     (grad,) = torch.autograd.grad(loss, reference[0].alpha_param)
     torch.testing.assert_close(work.grads[span], grad, rtol=1e-12, atol=1e-12)
+
+
+def test_empty_buffer_rows_make_no_copy_and_a_size_mismatch_still_raises():
+    """load and store_into skip a model's empty buffer rows (a dispatch per client each on the
+    batched executor's finish) but not a row whose size differs from the working vector's."""
+    import pytest
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pfl_algorithms.engine.working import store_into
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    work = WorkingModel(nn.Linear(3, 2))
+    assert work.buffers.numel() == 0 and work.int_buffers.numel() == 0
+    row = torch.randn(work.params.numel())
+    empty, other, check = torch.empty(0), torch.empty(0), torch.tensor(True)
+    empty_int = torch.empty(0, dtype=torch.int64)
+    with Ops() as ops:
+        work.load(row, empty, empty_int)
+        store_into(empty, other, check)
+    assert ops.names == ["copy_"] and torch.equal(work.params, row)
+    with pytest.raises(RuntimeError):
+        work.load(row, torch.ones(2))  # a row where the model has no buffers
+    with pytest.raises(RuntimeError):
+        store_into(torch.empty(0), torch.ones(2))
+    kept, value = torch.zeros(3), torch.ones(3)
+    store_into(kept, value, torch.tensor(False))
+    store_into(value, kept, torch.tensor(True))
+    assert torch.equal(kept, torch.zeros(3)) and torch.equal(value, torch.zeros(3))
