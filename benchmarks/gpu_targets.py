@@ -238,15 +238,21 @@ _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped)")
 
 def stage_results(log: str) -> dict:
     """Each stage of a ``gpu_check.sh`` log -> the counts of its last pytest summary line
-    ({'passed': n, 'failed': n, ...}; empty when it printed none: it timed out or crashed)."""
-    stages, name = {}, None
+    ({'passed': n, 'failed': n, ...}; empty when it printed none: it crashed or was killed),
+    with 'interrupted': 1 where pytest was stopped at the stage's cap (gpu_check.sh sends it
+    SIGINT, and it prints the counts of the tests it ran by then)."""
+    stages, name, interrupted = {}, None, set()
     for line in log.splitlines():
         if line.startswith("== stage "):
             name = line[len("== stage "):].split(" ", 1)[0].rstrip(":")
             stages[name] = {}
+        elif name and "KeyboardInterrupt" in line and line.startswith("!"):
+            interrupted.add(name)
         elif name and re.match(r"^=*\s*\d+ (passed|failed|errors?)", line):
             stages[name] = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
                             for n, kind in _PYTEST_COUNT.findall(line)}
+    for name in interrupted:
+        stages[name]["interrupted"] = 1
     return stages
 
 
@@ -263,7 +269,12 @@ def test_targets(log: str) -> list[Target]:
             targets.append(Target(name, why, None, "gpu_check log"))
             continue
         bad = counts.get("failed", 0) + counts.get("error", 0)
-        figure = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+        figure = ", ".join(f"{n} {kind}" for kind, n in counts.items() if kind != "interrupted")
+        if counts.get("interrupted"):
+            # a failure among the tests that ran is a miss; no failure yet says nothing of the rest
+            targets.append(Target(name, f"stopped at its cap after {figure}", False if bad else None,
+                                  "gpu_check log"))
+            continue
         targets.append(Target(name, figure, bad == 0 and counts.get("passed", 0) >= least, "gpu_check log"))
     return targets
 

@@ -131,7 +131,10 @@ run_stage() {
   [ "$cap" -le "$left" ] || cap=$left
   echo "== stage $name (timeout ${cap}s): $*" | tee -a "$log"
   set +e
-  timeout --kill-after=10 "$cap" "$@" 2>&1 | tee -a "$log"
+  # SIGINT, not TERM, at the cap: pytest then prints what it has (the failures, --durations, the
+  # counts so far) before it exits, so a test stage that runs out of time still says which tests
+  # set its pace (twice on the H200 it was killed with no report); KILL 10 s later if it hangs.
+  timeout --signal=INT --kill-after=10 "$cap" "$@" 2>&1 | tee -a "$log"
   status=${PIPESTATUS[0]}
   set -e
   case "$status" in

@@ -114,6 +114,10 @@ def test_launch_refuses_without_a_device(capsys):
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-} | DIRECT=${PFL_KERNELS_DIRECT_LAUNCH:-}" >> "$FAKE_LOG"
 if [ -n "${FAKE_SLOW:-}" ] && [[ "$*" == *"$FAKE_SLOW"* ]]; then sleep 20; fi
+if [ -n "${FAKE_PYTEST_CUT:-}" ] && [[ "$*" == *"$FAKE_PYTEST_CUT"* ]]; then  # as pytest does on SIGINT
+  trap 'echo "!!!!!! KeyboardInterrupt !!!!!!"; echo "3 passed, 1 skipped in 1.00s"; exit 2' INT
+  sleep 20 & wait
+fi
 if [ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]]; then exit 3; fi
 exit 0
 """
@@ -170,6 +174,15 @@ def test_a_stage_that_hangs_or_fails_is_reported_and_the_rest_still_runs(tmp_pat
     log = (out / "gpu_check_quick.log").read_text()
     assert "gpu_launch: TIMED OUT after 1s" in log and "gpu_similarity: FAILED (exit 3" in log
     assert "gpu_executor: ok" in log and any(c.startswith("benchmarks/gpu_executor.py") for c in calls)
+
+
+def test_a_test_stage_at_its_cap_is_interrupted_and_reports_what_ran(tmp_path):
+    """At its cap a stage gets SIGINT (pytest then prints its counts so far), not TERM."""
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_PYTEST_CUT="-m not slow", GPU_CHECK_CAP_TESTS="1")
+    assert proc.returncode == 1
+    log = (out / "gpu_check_quick.log").read_text()
+    assert "3 passed, 1 skipped in 1.00s" in log and "   tests: TIMED OUT after 1s" in log
+    assert "   gpu_executor: ok" in log
 
 
 NO_FLOORS = {f"GPU_CHECK_FLOOR_{stage}": "0" for stage in ("BUILD", "FIXED", "TESTS", "BENCH", "LAUNCH",

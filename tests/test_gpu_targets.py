@@ -139,6 +139,31 @@ def test_the_gpu_tests_of_a_gpu_check_log():
     assert gt.test_targets(LOG.replace("10 passed", "9 passed"))[0].met is False  # one of the 10 not run
 
 
+INTERRUPTED = """== stage tests (timeout 96s): python3 -m pytest tests/kernels/test_branch_triton.py
+.....
+============================= slowest 15 durations ==============================
+31.02s call     tests/kernels/test_factorized_triton.py::test_gradgradcheck
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+/opt/venv/lib/python3.12/site-packages/xdist/dsession.py:161: KeyboardInterrupt
+(to show a full traceback on KeyboardInterrupt use --full-trace)
+900 passed, 12 skipped in 95.87s
+== stage gpu_factorized (timeout 40s): python3 benchmarks/gpu_factorized.py --quick
+"""
+
+
+def test_a_test_stage_stopped_at_its_cap_is_not_read_as_passing():
+    """gpu_check.sh stops a stage with SIGINT at its cap, and pytest prints its counts so far:
+    no failure among them is not a pass (not measured); a failure among them is a miss."""
+    assert gt.stage_results(INTERRUPTED)["tests"] == {"passed": 900, "skipped": 12, "interrupted": 1}
+    tests = gt.test_targets(INTERRUPTED)[1]
+    assert (tests.met, tests.figure) == (None, "stopped at its cap after 900 passed, 12 skipped")
+    tests = gt.test_targets(INTERRUPTED.replace("900 passed", "2 failed, 898 passed"))[1]
+    assert tests.met is False and tests.verdict == "MISSED"
+    # the interrupt belongs to its stage only
+    assert gt.stage_results(LOG + INTERRUPTED.replace("== stage tests ", "== stage more "))["tests"] == {
+        "failed": 1, "passed": 1200, "skipped": 30, "error": 2}
+
+
 def test_reported_bf16_and_variants():
     lines = gt.reported(suites())
     assert lines == ["lenet5 batched+bf16: 5.0 ms a round against batched's 10.0 ms (2.00x)",
