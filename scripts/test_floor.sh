@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The floor phase of CI: build pfl-kernels against torch 2.11.0, the oldest torch pyproject.toml
-# declares, and run tests/kernels, tests/nn and the engine's GPU-check files on it.  Arguments go to pytest.
+# declares, and run tests/kernels, tests/nn and the other test files gpu_check.sh runs on it.  Arguments go to pytest.
 #
 # - The venv is .venv-floor (PFL_FLOOR_VENV), with torch==$PFL_FLOOR_TORCH (default 2.11.0)
 #   and only what these tests need (Triton only where torch's wheel brings it: its tests skip

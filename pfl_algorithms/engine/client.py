@@ -549,13 +549,6 @@ def finite_sums(t: Tensor, dim: Optional[int] = None) -> Tensor:
     return x.sum(dtype=torch.float64) if dim is None else x.sum(dim, dtype=torch.float64)
 
 
-def all_finite(t: Tensor) -> bool:
-    """Whether every element of ``t`` is finite, in two vectorized passes: x·0 is ±0 for a
-    finite x and NaN for ±inf or NaN, so the sum is 0 exactly when all are finite (a 110k-
-    parameter model: 0.02 ms against 0.21 ms for ``isfinite(t).all()``, once per task)."""
-    return bool(t.mul(0).sum() == 0)
-
-
 def message_finite(message: Message) -> bool:
     """Whether every floating value ``message`` carries is finite: its tensors, and the tensors
     and float numbers among its extras (nested in dicts, lists and tuples); one device sync."""

@@ -82,12 +82,12 @@ class WorkingModel:
     @torch.no_grad()
     def load(self, params: torch.Tensor, buffers: Optional[torch.Tensor] = None,
              int_buffers: Optional[torch.Tensor] = None) -> None:
-        """Copy a client's rows into the working vectors (an empty row into an empty vector,
-        a model without buffers, is skipped: each copy is a dispatch per client)."""
+        """Copy a client's rows into the working vectors (``store_into``: an empty row into an
+        empty vector, a model without buffers, is skipped, each copy a dispatch per client)."""
         self.params.copy_(params)
         for mine, row in ((self.buffers, buffers), (self.int_buffers, int_buffers)):
-            if row is not None and (mine.numel() or row.numel()):
-                mine.copy_(row)
+            if row is not None:
+                store_into(mine, row)
 
     @torch.no_grad()
     def store(self, params: torch.Tensor, buffers: Optional[torch.Tensor] = None,
