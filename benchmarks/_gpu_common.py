@@ -248,6 +248,14 @@ def geomean(values: Sequence[float]) -> float:
     return statistics.geometric_mean(values)
 
 
+def direct_launch() -> bool:
+    """Whether the ops launch their compiled Triton kernels directly in this run
+    (``PFL_KERNELS_DIRECT_LAUNCH``, ``pfl_kernels/triton/_direct.py``), recorded with its figures."""
+    from pfl_kernels.triton import _direct
+
+    return bool(_direct.ENABLED)
+
+
 def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
     """Write ``{"suite", "machine", **results}`` to ``path`` and say where."""
     import triton
@@ -257,7 +265,8 @@ def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
         "suite": suite,
         "machine": {"device": runtime.name, "dry_run": runtime.dry_run, "torch_version": torch.__version__,
                     "triton_version": triton.__version__, "cuda": torch.version.cuda,
-                    "platform": platform.platform(), "backend_info": runtime.backend_info},
+                    "platform": platform.platform(), "backend_info": runtime.backend_info,
+                    "direct_launch": direct_launch()},
         **results,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")

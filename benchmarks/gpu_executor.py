@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._gpu_common import DRY_RUN_RESULTS, RESULTS, sanitize  # noqa: E402
+from benchmarks._gpu_common import DRY_RUN_RESULTS, RESULTS, direct_launch, sanitize  # noqa: E402
 from pfl_algorithms.algorithms.fedavg import FedAvg  # noqa: E402
 from pfl_algorithms.data.partition import ClientSplit  # noqa: E402
 from pfl_algorithms.engine.federation import EngineSettings  # noqa: E402
@@ -256,7 +256,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     name = "dry run (CPU)" if args.dry_run else torch.cuda.get_device_name()
     path = args.json or (DRY_RUN_RESULTS if args.dry_run else RESULTS) / f"executor_gpu_{sanitize(name)}.json"
     result = {"suite": "executor_gpu", "machine": {"device": name, "torch": torch.__version__,
-                                                   "platform": platform.platform(), "dry_run": args.dry_run},
+                                                   "platform": platform.platform(), "dry_run": args.dry_run,
+                                                   "direct_launch": direct_launch()},
               "complete": False, "rows": [], "bf16_accuracy": None, "table1": None}
 
     def save() -> None:

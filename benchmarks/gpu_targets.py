@@ -320,6 +320,20 @@ def device_slugs(results: Path, given: Optional[str]) -> list[str]:
     return slugs
 
 
+def launch_modes(data: dict) -> str:
+    """Which suites' ops launched their Triton kernels directly (``machine.direct_launch``, the
+    path ``PFL_KERNELS_DIRECT_LAUNCH=1`` turns on, off by default) and which did not: a suite
+    run before it was recorded is left out; empty where no suite says.  ``launch`` times both
+    paths itself."""
+    modes = {suite: d.get("machine", {}).get("direct_launch") for suite, d in data.items() if suite != "launch"}
+    on = sorted(s for s, m in modes.items() if m is True)
+    off = sorted(s for s, m in modes.items() if m is False)
+    if not on and not off:
+        return ""
+    parts = ([f"on in {', '.join(on)}"] if on else []) + ([f"off in {', '.join(off)}"] if off else [])
+    return "direct launches: " + "; ".join(parts)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", help="the device's name as in the results' file names (e.g. nvidia_h200)")
@@ -350,6 +364,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"== issue 30 targets on {slug} ({sum(t.met is True for t in targets)} of {len(targets)} met)")
     if dry:
         print(f"   dry runs ({', '.join(dry)}): tiny shapes on a CPU, their figures mean nothing")
+    direct = launch_modes(data)
+    if direct:
+        print(f"   {direct}")
     cut = sorted(suite for suite, d in data.items() if d.get("complete") is False)
     if cut:
         print(f"   incomplete ({', '.join(cut)}): the stage ended before its last job; what it did not "
@@ -361,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("== reported")
         print("\n".join(notes))
     if args.json:
-        args.json.write_text(json.dumps({"device": slug, "dry_runs": dry, "targets": [asdict(t) | {"verdict": t.verdict}
+        args.json.write_text(json.dumps({"device": slug, "dry_runs": dry, "launch_modes": direct, "targets": [asdict(t) | {"verdict": t.verdict}
                                                                        for t in targets],
                                          "reported": notes}, indent=2))
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,13 +150,20 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     assert fixed.endswith("| DIRECT=1")
     assert len(tests) == 1 and " -n " in tests[0] and '-m not slow' in tests[0]
     assert "tests/kernels/test_aggregate_triton.py" in tests[0] and "tests/kernels/test_aggregate.py" not in tests[0]
-    # the GPU tests check the direct launches (off by default until they have passed on a GPU)
+    # the tests and the benchmarks run with direct launches on (off by default until they have
+    # passed on a GPU), so the tests check the path that is timed; gpu_launch times both itself
     assert tests[0].endswith("| DIRECT=1") and "tests/kernels/test_direct_launch.py" in tests[0]
-    assert all(c.endswith("| DIRECT=") for c in calls if c.startswith("benchmarks/"))
+    by_script = {c.split()[0]: c for c in calls if c.startswith("benchmarks/")}
+    assert all(by_script[f"benchmarks/{s}.py"].endswith("| DIRECT=1") for s in [*KERNEL_BENCHMARKS, "gpu_executor"])
+    assert by_script["benchmarks/gpu_launch.py"].endswith("| DIRECT=")
     scripts = [c.split()[0] for c in calls if c.startswith("benchmarks/")]
     assert scripts == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + ["benchmarks/gpu_launch.py",
                                                                          "benchmarks/gpu_executor.py",
                                                                          "benchmarks/gpu_targets.py"]
+    # the fixed tests run second, the whole test stage last (on what the measurements left), then the verdict
+    order = [i for i, c in enumerate(calls) if c.startswith(("-m pytest", "benchmarks/"))]
+    kinds = [calls[i].split()[0] if calls[i].startswith("benchmarks/") else "pytest" for i in order]
+    assert kinds[0] == "pytest" and kinds[-2:] == ["pytest", "benchmarks/gpu_targets.py"]
     measuring, verdict = [c for c in calls if c.startswith("benchmarks/")][:-1], calls[-1]
     assert all("--quick" in c and "--dry-run" not in c for c in measuring)
     # the verdict reads this run's JSON only (not an older run's, where a stage failed)
@@ -199,14 +207,17 @@ def test_the_budget_caps_every_stage(tmp_path):
 
 
 def test_a_slow_stage_leaves_the_later_stages_their_floors(tmp_path):
-    """A 14 s budget with 8 s held back for the later stages (7 s of it the executor's): the slow
-    build is cut at 6 s, the stages left less than 5 s are skipped, the executor still runs."""
+    """A 14 s budget with 8 s held back for the later stages (7 s of it the executor's, 1 s the
+    tests'): the slow build is cut at 6 s, the stages left less than 5 s are skipped, the
+    executor still runs, and the test stage, last, gets what the executor left."""
     floors = dict(NO_FLOORS, GPU_CHECK_FLOOR_BUILD="1", GPU_CHECK_FLOOR_TESTS="1", GPU_CHECK_FLOOR_EXECUTOR="7")
     proc, calls, out = run_check(tmp_path, "quick", FAKE_SLOW="pip install", GPU_CHECK_BUDGET_S="14", **floors)
     assert proc.returncode == 1
     log = (out / "gpu_check_quick.log").read_text()
-    assert "build: TIMED OUT after 6s" in log and "tests: skipped (budget spent)" in log
+    assert "build: TIMED OUT after 6s" in log and "tests_fixed: skipped (budget spent)" in log
+    assert "gpu_launch: skipped (budget spent)" in log
     assert "gpu_executor: ok" in log and any(c.startswith("benchmarks/gpu_executor.py") for c in calls)
+    assert re.search(r"== stage tests \(timeout [5-8]s\)", log) and "   tests: ok" in log
 
 
 def test_floors_beyond_the_budget_are_refused(tmp_path):

@@ -197,6 +197,29 @@ def test_main_reads_only_files_newer_than_the_stamp(tmp_path, capsys):
     assert payload["dry_runs"] == [] and payload["reported"] == []
 
 
+def test_launch_modes_say_which_suites_launched_directly():
+    data = suites()
+    assert gt.launch_modes(data) == ""  # no suite recorded it (results from before it was)
+    data["factorized"]["machine"] = {"direct_launch": True}
+    data["executor"]["machine"] = {"direct_launch": True}
+    data["branch"]["machine"] = {"direct_launch": False}
+    data["launch"]["machine"] = {"direct_launch": False}  # times both paths itself: left out
+    assert gt.launch_modes(data) == "direct launches: on in executor, factorized; off in branch"
+    data["branch"]["machine"]["direct_launch"] = True
+    assert gt.launch_modes(data) == "direct launches: on in branch, executor, factorized"
+
+
+def test_main_prints_the_launch_modes(tmp_path, capsys):
+    data = suites()
+    for suite in ("factorized", "executor"):
+        data[suite]["machine"] = {"direct_launch": True}
+    write(tmp_path, data)
+    out = tmp_path / "targets.json"
+    assert gt.main(["--results", str(tmp_path), "--device", SLUG, "--json", str(out)]) == 0
+    assert "   direct launches: on in executor, factorized\n" in capsys.readouterr().out
+    assert json.loads(out.read_text())["launch_modes"] == "direct launches: on in executor, factorized"
+
+
 def test_main_says_when_the_figures_are_a_dry_run(tmp_path, capsys):
     data = suites()
     data["launch"]["machine"] = {"dry_run": True}
