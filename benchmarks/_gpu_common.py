@@ -256,6 +256,15 @@ def direct_launch() -> bool:
     return bool(_direct.ENABLED)
 
 
+def direct_launch_counts() -> dict:
+    """The launches this process made while direct launches were on: how many were direct and
+    how many went through Triton (``_direct.counts``), recorded beside ``direct_launch`` so a
+    run shows that the switch took effect."""
+    from pfl_kernels.triton import _direct
+
+    return _direct.counts()
+
+
 def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
     """Write ``{"suite", "machine", **results}`` to ``path`` and say where."""
     import triton
@@ -266,7 +275,7 @@ def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
         "machine": {"device": runtime.name, "dry_run": runtime.dry_run, "torch_version": torch.__version__,
                     "triton_version": triton.__version__, "cuda": torch.version.cuda,
                     "platform": platform.platform(), "backend_info": runtime.backend_info,
-                    "direct_launch": direct_launch()},
+                    "direct_launch": direct_launch(), "direct_launches": direct_launch_counts()},
         **results,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")

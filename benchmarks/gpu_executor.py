@@ -48,7 +48,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._gpu_common import DRY_RUN_RESULTS, RESULTS, direct_launch, sanitize  # noqa: E402
+from benchmarks._gpu_common import (DRY_RUN_RESULTS, RESULTS, direct_launch, direct_launch_counts,  # noqa: E402
+                                    sanitize)
 from pfl_algorithms.algorithms.fedavg import FedAvg  # noqa: E402
 from pfl_algorithms.data.partition import ClientSplit  # noqa: E402
 from pfl_algorithms.engine.federation import EngineSettings  # noqa: E402
@@ -263,6 +264,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def save() -> None:
         # After every job, so that a run cut short (gpu_check.sh's stage timeout) keeps the jobs
         # that finished; "complete" says whether every job did.
+        result["machine"]["direct_launches"] = direct_launch_counts()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
 

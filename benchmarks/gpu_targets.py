@@ -324,13 +324,20 @@ def launch_modes(data: dict) -> str:
     """Which suites' ops launched their Triton kernels directly (``machine.direct_launch``, the
     path ``PFL_KERNELS_DIRECT_LAUNCH=1`` turns on, off by default) and which did not: a suite
     run before it was recorded is left out; empty where no suite says.  ``launch`` times both
-    paths itself."""
-    modes = {suite: d.get("machine", {}).get("direct_launch") for suite, d in data.items() if suite != "launch"}
-    on = sorted(s for s, m in modes.items() if m is True)
-    off = sorted(s for s, m in modes.items() if m is False)
+    paths itself.  Where the suites counted their launches (``machine.direct_launches``), the
+    sums say whether the switch took effect: launches made directly, and through Triton (each
+    signature's first call)."""
+    machines = {suite: d.get("machine", {}) for suite, d in data.items() if suite != "launch"}
+    on = sorted(s for s, m in machines.items() if m.get("direct_launch") is True)
+    off = sorted(s for s, m in machines.items() if m.get("direct_launch") is False)
     if not on and not off:
         return ""
     parts = ([f"on in {', '.join(on)}"] if on else []) + ([f"off in {', '.join(off)}"] if off else [])
+    counted = [machines[s]["direct_launches"] for s in on if isinstance(machines[s].get("direct_launches"), dict)]
+    if counted:  # what the switch did: launches made directly, and through Triton (first calls)
+        direct = sum(c.get("direct", 0) for c in counted)
+        through = sum(c.get("through_triton", 0) for c in counted)
+        parts[0] += f" ({direct} launches direct, {through} through Triton)"
     return "direct launches: " + "; ".join(parts)
 
 

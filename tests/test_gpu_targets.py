@@ -207,6 +207,11 @@ def test_launch_modes_say_which_suites_launched_directly():
     assert gt.launch_modes(data) == "direct launches: on in executor, factorized; off in branch"
     data["branch"]["machine"]["direct_launch"] = True
     assert gt.launch_modes(data) == "direct launches: on in branch, executor, factorized"
+    # the counts of the suites that recorded them, summed: whether the switch took effect
+    data["factorized"]["machine"]["direct_launches"] = {"direct": 90, "through_triton": 10}
+    data["executor"]["machine"]["direct_launches"] = {"direct": 0, "through_triton": 3}
+    assert gt.launch_modes(data) == ("direct launches: on in branch, executor, factorized "
+                                     "(90 launches direct, 13 through Triton)")
 
 
 def test_main_prints_the_launch_modes(tmp_path, capsys):

@@ -45,6 +45,10 @@ import torch
 ENABLED = os.environ.get("PFL_KERNELS_DIRECT_LAUNCH", "0") not in ("", "0")
 
 _MAX_SIGNATURES = 256  # per kernel; a full cache is cleared (a run's shapes repeat)
+# Launches while switched on: [launched directly, through Triton (a signature's first call, or
+# an argument this cache does not key)].  A benchmark records them with its figures, so a run
+# shows that its launches were direct, not only that the switch was on (``counts``).
+_COUNTS = [0, 0]
 _FLOAT = ("float",)  # a float argument's key: its type only
 _Tensor = torch.Tensor  # plain tensors keyed inline; subclasses (Parameter) through _key_of
 
@@ -131,6 +135,7 @@ class DirectLaunch:
         except TypeError:  # an unhashable keyword value
             key = entry = None
         if entry is None:
+            _COUNTS[1] += 1
             compiled = self.kernel[grid](*args, **kwargs)  # binds, compiles if needed, launches
             if key is not None and compiled is not None:
                 if len(self.signatures) >= _MAX_SIGNATURES:
@@ -138,6 +143,7 @@ class DirectLaunch:
                 self.signatures[key] = (compiled, self._trailing(len(args), kwargs))
             return
         compiled, rest = entry
+        _COUNTS[0] += 1
         compiled[_grid3(grid)](*args, *rest, stream=torch._C._cuda_getCurrentRawStream(key[-1]))  # key[-1]: the device
 
 
@@ -155,10 +161,12 @@ class DirectLaunch:
             key = (id(token), *[(t.dtype, not t.data_ptr() & 15) if t.__class__ is _Tensor else _key_of(t)
                                 for t in tensors], torch._C._cuda_getDevice())
         except _Unkeyed:
+            _COUNTS[1] += 1
             self.kernel[grid](*tensors, *scalars, **meta)
             return
         entry = self.planned_signatures.get(key)
         if entry is None or entry[2] is not token:
+            _COUNTS[1] += 1
             compiled = self.kernel[grid](*tensors, *scalars, **meta)  # binds, compiles if needed, launches
             if compiled is not None:
                 if len(self.planned_signatures) >= _MAX_SIGNATURES:
@@ -166,7 +174,15 @@ class DirectLaunch:
                 rest = self._trailing(len(tensors) + len(scalars), meta)
                 self.planned_signatures[key] = (compiled, scalars + rest, token)
             return
+        _COUNTS[0] += 1
         entry[0][_grid3(grid)](*tensors, *entry[1], stream=torch._C._cuda_getCurrentRawStream(key[-1]))
+
+
+def counts() -> dict:
+    """The launches made while switched on since import: ``direct`` (the compiled kernel
+    launched from the cache) and ``through_triton`` (``kernel[grid]``: a signature's first
+    call, a full cache's refill, an argument of a kind the cache does not key)."""
+    return {"direct": _COUNTS[0], "through_triton": _COUNTS[1]}
 
 
 def _grid3(grid) -> tuple:

@@ -48,6 +48,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(_direct, "ENABLED", True)
     monkeypatch.setattr(_direct, "REASON", None)
     monkeypatch.setattr(_direct, "_LAUNCHERS", {})
+    monkeypatch.setattr(_direct, "_COUNTS", [0, 0])
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda idx: 1000 + idx, raising=False)
 
@@ -200,6 +201,27 @@ def test_a_planned_launch_keys_its_tensors_and_the_plans_identity(launches):
     assert kinds(launches) == ["triton", "direct", "triton", "triton", "triton"]
     entry = next(iter(_direct.direct(_kernel).planned_signatures.values()))
     assert entry[2] is plan  # held: no other object can take its id while the entry lives
+
+
+def test_counts_tell_the_direct_launches_from_tritons(launches, monkeypatch):
+    """What a benchmark records beside its figures: every launch made while switched on,
+    counted as direct or through Triton exactly as it was made; none while switched off."""
+    x = torch.randn(64)
+    call(x)
+    call(x)
+    call(x[1:])  # another alignment: a new signature
+    _direct.direct(_kernel)[(1,)](x, (1, 2), 0.5, 7, True, BLOCK=128)  # unkeyed
+    plan = object()
+    planned(x, plan)
+    planned(x, plan)
+    planned(x, object())  # another plan: bound again
+    direct = kinds(launches).count("direct")
+    assert direct == 2 and _direct.counts() == {"direct": direct, "through_triton": len(launches) - direct}
+    monkeypatch.setattr(_direct, "ENABLED", False)
+    call(x)
+    _direct.DirectLaunch(_kernel).planned((4,), plan, (x,), (64, 0.5, 7, True), {"BLOCK": 128})
+    assert kinds(launches)[-2:] == ["triton", "triton"]
+    assert _direct.counts() == {"direct": 2, "through_triton": 5}
 
 
 def test_a_planned_launch_switched_off_is_tritons(launches, monkeypatch):

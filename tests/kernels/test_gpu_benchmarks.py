@@ -43,6 +43,10 @@ def test_dry_run(script, tmp_path, capsys):
     assert f"wrote {path}" in out and "max err" in out
     payload = json.loads(path.read_text())
     assert payload["machine"]["dry_run"] is True
+    # the launch mode of its figures (the interpreter launches nothing directly)
+    from pfl_kernels.triton import _direct
+    assert payload["machine"]["direct_launch"] is _direct.ENABLED
+    assert payload["machine"]["direct_launches"]["direct"] == 0
     assert payload["suite"] == f"benchmarks/{script.removesuffix('_shared')}.py"
     assert {"config", "rows"} | keys <= payload.keys()
     rows = payload["rows"]

@@ -27,6 +27,8 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     assert all(r["steps"]["eager"] > 0 for r in result["rows"] if r["executor"].startswith("batched"))
     assert set(result["bf16_accuracy"]) == {"float32", "bf16"}
     assert result["table1"]["rounds"] == 1 and result["machine"]["dry_run"] is True and result["complete"] is True
+    assert isinstance(result["machine"]["direct_launch"], bool)  # the launch mode of its figures, and what it did
+    assert set(result["machine"]["direct_launches"]) == {"direct", "through_triton"}
     out = capsys.readouterr().out
     assert "factorized-fl-table1 end to end" in out
     # --profile: LeNet-5's host functions and kernels, then ResNet-9's kernels alone
