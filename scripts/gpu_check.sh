@@ -5,8 +5,8 @@
 # benchmarks/results/<suite>_gpu_<device>.json.
 #
 #   bash scripts/gpu_check.sh quick        # the one short GPU check (issue 30), about 6 minutes:
-#                                          #   build, the 10 fixed tests, kernel benchmarks --quick,
-#                                          #   launch benchmark, executor jobs --quick, GPU tests (xdist)
+#                                          #   build, the 10 fixed tests, launch benchmark, kernel
+#                                          #   benchmarks --quick, executor jobs --quick, GPU tests (xdist)
 #   bash scripts/gpu_check.sh tests        # pytest tests (CUDA tests included)
 #   bash scripts/gpu_check.sh bench        # every benchmarks/gpu_*.py, full grids
 #   bash scripts/gpu_check.sh bench-quick  # the same with --quick
@@ -18,10 +18,12 @@
 # later ones; a stage that fails or times out is reported and the next one still runs.  The
 # whole GPU test stage runs last, on what the measurements left (twice on the H200 it ran
 # first, ran out of its share and took no figure with it; the 10 tests that failed there run
-# second, in a stage of their own).  Every stage but gpu_launch (which times both paths
-# itself) runs with direct launches on (PFL_KERNELS_DIRECT_LAUNCH=1): the tests check the path
-# the benchmarks time, and the ResNet-9 target is against a sequential path that launches
-# directly; each suite's JSON records it (machine.direct_launch).  Its log and the
+# second, in a stage of their own).  The tests run with direct launches on
+# (PFL_KERNELS_DIRECT_LAUNCH=1), and so do the kernel benchmarks and the executor jobs once
+# gpu_launch (which times both paths itself, third) has checked every op's direct launches
+# against float64 on this GPU: the tests check the path the benchmarks time, the ResNet-9
+# target is against a sequential path that launches directly, and a direct launch that fails
+# here costs no figure.  Each suite's JSON records its mode (machine.direct_launch).  Its log and the
 # JSON of the 7 benchmark suites it ran (8 files) go to $OUT where it is set; the JSON also
 # stays in benchmarks/results/ under the device's name.  Then benchmarks/gpu_targets.py prints
 # issue 30's targets, each met or not, from this run's JSON; the closing lines list each
@@ -121,6 +123,7 @@ failed=0
 
 # The floors of the stages not yet run (quick); run_stage takes each stage's own off as it starts.
 held_back=0
+last_status=0  # the exit status of the last stage run_stage ran (125: skipped)
 # run_stage NAME CAP FLOOR COMMAND...: COMMAND under `timeout` (CAP, or what is left of the
 # budget after the later stages' floors), its output into the log; records its status and time.
 run_stage() {
@@ -130,7 +133,7 @@ run_stage() {
   left=$((BUDGET_S - (SECONDS - start_s) - held_back))
   if [ "$left" -lt 5 ]; then
     echo "== stage $name: skipped, the ${BUDGET_S}s budget is spent" | tee -a "$log"
-    summary+=("$name: skipped (budget spent)"); failed=1
+    summary+=("$name: skipped (budget spent)"); failed=1; last_status=125
     return 0
   fi
   [ "$cap" -le "$left" ] || cap=$left
@@ -141,6 +144,7 @@ run_stage() {
   # set its pace (twice on the H200 it was killed with no report); KILL 10 s later if it hangs.
   timeout --signal=INT --kill-after=10 "$cap" "$@" 2>&1 | tee -a "$log"
   status=${PIPESTATUS[0]}
+  last_status=$status
   set -e
   case "$status" in
     0) summary+=("$name: ok ($((SECONDS - t0))s)") ;;
@@ -190,14 +194,22 @@ if [ "$stage" = quick ]; then
   fi
   # The ops launch their compiled kernels directly (pfl_kernels/triton/_direct.py), off by
   # default until the GPU tests have passed with it: the tests check what the benchmarks time.
-  export PFL_KERNELS_DIRECT_LAUNCH=1
-  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TESTS[@]}" -q -p no:cacheprovider -rs
+  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" env PFL_KERNELS_DIRECT_LAUNCH=1 "$PY" -m pytest \
+    "${FIXED_TESTS[@]}" -q -p no:cacheprovider -rs
+  # gpu_launch times each op as the default leaves it and with direct launches (switching
+  # itself), checking both results against float64: the benchmarks after it launch directly
+  # only where it passed, so a direct launch that fails on this GPU costs no figure.
+  run_stage gpu_launch "$CAP_LAUNCH" "$FLOOR_LAUNCH" "$PY" benchmarks/gpu_launch.py --quick
+  if [ "$last_status" -eq 0 ]; then
+    export PFL_KERNELS_DIRECT_LAUNCH=1
+  else
+    echo "== direct launches stay off for the benchmarks: gpu_launch did not pass" | tee -a "$log"
+  fi
   for script in "${KERNEL_BENCHMARKS[@]}"; do
     run_stage "$script" "$CAP_BENCH" "$FLOOR_BENCH" "$PY" "benchmarks/$script.py" --quick
   done
-  # gpu_launch times each op as the default leaves it and with direct launches, switching itself
-  run_stage gpu_launch "$CAP_LAUNCH" "$FLOOR_LAUNCH" env -u PFL_KERNELS_DIRECT_LAUNCH "$PY" benchmarks/gpu_launch.py --quick
   run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick --profile
+  export PFL_KERNELS_DIRECT_LAUNCH=1  # the tests check them whatever gpu_launch said
   # --durations: which tests set the stage's time (the next run's cap and worker count).
   run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "$PY" -m pytest "${GPU_TESTS[@]}" tests/kernels/test_direct_launch.py \
     -q -p no:cacheprovider -rs -m "not slow" --durations=15 "${xdist[@]}"

@@ -150,16 +150,16 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     assert fixed.endswith("| DIRECT=1")
     assert len(tests) == 1 and " -n " in tests[0] and '-m not slow' in tests[0]
     assert "tests/kernels/test_aggregate_triton.py" in tests[0] and "tests/kernels/test_aggregate.py" not in tests[0]
-    # the tests and the benchmarks run with direct launches on (off by default until they have
-    # passed on a GPU), so the tests check the path that is timed; gpu_launch times both itself
+    # the tests and, once gpu_launch (which times both paths itself) has passed, the benchmarks
+    # run with direct launches on (off by default until they have passed on a GPU), so the
+    # tests check the path that is timed
     assert tests[0].endswith("| DIRECT=1") and "tests/kernels/test_direct_launch.py" in tests[0]
     by_script = {c.split()[0]: c for c in calls if c.startswith("benchmarks/")}
     assert all(by_script[f"benchmarks/{s}.py"].endswith("| DIRECT=1") for s in [*KERNEL_BENCHMARKS, "gpu_executor"])
     assert by_script["benchmarks/gpu_launch.py"].endswith("| DIRECT=")
     scripts = [c.split()[0] for c in calls if c.startswith("benchmarks/")]
-    assert scripts == [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + ["benchmarks/gpu_launch.py",
-                                                                         "benchmarks/gpu_executor.py",
-                                                                         "benchmarks/gpu_targets.py"]
+    assert scripts == ["benchmarks/gpu_launch.py"] + [f"benchmarks/{s}.py" for s in KERNEL_BENCHMARKS] + [
+        "benchmarks/gpu_executor.py", "benchmarks/gpu_targets.py"]
     # the fixed tests run second, the whole test stage last (on what the measurements left), then the verdict
     order = [i for i, c in enumerate(calls) if c.startswith(("-m pytest", "benchmarks/"))]
     kinds = [calls[i].split()[0] if calls[i].startswith("benchmarks/") else "pytest" for i in order]
@@ -182,6 +182,20 @@ def test_a_stage_that_hangs_or_fails_is_reported_and_the_rest_still_runs(tmp_pat
     log = (out / "gpu_check_quick.log").read_text()
     assert "gpu_launch: TIMED OUT after 1s" in log and "gpu_similarity: FAILED (exit 3" in log
     assert "gpu_executor: ok" in log and any(c.startswith("benchmarks/gpu_executor.py") for c in calls)
+
+
+def test_the_benchmarks_launch_directly_only_after_gpu_launch_passed(tmp_path):
+    """gpu_launch checks every op's direct launches against float64: where it fails, the
+    benchmarks keep Triton's path (no figure lost to a direct launch that breaks on this GPU);
+    the test stage checks direct launches whatever it said."""
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_FAIL="gpu_launch.py")
+    assert proc.returncode == 1
+    by_script = {c.split()[0]: c for c in calls if c.startswith("benchmarks/")}
+    assert all(by_script[f"benchmarks/{s}.py"].endswith("| DIRECT=") for s in [*KERNEL_BENCHMARKS, "gpu_executor"])
+    assert [c for c in calls if c.startswith("-m pytest")][-1].endswith("| DIRECT=1")
+    log = (out / "gpu_check_quick.log").read_text()
+    assert "direct launches stay off for the benchmarks: gpu_launch did not pass" in log
+    assert "   gpu_launch: FAILED (exit 3" in log and "   gpu_executor: ok" in log
 
 
 def test_a_test_stage_at_its_cap_is_interrupted_and_reports_what_ran(tmp_path):
