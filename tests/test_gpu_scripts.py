@@ -147,7 +147,7 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     # first the 10 tests that failed on the H200, then the GPU test files with xdist
     fixed, tests = tests[0], tests[1:]
     assert "test_aggregate_triton.py::test_gpu_opcheck_and_gradcheck" in fixed and " -n " not in fixed
-    assert fixed.endswith("| DIRECT=1")
+    assert fixed.endswith("| DIRECT=")  # on the default path: their verdict is theirs alone
     assert len(tests) == 1 and " -n " in tests[0] and '-m not slow' in tests[0]
     assert "tests/kernels/test_aggregate_triton.py" in tests[0] and "tests/kernels/test_aggregate.py" not in tests[0]
     # the tests and, once gpu_launch (which times both paths itself) has passed, the benchmarks
