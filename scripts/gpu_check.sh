@@ -18,8 +18,8 @@
 # later ones; a stage that fails or times out is reported and the next one still runs.  The
 # whole GPU test stage runs last, on what the measurements left (twice on the H200 it ran
 # first, ran out of its share and took no figure with it; the 10 tests that failed there run
-# second, in a stage of their own).  The tests run with direct launches on
-# (PFL_KERNELS_DIRECT_LAUNCH=1), and so do the kernel benchmarks and the executor jobs once
+# second, in a stage of their own, on the default path).  The whole test stage runs with direct
+# launches on (PFL_KERNELS_DIRECT_LAUNCH=1), and so do the kernel benchmarks and the executor jobs once
 # gpu_launch (which times both paths itself, third) has checked every op's direct launches
 # against float64 on this GPU: the tests check the path the benchmarks time, the ResNet-9
 # target is against a sequential path that launches directly, and a direct launch that fails
@@ -173,6 +173,7 @@ finish() {
 }
 
 if [ "$stage" = quick ]; then
+  unset PFL_KERNELS_DIRECT_LAUNCH  # set below, stage by stage, never inherited from the caller
   stamp=$(mktemp)  # the JSON written after it is this run's
   held_back=$((FLOOR_BUILD + FLOOR_FIXED + FLOOR_TESTS + ${#KERNEL_BENCHMARKS[@]} * FLOOR_BENCH + FLOOR_LAUNCH
                 + FLOOR_EXECUTOR))

@@ -188,7 +188,7 @@ def test_the_benchmarks_launch_directly_only_after_gpu_launch_passed(tmp_path):
     """gpu_launch checks every op's direct launches against float64: where it fails, the
     benchmarks keep Triton's path (no figure lost to a direct launch that breaks on this GPU);
     the test stage checks direct launches whatever it said."""
-    proc, calls, out = run_check(tmp_path, "quick", FAKE_FAIL="gpu_launch.py")
+    proc, calls, out = run_check(tmp_path, "quick", FAKE_FAIL="gpu_launch.py", PFL_KERNELS_DIRECT_LAUNCH="1")
     assert proc.returncode == 1
     by_script = {c.split()[0]: c for c in calls if c.startswith("benchmarks/")}
     assert all(by_script[f"benchmarks/{s}.py"].endswith("| DIRECT=") for s in [*KERNEL_BENCHMARKS, "gpu_executor"])
