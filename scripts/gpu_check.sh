@@ -7,6 +7,8 @@
 #   bash scripts/gpu_check.sh quick        # the one short GPU check (issue 30), about 6 minutes:
 #                                          #   build, the 10 fixed tests, launch benchmark, kernel
 #                                          #   benchmarks --quick, executor jobs --quick, GPU tests (xdist)
+#   bash scripts/gpu_check.sh gpu-tests    # quick's test stages alone (a second call, when quick's
+#                                          #   last stage was cut), within 9 minutes
 #   bash scripts/gpu_check.sh tests        # pytest tests (CUDA tests included)
 #   bash scripts/gpu_check.sh bench        # every benchmarks/gpu_*.py, full grids
 #   bash scripts/gpu_check.sh bench-quick  # the same with --quick
@@ -44,8 +46,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 stage=${1:-}
 case "$stage" in
-  quick|tests|bench|bench-quick|dry-run) ;;
-  *) echo "usage: bash scripts/gpu_check.sh quick|tests|bench|bench-quick|dry-run" >&2; exit 2 ;;
+  quick|gpu-tests|tests|bench|bench-quick|dry-run) ;;
+  *) echo "usage: bash scripts/gpu_check.sh quick|gpu-tests|tests|bench|bench-quick|dry-run" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
 log_dir=${OUT:-${TMPDIR:-/tmp}}
@@ -103,7 +105,7 @@ header() {
 }
 
 export PY
-export -f build dry_build header  # run under timeout, in a bash of their own
+export -f build build_if_needed dry_build header  # run under timeout, in a bash of their own
 
 run_benchmarks() {  # extra flags for every script
   local status=0 script
@@ -114,6 +116,26 @@ run_benchmarks() {  # extra flags for every script
   echo "== gpu_branch --shared $*"
   "$PY" benchmarks/gpu_branch.py --shared "$@" || status=1
   return $status
+}
+
+# The whole GPU test stage's pytest arguments (quick's last stage, and gpu-tests); --durations:
+# which tests set the stage's time (the next run's cap and worker count).
+GPU_TEST_STAGE=("${GPU_TESTS[@]}" tests/kernels/test_direct_launch.py -q -p no:cacheprovider -rs -m "not slow"
+                --durations=15)
+
+# parallel_pytest_args: xdist (one worker per core) and a per-test timeout, where installed, into
+# the array xdist.  worksteal, not loadfile: twice on the H200 the stage stopped at 94% with one
+# long file left on one worker (8 and then 16 workers, 120 s).  A test that runs past 60 s fails
+# with its stack (pytest-timeout) instead of taking the stage's whole cap and its report.
+parallel_pytest_args() {
+  xdist=(-n "$XDIST_WORKERS" --dist worksteal)
+  if ! "$PY" -c "import xdist" 2>/dev/null; then
+    echo "pytest-xdist is not installed here: the tests run in one process" | tee -a "$log"
+    xdist=()
+  fi
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    xdist+=(--timeout="${GPU_CHECK_TEST_TIMEOUT:-60}")
+  fi
 }
 
 # ---------------------------------------------------------------- staged runs (quick, dry-run)
@@ -182,17 +204,7 @@ if [ "$stage" = quick ]; then
   fi
   run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build"
   timeout 120 bash -c header 2>&1 | tee -a "$log" || true
-  # worksteal, not loadfile: twice on the H200 the stage stopped at 94% with one long file left
-  # on one worker (8 and then 16 workers, 120 s).  A test that runs past 60 s fails with its
-  # stack (pytest-timeout) instead of taking the stage's whole cap and its --durations report.
-  xdist=(-n "$XDIST_WORKERS" --dist worksteal)
-  if ! "$PY" -c "import xdist" 2>/dev/null; then
-    echo "pytest-xdist is not installed here: the tests run in one process" | tee -a "$log"
-    xdist=()
-  fi
-  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
-    xdist+=(--timeout="${GPU_CHECK_TEST_TIMEOUT:-60}")
-  fi
+  parallel_pytest_args
   # The 10 tests on the path a user gets (direct launches off, the default), so that their
   # verdict is theirs even if direct launches break on this GPU (gpu_launch and the test stage
   # check those: pfl_kernels/triton/_direct.py, off by default until they have passed here).
@@ -211,9 +223,7 @@ if [ "$stage" = quick ]; then
   done
   run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick --profile
   export PFL_KERNELS_DIRECT_LAUNCH=1  # the tests check them whatever gpu_launch said
-  # --durations: which tests set the stage's time (the next run's cap and worker count).
-  run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "$PY" -m pytest "${GPU_TESTS[@]}" tests/kernels/test_direct_launch.py \
-    -q -p no:cacheprovider -rs -m "not slow" --durations=15 "${xdist[@]}"
+  run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "$PY" -m pytest "${GPU_TEST_STAGE[@]}" "${xdist[@]}"
   targets --newer-than "$stamp" --log "$log"
   finish
   if [ -n "${OUT:-}" ]; then
@@ -245,6 +255,22 @@ if [ "$stage" = dry-run ]; then
 fi
 
 # ---------------------------------------------------------------- single stages
+if [ "$stage" = gpu-tests ]; then
+  # quick's two test stages alone, for a second GPU call when quick's last stage was cut: the 10
+  # tests on the default path, then the GPU test files with direct launches on, within
+  # GPU_CHECK_BUDGET_S (default 540 s, under a device call's 10 minutes), build included.
+  BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
+  held_back=$((FLOOR_BUILD + FLOOR_FIXED + FLOOR_TESTS))
+  unset PFL_KERNELS_DIRECT_LAUNCH
+  run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build_if_needed"
+  timeout 120 bash -c header 2>&1 | tee -a "$log" || true
+  parallel_pytest_args
+  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TESTS[@]}" -q -p no:cacheprovider -rs
+  run_stage tests "$BUDGET_S" "$FLOOR_TESTS" env PFL_KERNELS_DIRECT_LAUNCH=1 "$PY" -m pytest "${GPU_TEST_STAGE[@]}" \
+    "${xdist[@]}"
+  finish  # the log is in $OUT where it is set
+  exit $failed
+fi
 build_if_needed
 header 2>&1 | tee -a "$log"
 status=0

@@ -175,6 +175,21 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     assert len(list(out.iterdir())) <= 8
 
 
+def test_gpu_tests_runs_quicks_test_stages_alone(tmp_path):
+    """The second GPU call where quick's test stage was cut: the 10 tests on the default path,
+    then the GPU test files as quick runs them (xdist, direct launches on), nothing else."""
+    proc, calls, out = run_check(tmp_path, "gpu-tests", PFL_KERNELS_DIRECT_LAUNCH="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not any("pip install" in c for c in calls)  # the extension imports: no rebuild
+    assert not any(c.startswith("benchmarks/") for c in calls)
+    fixed, tests = [c for c in calls if c.startswith("-m pytest")]
+    assert "test_gpu_opcheck_and_gradcheck" in fixed and fixed.endswith("| DIRECT=")
+    assert " -n " in tests and "-m not slow" in tests and "--durations=15" in tests and tests.endswith("| DIRECT=1")
+    assert "tests/kernels/test_direct_launch.py" in tests
+    log = (out / "gpu_check_gpu-tests.log").read_text()
+    assert "   tests_fixed: ok" in log and "   tests: ok" in log and re.search(r"== stage tests \(timeout 5\d\ds\)", log)
+
+
 def test_a_stage_that_hangs_or_fails_is_reported_and_the_rest_still_runs(tmp_path):
     proc, calls, out = run_check(tmp_path, "quick", FAKE_SLOW="gpu_launch.py", FAKE_FAIL="gpu_similarity.py",
                                  GPU_CHECK_CAP_LAUNCH="1")
