@@ -8,7 +8,7 @@
 #                                          #   build, the 10 fixed tests, launch benchmark, kernel
 #                                          #   benchmarks --quick, executor jobs --quick, GPU tests (xdist)
 #   bash scripts/gpu_check.sh gpu-tests    # quick's test stages alone (a second call, when quick's
-#                                          #   last stage was cut), within 9 minutes
+#                                          #   last stage was cut), within 4.5 minutes
 #   bash scripts/gpu_check.sh tests        # pytest tests (CUDA tests included)
 #   bash scripts/gpu_check.sh bench        # every benchmarks/gpu_*.py, full grids
 #   bash scripts/gpu_check.sh bench-quick  # the same with --quick
@@ -258,8 +258,9 @@ fi
 if [ "$stage" = gpu-tests ]; then
   # quick's two test stages alone, for a second GPU call when quick's last stage was cut: the 10
   # tests on the default path, then the GPU test files with direct launches on, within
-  # GPU_CHECK_BUDGET_S (default 540 s, under a device call's 10 minutes), build included.
-  BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
+  # GPU_CHECK_BUDGET_S (default 270 s, build included: what a session's 15 device minutes leave
+  # after two machine starts and quick's 6 minutes).
+  BUDGET_S=${GPU_CHECK_BUDGET_S:-270}
   held_back=$((FLOOR_BUILD + FLOOR_FIXED + FLOOR_TESTS))
   unset PFL_KERNELS_DIRECT_LAUNCH
   run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build_if_needed"

@@ -187,7 +187,7 @@ def test_gpu_tests_runs_quicks_test_stages_alone(tmp_path):
     assert " -n " in tests and "-m not slow" in tests and "--durations=15" in tests and tests.endswith("| DIRECT=1")
     assert "tests/kernels/test_direct_launch.py" in tests
     log = (out / "gpu_check_gpu-tests.log").read_text()
-    assert "   tests_fixed: ok" in log and "   tests: ok" in log and re.search(r"== stage tests \(timeout 5\d\ds\)", log)
+    assert "   tests_fixed: ok" in log and "   tests: ok" in log and re.search(r"== stage tests \(timeout 2\d\ds\)", log)
 
 
 def test_a_stage_that_hangs_or_fails_is_reported_and_the_rest_still_runs(tmp_path):
