@@ -66,8 +66,9 @@ def values_finite(t: torch.Tensor) -> bool:
     """Whether every value of ``t`` is finite, in one reduction and one read: its largest
     magnitude (``vector_norm`` of order inf, NaN where any value is NaN) is finite exactly
     then.  ``bool(torch.isfinite(t).all())`` launched five kernels on a GPU, each a host round
-    trip.  True for an empty tensor."""
-    return t.numel() == 0 or math.isfinite(torch.linalg.vector_norm(t, float("inf")))
+    trip.  True for an empty tensor.  Detached: a check records no autograd node, and reading
+    a tensor that requires grad would warn the caller."""
+    return t.numel() == 0 or math.isfinite(torch.linalg.vector_norm(t.detach(), float("inf")))
 
 
 def copy_into_when_compiling(out: torch.Tensor, compute) -> Optional[torch.Tensor]:
