@@ -248,21 +248,15 @@ def geomean(values: Sequence[float]) -> float:
     return statistics.geometric_mean(values)
 
 
-def direct_launch() -> bool:
-    """Whether the ops launch their compiled Triton kernels directly in this run
-    (``PFL_KERNELS_DIRECT_LAUNCH``, ``pfl_kernels/triton/_direct.py``), recorded with its figures."""
+def launch_mode() -> dict:
+    """How this run's ops launched their Triton kernels, recorded with its figures:
+    ``direct_launch``, whether they launch the compiled kernels directly
+    (``PFL_KERNELS_DIRECT_LAUNCH``, ``pfl_kernels/triton/_direct.py``), and ``direct_launches``,
+    how many launches made so far were direct and how many went through Triton
+    (``_direct.counts``), so a run shows that the switch took effect."""
     from pfl_kernels.triton import _direct
 
-    return bool(_direct.ENABLED)
-
-
-def direct_launch_counts() -> dict:
-    """The launches this process made while direct launches were on: how many were direct and
-    how many went through Triton (``_direct.counts``), recorded beside ``direct_launch`` so a
-    run shows that the switch took effect."""
-    from pfl_kernels.triton import _direct
-
-    return _direct.counts()
+    return {"direct_launch": bool(_direct.ENABLED), "direct_launches": _direct.counts()}
 
 
 def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
@@ -274,8 +268,7 @@ def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:
         "suite": suite,
         "machine": {"device": runtime.name, "dry_run": runtime.dry_run, "torch_version": torch.__version__,
                     "triton_version": triton.__version__, "cuda": torch.version.cuda,
-                    "platform": platform.platform(), "backend_info": runtime.backend_info,
-                    "direct_launch": direct_launch(), "direct_launches": direct_launch_counts()},
+                    "platform": platform.platform(), "backend_info": runtime.backend_info, **launch_mode()},
         **results,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")

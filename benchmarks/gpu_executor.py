@@ -48,8 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._gpu_common import (DRY_RUN_RESULTS, RESULTS, direct_launch, direct_launch_counts,  # noqa: E402
-                                    sanitize)
+from benchmarks._gpu_common import DRY_RUN_RESULTS, RESULTS, launch_mode, sanitize  # noqa: E402
 from pfl_algorithms.algorithms.fedavg import FedAvg  # noqa: E402
 from pfl_algorithms.data.partition import ClientSplit  # noqa: E402
 from pfl_algorithms.engine.federation import EngineSettings  # noqa: E402
@@ -257,14 +256,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     name = "dry run (CPU)" if args.dry_run else torch.cuda.get_device_name()
     path = args.json or (DRY_RUN_RESULTS if args.dry_run else RESULTS) / f"executor_gpu_{sanitize(name)}.json"
     result = {"suite": "executor_gpu", "machine": {"device": name, "torch": torch.__version__,
-                                                   "platform": platform.platform(), "dry_run": args.dry_run,
-                                                   "direct_launch": direct_launch()},
+                                                   "platform": platform.platform(), "dry_run": args.dry_run},
               "complete": False, "rows": [], "bf16_accuracy": None, "table1": None}
 
     def save() -> None:
         # After every job, so that a run cut short (gpu_check.sh's stage timeout) keeps the jobs
         # that finished; "complete" says whether every job did.
-        result["machine"]["direct_launches"] = direct_launch_counts()
+        result["machine"].update(launch_mode())
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
 

@@ -122,6 +122,7 @@ run_benchmarks() {  # extra flags for every script
 # which tests set the stage's time (the next run's cap and worker count).
 GPU_TEST_STAGE=("${GPU_TESTS[@]}" tests/kernels/test_direct_launch.py -q -p no:cacheprovider -rs -m "not slow"
                 --durations=15)
+FIXED_TEST_STAGE=("${FIXED_TESTS[@]}" -q -p no:cacheprovider -rs)  # quick's second stage, and gpu-tests' first
 
 # parallel_pytest_args: xdist (one worker per core) and a per-test timeout, where installed, into
 # the array xdist.  worksteal, not loadfile: twice on the H200 the stage stopped at 94% with one
@@ -208,7 +209,7 @@ if [ "$stage" = quick ]; then
   # The 10 tests on the path a user gets (direct launches off, the default), so that their
   # verdict is theirs even if direct launches break on this GPU (gpu_launch and the test stage
   # check those: pfl_kernels/triton/_direct.py, off by default until they have passed here).
-  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TESTS[@]}" -q -p no:cacheprovider -rs
+  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TEST_STAGE[@]}"
   # gpu_launch times each op as the default leaves it and with direct launches (switching
   # itself), checking both results against float64: the benchmarks after it launch directly
   # only where it passed, so a direct launch that fails on this GPU costs no figure.
@@ -266,7 +267,7 @@ if [ "$stage" = gpu-tests ]; then
   run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build_if_needed"
   timeout 120 bash -c header 2>&1 | tee -a "$log" || true
   parallel_pytest_args
-  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TESTS[@]}" -q -p no:cacheprovider -rs
+  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TEST_STAGE[@]}"
   run_stage tests "$BUDGET_S" "$FLOOR_TESTS" env PFL_KERNELS_DIRECT_LAUNCH=1 "$PY" -m pytest "${GPU_TEST_STAGE[@]}" \
     "${xdist[@]}"
   finish  # the log is in $OUT where it is set
