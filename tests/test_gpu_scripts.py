@@ -116,7 +116,8 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-} | DIRECT=${PFL_KERNELS_DIRECT_LAUNCH:-}" >> "$FAKE_LOG"
 if [ -n "${FAKE_SLOW:-}" ] && [[ "$*" == *"$FAKE_SLOW"* ]]; then sleep 20; fi
 if [ -n "${FAKE_PYTEST_CUT:-}" ] && [[ "$*" == *"$FAKE_PYTEST_CUT"* ]]; then  # as pytest does on SIGINT
-  trap 'echo "!!!!!! KeyboardInterrupt !!!!!!"; echo "3 passed, 1 skipped in 1.00s"; exit 2' INT
+  # the sleep is killed with it: left behind, it would hold the stage's pipe (tee) open for 20 s
+  trap 'kill $!; echo "!!!!!! KeyboardInterrupt !!!!!!"; echo "3 passed, 1 skipped in 1.00s"; exit 2' INT
   sleep 20 & wait
 fi
 if [ -n "${FAKE_FAIL:-}" ] && [[ "$*" == *"$FAKE_FAIL"* ]]; then exit 3; fi
