@@ -253,10 +253,14 @@ def launch_mode() -> dict:
     ``direct_launch``, whether they launch the compiled kernels directly
     (``PFL_KERNELS_DIRECT_LAUNCH``, ``pfl_kernels/triton/_direct.py``), and ``direct_launches``,
     how many launches made so far were direct and how many went through Triton
-    (``_direct.counts``), so a run shows that the switch took effect."""
+    (``_direct.counts``), so a run shows that the switch took effect; and ``dispatch_bypass``,
+    whether plain eager calls of the functional ops skip the dispatcher
+    (``PFL_KERNELS_DISPATCH_BYPASS``, ``pfl_kernels/ops/_eager.py``)."""
+    from pfl_kernels.ops import _eager
     from pfl_kernels.triton import _direct
 
-    return {"direct_launch": bool(_direct.ENABLED), "direct_launches": _direct.counts()}
+    return {"direct_launch": bool(_direct.ENABLED), "direct_launches": _direct.counts(),
+            "dispatch_bypass": bool(_eager.ENABLED)}
 
 
 def write_json(path: Path, suite: str, runtime: Runtime, results: dict) -> None:

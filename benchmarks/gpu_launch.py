@@ -496,6 +496,26 @@ def host_us_per_call(fn: Callable[[], object], calls: int, repeats: int) -> tupl
     return statistics.median(host), statistics.median(emulated)
 
 
+def host_us_both_ways(fn: Callable[[], object], calls: int, repeats: int) -> tuple[float, float, float]:
+    """``host_us_per_call`` with plain eager calls past the dispatcher (``ops/_eager.py``,
+    as the ops run) and through it, one repeat of each in turn, so both see the same machine:
+    (host µs past it, host µs through it, emulations' µs)."""
+    from pfl_kernels.ops import _eager
+
+    enabled = _eager.ENABLED
+    past, through, emulated = [], [], []
+    try:
+        for _ in range(repeats):
+            for switch, times in ((True, past), (False, through)):
+                _eager.ENABLED = switch
+                host_us, emulated_us = host_us_per_call(fn, calls, 1)
+                times.append(host_us)
+                emulated.append(emulated_us)
+    finally:
+        _eager.ENABLED = enabled
+    return statistics.median(past), statistics.median(through), statistics.median(emulated)
+
+
 def host_main(calls: int, repeats: int, json_path: Optional[Path], dry_run: bool = False) -> int:
     """``--host``: on a CPU, each public op's host time per call at the quick shapes with its
     Triton launches skipped: the Python and dispatcher work around a launch, which a CPU
@@ -510,16 +530,19 @@ def host_main(calls: int, repeats: int, json_path: Optional[Path], dry_run: bool
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # host work is one thread's; restored after (tests call this in-process)
     rows = []
+    print(f"{'op':<27} {'shape':<26} {'host':>11}  {'through the dispatcher':>11}")
     try:
         with stubbed_launches(), pfl_triton.launchers_on_cpu(), _routing_on_cpu(True):
             for case in build_cases("cpu", quick=True, dry=False):
                 if case.library is not None:  # its GEMM would run for real on the CPU: not host time
                     print(f"{case.op:<27} {case.shape:<26} skipped: served by a library GEMM", flush=True)
                     continue
-                host_us, emulated_us = host_us_per_call(case.public, calls, repeats)
-                rows.append({"op": case.op, "shape": case.shape, "host_us": host_us, "emulated_us": emulated_us})
+                host_us, dispatched_us, emulated_us = host_us_both_ways(case.public, calls, repeats)
+                rows.append({"op": case.op, "shape": case.shape, "host_us": host_us,
+                             "through_dispatcher_us": dispatched_us, "emulated_us": emulated_us})
                 emulated = f"  (+{emulated_us:.1f} us emulating a kernel whose output it reads)" if emulated_us else ""
-                print(f"{case.op:<27} {case.shape:<26} {host_us:>8.1f} us{emulated}", flush=True)
+                print(f"{case.op:<27} {case.shape:<26} {host_us:>8.1f} us  {dispatched_us:>8.1f} us{emulated}",
+                      flush=True)
     finally:
         torch.set_num_threads(threads)
     # a dry run's figures (2 calls) mean nothing: never over the committed results
@@ -530,7 +553,9 @@ def host_main(calls: int, repeats: int, json_path: Optional[Path], dry_run: bool
         "config": {"calls": calls, "repeats": repeats, "launches": "skipped (stubbed)",
                    "timing": "time.perf_counter around back-to-back calls; medians over repeats",
                    "emulated_us": "the plain-PyTorch stand-ins of kernels whose outputs the op reads "
-                                  "(device work on a GPU), timed apart and left out of host_us"},
+                                  "(device work on a GPU), timed apart and left out of host_us",
+                   "through_dispatcher_us": "host_us with PFL_KERNELS_DISPATCH_BYPASS=0 (every call through "
+                                            "the dispatcher), repeats interleaved with host_us's"},
         "rows": rows}, indent=2))
     print(f"wrote {path}")
     return 0

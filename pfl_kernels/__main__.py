@@ -39,7 +39,8 @@ def format_cuda_paths() -> str:
     width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     lines = ["", "CUDA paths per shape (issue 30):", f"{'op':<{width[0]}}  {'shapes':<{width[1]}}  path"]
     lines += [f"{op:<{width[0]}}  {shapes:<{width[1]}}  {path}" for op, shapes, path in rows]
-    lines += ["", f"Triton launches in eager mode: {direct_launch_state()}"]
+    lines += ["", f"Triton launches in eager mode: {direct_launch_state()}",
+              f"Functional ops in plain eager mode: {dispatch_bypass_state()}"]
     return "\n".join(lines)
 
 
@@ -54,6 +55,15 @@ def direct_launch_state() -> str:
     if _direct.ENABLED:
         return "direct (the compiled kernel, bound once per signature; PFL_KERNELS_DIRECT_LAUNCH=1)"
     return "through Triton's launcher (PFL_KERNELS_DIRECT_LAUNCH=1: directly, once a GPU run has checked it)"
+
+
+def dispatch_bypass_state() -> str:
+    """Whether a plain eager call reaches its CUDA launcher past the dispatcher (``ops/_eager.py``)."""
+    from .ops import _eager
+
+    if _eager.ENABLED:
+        return "the CUDA launcher called directly where nothing needs the dispatcher (PFL_KERNELS_DISPATCH_BYPASS=0: off)"
+    return "through the dispatcher (PFL_KERNELS_DISPATCH_BYPASS=0)"
 
 
 if __name__ == "__main__":

@@ -82,15 +82,18 @@ def test_launch_host_mode_times_every_op_with_launches_skipped(tmp_path, capsys)
     pytest.importorskip("triton")
     from benchmarks import gpu_launch
 
+    from pfl_kernels.ops import _eager
+
     path = tmp_path / "host.json"
-    threads = torch.get_num_threads()
+    threads, bypass = torch.get_num_threads(), _eager.ENABLED
     assert gpu_launch.main(["--host", "--dry-run", "--json", str(path)]) == 0
     assert torch.get_num_threads() == threads  # the process's setting is left as it was
     rows = json.loads(path.read_text())["rows"]
     assert {r["op"] for r in rows} >= {"factorized_weight", "factorized_weight backward", "factorized_weight_backward",
                                        "soft_threshold_", "branch_combine", "branch_combine_backward",
                                        "project_simplex_", "similarity_weights"}
-    assert all(r["host_us"] > 0 and r["emulated_us"] >= 0 for r in rows)
+    assert all(r["host_us"] > 0 and r["through_dispatcher_us"] > 0 and r["emulated_us"] >= 0 for r in rows)
+    assert _eager.ENABLED == bypass and not any(device == "cpu" for _, device in _eager.KERNELS)  # undone after
     # the sparse weighted_average reads its compaction kernel's counts: that stand-in is timed apart
     assert [r["emulated_us"] > 0 for r in rows if r["op"] == "weighted_average"] == [True]
     assert "skipped: served by a library GEMM" in capsys.readouterr().out

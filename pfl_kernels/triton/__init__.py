@@ -54,10 +54,12 @@ def emulate_good_flags(kernel) -> None:
 
 def register_cuda(op: str, launcher: Callable) -> None:
     """Register ``launcher`` as the CUDA kernel of ``pfl::<op>`` and record it in ``LAUNCHERS``."""
+    from ..ops import _eager
     from ..ops._library import LIB
 
     LIB.impl(op, launcher, "CUDA")
     LAUNCHERS[op] = launcher
+    _eager.register(op, "cuda", launcher)  # a plain eager call skips the dispatcher (ops/_eager.py)
 
 
 @contextlib.contextmanager
@@ -65,16 +67,29 @@ def launchers_on_cpu(launchers: Optional[Mapping[str, Callable]] = None) -> Iter
     """Within the block, ``pfl::<op>`` runs ``launchers[op]`` (default: every registered
     Triton launcher) for CPU tensors, through the ops' Python wrappers and autograd as on a
     GPU.  Meant for the Triton interpreter (``TRITON_INTERPRET=1``); registered in a scoped
-    library, so the C++ CPU kernels are back at exit."""
+    library, so the C++ CPU kernels are back at exit.  A plain eager call reaches them past
+    the dispatcher, as on a GPU (``ops/_eager.py``), until then too."""
     import torch
+
+    from ..ops import _eager
 
     if launchers is None:
         register_all()
         launchers = LAUNCHERS
+    saved = {op: _eager.KERNELS.get((op, "cpu")) for op in launchers}
     with torch.library._scoped_library("pfl", "IMPL") as lib:
         with warnings.catch_warnings():
             # Overriding the C++ CPU kernel is the point here, not a mistake to warn about.
             warnings.filterwarnings("ignore", "Warning only once", UserWarning)
             for op, launcher in launchers.items():
                 lib.impl(op, launcher, "CPU")
-        yield
+        try:
+            for op, launcher in launchers.items():
+                _eager.register(op, "cpu", launcher)
+            yield
+        finally:
+            for op, launcher in saved.items():
+                if launcher is None:
+                    _eager.unregister(op, "cpu")
+                else:
+                    _eager.register(op, "cpu", launcher)

@@ -69,6 +69,17 @@ def test_python_m_pfl_kernels_says_how_triton_kernels_are_launched(monkeypatch):
     assert direct_launch_state() == "through Triton's launcher (no triton (x))"
 
 
+def test_python_m_pfl_kernels_says_whether_eager_calls_skip_the_dispatcher(monkeypatch):
+    from pfl_kernels.__main__ import dispatch_bypass_state, format_cuda_paths
+    from pfl_kernels.ops import _eager
+
+    assert "Functional ops in plain eager mode: " in format_cuda_paths()
+    monkeypatch.setattr(_eager, "ENABLED", True)
+    assert dispatch_bypass_state().startswith("the CUDA launcher called directly")
+    monkeypatch.setattr(_eager, "ENABLED", False)
+    assert dispatch_bypass_state() == "through the dispatcher (PFL_KERNELS_DISPATCH_BYPASS=0)"
+
+
 # ---------------------------------------------------------------- weighted_average
 
 def bank(k, m, p, dtype=F32, density=1.0, seed=0):

@@ -47,6 +47,8 @@ def test_dry_run(script, tmp_path, capsys):
     from pfl_kernels.triton import _direct
     assert payload["machine"]["direct_launch"] is _direct.ENABLED
     assert payload["machine"]["direct_launches"]["direct"] == 0
+    from pfl_kernels.ops import _eager
+    assert payload["machine"]["dispatch_bypass"] is _eager.ENABLED
     assert payload["suite"] == f"benchmarks/{script.removesuffix('_shared')}.py"
     assert {"config", "rows"} | keys <= payload.keys()
     rows = payload["rows"]

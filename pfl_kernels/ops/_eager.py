@@ -1,0 +1,116 @@
+"""Eager calls past the dispatcher (issue 30, item 1: "do the per-call Python work once").
+
+A call of ``torch.ops.pfl.<op>`` on CUDA tensors reaches its Triton launcher through two
+Python kernels: the Autograd one (``_library.register_autograd``: it finds that nothing
+needs a gradient and redispatches below autograd) and then the launcher.  That round trip
+through the dispatcher, twice from Python into C++ and back, cost about 7 µs of the 30 µs
+of host time a ``branch_aggregate`` call took on this project's 2-core CPUs
+(``benchmarks/gpu_launch.py --host``), for no work at all when nothing is recorded.
+
+``eager_kernel(name, *tensors)`` returns the launcher itself where the dispatcher would do
+nothing but route the call to it, else None (the caller then calls the op).  That is when:
+
+* the op is functional (an op that writes an argument has its version bump in the
+  dispatcher, ``_library._guard_mutation``) and a launcher is registered for the tensors'
+  device type (``register``: the CUDA launchers, and the CPU ones inside
+  ``pfl_kernels.triton.launchers_on_cpu``);
+* no tensor needs a gradient under grad mode, and none may carry a forward-mode tangent;
+* nothing intercepts the call: not compiling (Dynamo traces the op), no torch-function mode
+  (``with torch.device(...)`` is one), and the dispatcher's thread-local included keys as in
+  plain eager mode (a dispatch mode, FakeTensorMode, ``make_fx``, vmap/grad and the other
+  torch.func transforms all add theirs);
+* every tensor is a plain one: of class Tensor or Parameter (others may override
+  ``__torch_function__``), with the dispatch keys of a dense tensor on that device (a
+  subclass with ``__torch_dispatch__``, a negative or zero view, sparse, nested, meta and
+  functorch-wrapped tensors all carry other keys), all with the same keys.
+
+Under the profiler the launcher runs inside ``record_function("pfl::<op>")``, so the op
+still shows in a trace.  ``PFL_KERNELS_DISPATCH_BYPASS=0`` (or ``ENABLED = False``) sends every
+call through the dispatcher.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+from torch.autograd import forward_ad
+
+ENABLED = os.environ.get("PFL_KERNELS_DISPATCH_BYPASS", "1") not in ("", "0")
+
+# (op name, device type) -> the launcher a plain eager call reaches through the dispatcher
+KERNELS: dict[tuple[str, str], Callable] = {}
+_PLAIN_CLASSES = (torch.Tensor, torch.nn.Parameter)
+# The dispatcher's thread-local included keys in plain eager mode.  (The excluded ones need
+# no look: autocast, inference mode and a guard below autograd change only what the
+# dispatcher skips on its way to the same launcher.)
+_PLAIN_INCLUDED = torch._C._dispatch_tls_local_include_set().raw_repr()
+# A tensor's dispatch keys (raw) -> its device type where they are those of a dense tensor on
+# it, else None; filled as key sets are met (a handful per process).
+_DEVICE_OF_KEYS: dict[int, Optional[str]] = {}
+
+
+def register(name: str, device_type: str, kernel: Callable) -> None:
+    """Record ``kernel`` as what an eager call of the functional op ``pfl::<name>`` on
+    ``device_type`` tensors reaches through the dispatcher (an op that writes an argument
+    is left out: its version bump lives in the dispatcher)."""
+    from ._library import op_overload
+
+    if not op_overload(f"pfl::{name}")._schema.is_mutable:
+        KERNELS[(name, device_type)] = kernel
+
+
+def unregister(name: str, device_type: str) -> None:
+    """Undo ``register`` (``launchers_on_cpu`` at its end)."""
+    KERNELS.pop((name, device_type), None)
+
+
+def _device_of_keys(t: torch.Tensor, keys: int) -> Optional[str]:
+    """The device type whose dense tensors have dispatch keys ``keys`` (those of ``t``), or None."""
+    device = t.device
+    plain = torch._C._dispatch_keys(torch.empty(0, device=device)).raw_repr()
+    _DEVICE_OF_KEYS[keys] = found = device.type if keys == plain else None
+    return found
+
+
+def eager_kernel(name: str, *tensors: Optional[torch.Tensor]) -> Optional[Callable]:
+    """The launcher to call in place of ``torch.ops.pfl.<name>`` with these tensor arguments
+    (None entries are skipped), or None where the call must go through the dispatcher (see
+    the module docstring).  About 2 µs for three tensors on a 2-core Xeon."""
+    if (not ENABLED or torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._dispatch_tls_local_include_set().raw_repr() != _PLAIN_INCLUDED):
+        return None
+    grad = torch.is_grad_enabled()
+    keys = first = None
+    for t in tensors:
+        if t is None:
+            continue
+        if t.__class__ not in _PLAIN_CLASSES or (grad and t.requires_grad):
+            return None
+        t_keys = torch._C._dispatch_keys(t).raw_repr()
+        if keys is None:
+            keys, first = t_keys, t
+        elif t_keys != keys:
+            return None
+    if keys is None:
+        return None
+    device_type = _DEVICE_OF_KEYS[keys] if keys in _DEVICE_OF_KEYS else _device_of_keys(first, keys)
+    kernel = KERNELS.get((name, device_type))
+    if kernel is None:
+        return None
+    if getattr(forward_ad, "_current_level", 0) >= 0:  # inside a dual level: tangents may flow
+        return None
+    if torch._C._autograd._profiler_enabled():
+        return _Recorded(name, kernel)
+    return kernel
+
+
+class _Recorded:
+    """A launcher called inside ``record_function("pfl::<name>")``: under the profiler."""
+
+    def __init__(self, name: str, kernel: Callable):
+        self.name, self.kernel = name, kernel
+
+    def __call__(self, *args, **kwargs):
+        with torch.autograd.profiler.record_function(f"pfl::{self.name}"):
+            return self.kernel(*args, **kwargs)
