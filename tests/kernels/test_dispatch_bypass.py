@@ -166,7 +166,7 @@ def test_tensors_that_are_not_plain_go_through_the_dispatcher(spies):
 
 def test_the_profiler_still_shows_the_op(spies):
     weights, params = operands()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:
         weighted_average(weights, params)
     assert spies["weighted_average"] == 1
     assert "pfl::weighted_average" in {e.name for e in prof.events()}
