@@ -7,8 +7,9 @@ through the dispatcher, twice from Python into C++ and back, cost about 7 µs of
 of host time a ``branch_aggregate`` call took on this project's 2-core CPUs
 (``benchmarks/gpu_launch.py --host``), for no work at all when nothing is recorded.
 
-``eager_kernel(name, *tensors)`` returns the launcher itself where the dispatcher would do
-nothing but route the call to it, else None (the caller then calls the op).  That is when:
+``kernel_for(name, *tensors)`` returns the launcher itself where the dispatcher would do
+nothing but route the call to it, else the op ``torch.ops.pfl.<name>``.  The launcher is
+returned when:
 
 * the op is functional (an op that writes an argument has its version bump in the
   dispatcher, ``_library._guard_mutation``) and a launcher is registered for the tensors'
@@ -36,6 +37,8 @@ from typing import Callable, Optional
 import torch
 from torch.autograd import forward_ad
 
+from ._library import op_overload
+
 ENABLED = os.environ.get("PFL_KERNELS_DISPATCH_BYPASS", "1") not in ("", "0")
 
 # (op name, device type) -> the launcher a plain eager call reaches through the dispatcher
@@ -53,15 +56,8 @@ def register(name: str, device_type: str, kernel: Callable) -> None:
     """Record ``kernel`` as what an eager call of the functional op ``pfl::<name>`` on
     ``device_type`` tensors reaches through the dispatcher (an op that writes an argument
     is left out: its version bump lives in the dispatcher)."""
-    from ._library import op_overload
-
     if not op_overload(f"pfl::{name}")._schema.is_mutable:
         KERNELS[(name, device_type)] = kernel
-
-
-def unregister(name: str, device_type: str) -> None:
-    """Undo ``register`` (``launchers_on_cpu`` at its end)."""
-    KERNELS.pop((name, device_type), None)
 
 
 def _plain_keys(device: torch.device) -> int:
@@ -70,21 +66,22 @@ def _plain_keys(device: torch.device) -> int:
     return keys
 
 
-def eager_kernel(name: str, first: torch.Tensor, *others: Optional[torch.Tensor]) -> Optional[Callable]:
-    """The launcher to call in place of ``torch.ops.pfl.<name>`` with these tensor arguments
-    (``first`` a tensor, None among ``others`` skipped), or None where the call must go
-    through the dispatcher (see the module docstring).  A call on a device without a
+def kernel_for(name: str, first: torch.Tensor, *others: Optional[torch.Tensor]) -> Callable:
+    """What to call for ``torch.ops.pfl.<name>`` with these tensor arguments (``first`` a
+    tensor, None among ``others`` skipped): the launcher itself, or the op where the call
+    must go through the dispatcher (see the module docstring).  A call on a device without a
     launcher here (a CPU call, outside ``launchers_on_cpu``) is told so first, in about
     0.3 µs; the rest takes about 2 µs for three tensors on a 2-core Xeon."""
+    op = getattr(torch.ops.pfl, name)
     if not ENABLED:
-        return None
-    kernel = KERNELS.get((name, "cuda" if first.is_cuda else "cpu" if first.is_cpu else None))
+        return op
+    device_type = "cuda" if first.is_cuda else "cpu" if first.is_cpu else None
+    kernel = KERNELS.get((name, device_type))
     if kernel is None:
-        return None
+        return op
     if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
             or torch._C._dispatch_tls_local_include_set().raw_repr() != _PLAIN_INCLUDED):
-        return None
-    device_type = first.device.type
+        return op
     plain = _PLAIN_KEYS[device_type] if device_type in _PLAIN_KEYS else _plain_keys(first.device)
     grad = torch.is_grad_enabled()
     for t in (first, *others):
@@ -92,9 +89,9 @@ def eager_kernel(name: str, first: torch.Tensor, *others: Optional[torch.Tensor]
             continue
         if (t.__class__ not in _PLAIN_CLASSES or (grad and t.requires_grad)
                 or torch._C._dispatch_keys(t).raw_repr() != plain):
-            return None
+            return op
     if getattr(forward_ad, "_current_level", 0) >= 0:  # inside a dual level: tangents may flow
-        return None
+        return op
     if torch._C._autograd._profiler_enabled():
         return _Recorded(name, kernel)
     return kernel

@@ -44,7 +44,7 @@ import torch
 from ..reference import aggregate as ref
 from ._checks import (FLOAT_DTYPES, check_out, check_out_without_grad, copy_into_when_compiling, has_values,
                       may_overlap, values_finite)
-from ._eager import eager_kernel
+from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
 
@@ -274,8 +274,7 @@ def weighted_average(weights: torch.Tensor, params: torch.Tensor, *,
         raise ValueError(f"weights must be on the device of params ({params.device}), got {weights.device}")
     # NaN/Inf in weights: checked by the op itself (every kernel), not here.
     if out is None:
-        return (eager_kernel("weighted_average", weights, params) or torch.ops.pfl.weighted_average)(
-            weights, params)
+        return kernel_for("weighted_average", weights, params)(weights, params)
     shape = [weights.shape[0], params.shape[1]]
     check_out(out, "params", params, shape, "[K, P]")
     if shape[1] > 1 and out.stride(1) != 1:

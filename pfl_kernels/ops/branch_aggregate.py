@@ -48,7 +48,7 @@ import torch
 from ..reference import branch_aggregate as ref
 from ._checks import (
     FLOAT_DTYPES, check_no_internal_overlap, check_out, check_out_without_grad, copy_into_when_compiling)
-from ._eager import eager_kernel
+from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
 
@@ -218,8 +218,7 @@ def branch_aggregate(branch_params: torch.Tensor, alpha: torch.Tensor, counts: t
             raise ValueError(f"{name} must be on the device of branch_params ({branch_params.device}), got {t.device}")
     # Negative or non-finite counts and alpha: checked by the op itself (every kernel), not here.
     if out is None:
-        kernel = eager_kernel("branch_aggregate", branch_params, alpha, counts) or torch.ops.pfl.branch_aggregate
-        return kernel(branch_params, alpha, counts)
+        return kernel_for("branch_aggregate", branch_params, alpha, counts)(branch_params, alpha, counts)
     check_out(out, "branch_params", branch_params, list(branch_params.shape[1:]), "[B, *shape] of branch_params")
     check_no_internal_overlap("out", out)
     check_out_without_grad("branch_aggregate", branch_params, alpha, out)

@@ -29,7 +29,7 @@ import torch
 
 from ..reference import class_means as ref
 from ._checks import FLOAT_DTYPES, positive_int
-from ._eager import eager_kernel
+from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
 
@@ -218,5 +218,5 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
     if not torch.compiler.is_compiling():  # traced, the shapes may be symbolic
         check_output_size(features, num_classes, device_memory(features.device))
     # Labels outside [0, num_classes): checked by the op itself (every kernel), not here.
-    return (eager_kernel("class_means", features, labels) or torch.ops.pfl.class_means)(features, labels, num_classes)
+    return kernel_for("class_means", features, labels)(features, labels, num_classes)
 

@@ -22,7 +22,7 @@ from .._layout import layout_geometry
 from ..reference import factorized as ref
 from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, client_count
 from ._memo import metadata_cached
-from ._eager import eager_kernel
+from ._eager import kernel_for
 from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
 
@@ -312,8 +312,7 @@ def factorized_weight(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tenso
     if k is not None:
         u, v, mu, mask = (None if t is None else (t if t.dim() == 3 else t.expand(k, *t.shape))
                           for t in (u, v, mu, mask))
-    kernel = eager_kernel("factorized_weight", u, v, mu, mask) or torch.ops.pfl.factorized_weight
-    return kernel(u, v, mu, mask, shape=list(shape), layout=layout)
+    return kernel_for("factorized_weight", u, v, mu, mask)(u, v, mu, mask, shape=list(shape), layout=layout)
 
 
 def soft_threshold_(mu: torch.Tensor, threshold: float) -> torch.Tensor:

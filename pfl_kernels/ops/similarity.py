@@ -57,7 +57,7 @@ import torch
 
 from ..reference import similarity as ref
 from ._checks import FLOAT_DTYPES, check_same, check_tensor, values_finite
-from ._eager import eager_kernel
+from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
 
@@ -395,7 +395,7 @@ def pairwise_cosine(x: torch.Tensor, y: Optional[torch.Tensor] = None, *, eps: f
     eps = _real("eps", eps)
     if eps <= 0:
         raise ValueError(f"eps must be > 0, got {eps}")
-    return (eager_kernel("pairwise_cosine", x, y) or torch.ops.pfl.pairwise_cosine)(x, y, eps)
+    return kernel_for("pairwise_cosine", x, y)(x, y, eps)
 
 
 def pairwise_sqdist(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -430,7 +430,7 @@ def pairwise_sqdist(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.
         TypeError / ValueError: as ``pairwise_cosine``.
     """
     _check_pair_args(x, y)
-    return (eager_kernel("pairwise_sqdist", x, y) or torch.ops.pfl.pairwise_sqdist)(x, y)
+    return kernel_for("pairwise_sqdist", x, y)(x, y)
 
 
 def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep: int = 0,
@@ -496,5 +496,4 @@ def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep:
         if self_index.device != sim.device:
             raise ValueError(f"self_index must be on sim's device {sim.device}, got {self_index.device}")
     # NaN/Inf in sim and self_index values: checked by the op itself (every kernel), not here.
-    kernel = eager_kernel("similarity_weights", sim, self_index) or torch.ops.pfl.similarity_weights
-    return kernel(sim, tau, scale, int(min_keep), self_index)
+    return kernel_for("similarity_weights", sim, self_index)(sim, tau, scale, int(min_keep), self_index)

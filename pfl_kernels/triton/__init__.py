@@ -76,7 +76,7 @@ def launchers_on_cpu(launchers: Optional[Mapping[str, Callable]] = None) -> Iter
     if launchers is None:
         register_all()
         launchers = LAUNCHERS
-    saved = {op: _eager.KERNELS.get((op, "cpu")) for op in launchers}
+    saved = dict(_eager.KERNELS)
     with torch.library._scoped_library("pfl", "IMPL") as lib:
         with warnings.catch_warnings():
             # Overriding the C++ CPU kernel is the point here, not a mistake to warn about.
@@ -88,8 +88,5 @@ def launchers_on_cpu(launchers: Optional[Mapping[str, Callable]] = None) -> Iter
                 _eager.register(op, "cpu", launcher)
             yield
         finally:
-            for op, launcher in saved.items():
-                if launcher is None:
-                    _eager.unregister(op, "cpu")
-                else:
-                    _eager.register(op, "cpu", launcher)
+            _eager.KERNELS.clear()
+            _eager.KERNELS.update(saved)
