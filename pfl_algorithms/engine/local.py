@@ -140,13 +140,16 @@ def evaluate(module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, indi
         loss += F.cross_entropy(logits, y, reduction="sum").double()
         correct += (logits.argmax(1) == y).sum()
     module.train(was_training)
-    return scores(correct, loss, indices.numel())
+    # Both totals in one read (one device sync on a GPU, not one each); the count is exact in
+    # float64 (below 2^53 samples).
+    correct_total, loss_total = torch.stack((correct.double(), loss)).tolist()
+    return scores(correct_total, loss_total, indices.numel())
 
 
 def scores(correct, loss_sum, n: int) -> tuple[float, float, int]:
     """(accuracy, mean loss, samples) from the count of correct predictions and the summed
-    loss over ``n`` samples: NaN for none, and NaN accuracy where the loss is not finite (a
-    diverged model is never scored)."""
+    loss over ``n`` samples (numbers, or 0-dim tensors, each then read on its own): NaN for
+    none, and NaN accuracy where the loss is not finite (a diverged model is never scored)."""
     if n == 0:
         return float("nan"), float("nan"), 0
     mean_loss = float(loss_sum) / n

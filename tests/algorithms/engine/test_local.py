@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -110,6 +111,31 @@ def test_evaluate_counts_correct_predictions():
         want = (module(inputs).argmax(1) == labels).double().mean().item()
     acc, loss, n = evaluate(module, inputs, labels, torch.arange(20), batch_size=7)
     assert n == 20 and acc == pytest.approx(want) and loss > 0
+
+
+def test_evaluate_reads_the_device_once_and_never_scores_a_diverged_model(monkeypatch):
+    """Its two totals come back in one read (a device sync each on a GPU); a model with NaN
+    logits gets NaN accuracy and loss, over the samples it was given."""
+    inputs, labels = make_data(20)
+    module = make_module().eval()
+    with torch.no_grad():
+        logits = module(inputs)
+        want_acc = (logits.argmax(1) == labels).double().mean().item()
+        want_loss = F.cross_entropy(logits, labels).item()
+    reads = []
+    for name in ("tolist", "item", "__float__", "__int__", "__bool__"):
+        def counted(self, *args, _original=getattr(torch.Tensor, name), _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    acc, loss, n = evaluate(module, inputs, labels, torch.arange(20), batch_size=7)
+    assert reads == ["tolist"]
+    monkeypatch.undo()
+    assert (acc, n) == (want_acc, 20) and loss == pytest.approx(want_loss, rel=1e-12)
+    with torch.no_grad():
+        module[-1].bias[2] = float("nan")
+    acc, loss, n = evaluate(module, inputs, labels, torch.arange(20), batch_size=7)
+    assert math.isnan(acc) and math.isnan(loss) and n == 20
 
 
 def test_local_results_of_a_chunk_in_one_read():
