@@ -107,7 +107,9 @@ class Runtime:
         else:
             fn()  # warm
         activities = [ProfilerActivity.CPU] + ([] if self.dry_run else [ProfilerActivity.CUDA])
-        with profile(activities=activities) as prof:
+        # one cycle: acc_events=True keeps exactly its events, without torch 2.11's warning that
+        # a cycle's end clears them
+        with profile(activities=activities, acc_events=True) as prof:
             for _ in range(calls):
                 fn()
             if not self.dry_run:

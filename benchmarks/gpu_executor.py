@@ -187,7 +187,7 @@ def profile_round(sizes: dict, device: str, top: int = 18, *, model: str = "lene
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, acc_events=True) as prof:  # one cycle (see _gpu_common.kernel_ms)
         run_round(fed, algorithm, 4)
         synchronize(device)
     fed.close()
