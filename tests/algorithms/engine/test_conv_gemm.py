@@ -62,7 +62,7 @@ def test_values_and_gradients_equal_the_grouped_convolution(lowered, kwargs, bia
         leaves = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
         with mode:
             out = vmap(conv, in_dims=(0, 0, 0 if bias else None))(*leaves, *([] if bias else [None]))
-        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).view_as(out))
         return out.detach(), [t.grad for t in leaves]
 
     want, want_grads = run(torch.enable_grad())
