@@ -9,9 +9,9 @@ evaluation unless said, SGD lr 0.01, both executors from the same initial state)
 1. ``lenet5``: 20 clients x 500 samples, LeNet-5, batch 64, 1 epoch a round.  Target: batched
    >= 10x sequential.  Also batched under bfloat16 autocast (``--autocast bf16``), and the
    effect of bf16 on accuracy: the train-set accuracy after 20 rounds, float32 against bf16.
-   Each job also times the batched executor with cuDNN's autotuner on ("+cudnn-benchmark"), and
-   with its per-client convolutions as im2col and batched GEMMs ("+gemm-conv",
-   ``--batched-conv gemm``) instead of vmap's grouped convolutions.
+   Each job also times the batched executor with cuDNN's autotuner on ("+cudnn-benchmark"); this
+   one also with its per-client convolutions as im2col and batched GEMMs ("+gemm-conv",
+   ``--batched-conv gemm``) instead of vmap's grouped convolutions (on an H100: 6x slower).
 2. ``resnet9-factorized``: 20 clients x 512 samples, ResNet-9 with every layer factorized,
    batch 128.  Target: batched >= 3x sequential.  Also batched under bfloat16 autocast: on the
    H200 this job ran its convolutions' arithmetic at about 65 TFLOPS, batched and sequential
@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -121,10 +121,15 @@ def train_accuracy(fed) -> float:
 
 
 def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
-              device: str, *, bf16: bool, gemm: bool = False) -> list[dict]:
+              device: str, *, bf16: bool, gemm: bool = False, rows: Optional[list] = None,
+              on_row: Callable[[], None] = lambda: None) -> list[dict]:
     """Each executor's round time (captured, and uncaptured: '-eager'), and its speed-up over the
-    sequential executor as it runs by default (captured) and uncaptured."""
-    rows, seconds = [], {}
+    sequential executor as it runs by default (captured) and uncaptured.  Rows are appended to
+    ``rows`` as each variant ends, ``on_row`` called after each (the caller saves), and a variant
+    that fails leaves a row with its ``error`` instead of ending the job (on an H100 the bf16
+    ResNet-9 variant failed and took every other ResNet-9 figure with it)."""
+    rows = [] if rows is None else rows
+    first, seconds = len(rows), {}
     variants = [("sequential", None, False, False, "grouped"), ("sequential", None, True, False, "grouped"),
                 ("batched", None, False, False, "grouped"), ("batched", None, True, False, "grouped")]
     if bf16:
@@ -137,29 +142,50 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
     if gemm:
         variants.append(("batched", None, True, False, "gemm"))
     for executor, autocast, graphs, tuned, conv in variants:
+        key = (executor + ("+bf16" if autocast else "") + ("+cudnn-benchmark" if tuned else "")
+               + ("+gemm-conv" if conv == "gemm" else "") + ("" if graphs else "-eager"))
         before = torch.backends.cudnn.benchmark
         torch.backends.cudnn.benchmark = tuned
+        fed = None
         try:
             fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"], samples=samples,
                                         batch=batch, executor=executor, device=device, autocast=autocast,
                                         cuda_graphs=graphs, batched_conv=conv)
-            key = (executor + ("+bf16" if autocast else "") + ("+cudnn-benchmark" if tuned else "")
-                   + ("+gemm-conv" if conv == "gemm" else "") + ("" if graphs else "-eager"))
             # Two warm-up rounds where steps are captured (a short last batch's is captured in
             # its second round), one where nothing is.
             seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
-            counts = dict(fed.step_graphs.counts)
-            fed.close()
+            rows.append({"job": name, "executor": key, "round_s": seconds[key],
+                         "samples_per_s": sizes["clients"] * samples / seconds[key],
+                         "steps": dict(fed.step_graphs.counts)})
+        except Exception as exc:  # noqa: BLE001 -- recorded in the row and printed; the other variants still run
+            error = f"{type(exc).__name__}: {exc}"
+            print(f"{name} {key}: FAILED: {error}", file=sys.stderr, flush=True)
+            rows.append({"job": name, "executor": key, "error": error[:1000]})
         finally:
             torch.backends.cudnn.benchmark = before
-        rows.append({"job": name, "executor": key, "round_s": seconds[key],
-                     "samples_per_s": sizes["clients"] * samples / seconds[key], "steps": counts})
+            if fed is not None:
+                fed.close()
+        _speedups(rows[first:], seconds, target)
+        on_row()
+    return rows[first:]
+
+
+def _speedups(rows: list[dict], seconds: dict, target: float) -> None:
+    """Each timed row's speed-ups over the two sequential rows (None until both are timed), and
+    the plain batched row's target; a failed row keeps its error."""
+    sequential, eager = seconds.get("sequential"), seconds.get("sequential-eager")
     for row in rows:
-        row["speedup_vs_sequential"] = seconds["sequential"] / row["round_s"]
-        row["speedup_vs_sequential_eager"] = seconds["sequential-eager"] / row["round_s"]
+        if "error" in row:
+            continue
+        row["speedup_vs_sequential"] = None if sequential is None else sequential / row["round_s"]
+        row["speedup_vs_sequential_eager"] = None if eager is None else eager / row["round_s"]
         row["target"] = target if row["executor"] == "batched" else None
-        row["met"] = None if row["target"] is None else row["speedup_vs_sequential"] >= target
-    return rows
+        row["met"] = (None if row["target"] is None or row["speedup_vs_sequential"] is None
+                      else row["speedup_vs_sequential"] >= target)
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def profile_round(sizes: dict, device: str, top: int = 18, *, model: str = "lenet5", factorized: bool = False,
@@ -267,14 +293,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         path.write_text(json.dumps(result, indent=2))
 
     rows = result["rows"]
-    rows += speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True,
-                      gemm=True)
-    save()
-    # gemm: whether the lowering that suits LeNet-5's small convolutions loses on ResNet-9's
-    # wide ones (im2col holds 9x a 3x3 layer's input; float32 GEMMs against cuDNN's TF32)
-    rows += speed_job("resnet9-factorized", "resnet9", True, sizes["resnet_samples"], 128 if not args.dry_run else 8,
-                      3.0, sizes, device, bf16=True, gemm=True)
-    save()
+    speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True,
+              gemm=True, rows=rows, on_row=save)
+    # No GEMM lowering for ResNet-9: on an H100 it made even LeNet-5's batched round 6x slower
+    # (161 against 26 ms), and ResNet-9's im2col would hold about 0.85 GB per client per step.
+    speed_job("resnet9-factorized", "resnet9", True, sizes["resnet_samples"], 128 if not args.dry_run else 8,
+              3.0, sizes, device, bf16=True, rows=rows, on_row=save)
     accuracy = result["bf16_accuracy"] = accuracy_effect(sizes, device)
     save()
     with tempfile.TemporaryDirectory() as scratch:
@@ -282,9 +306,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     result["complete"] = True
     save()
     for row in rows:
+        if "error" in row:
+            print(f"{row['job']:<20} {row['executor']:<26} FAILED: {row['error'][:200]}")
+            continue
         print(f"{row['job']:<20} {row['executor']:<26} {row['round_s'] * 1e3:9.1f} ms/round "
-              f"{row['samples_per_s']:10.0f} samples/s  x{row['speedup_vs_sequential']:.2f} "
-              f"(x{row['speedup_vs_sequential_eager']:.2f} over sequential-eager)"
+              f"{row['samples_per_s']:10.0f} samples/s  x{_ratio(row['speedup_vs_sequential'])} "
+              f"(x{_ratio(row['speedup_vs_sequential_eager'])} over sequential-eager)"
               + (f"  target >= {row['target']:g}: {'met' if row['met'] else 'NOT met'}" if row["target"] else ""))
     print(f"bf16 autocast, LeNet-5 train accuracy after {sizes['accuracy_rounds']} rounds: "
           f"float32 {accuracy['float32']:.4f}, bf16 {accuracy['bf16']:.4f}")

@@ -199,7 +199,11 @@ def executor_targets(data: dict) -> list[Target]:
         if row is None:
             targets.append(_missing(names[job], "executor"))
             continue
-        speed = row["speedup_vs_sequential"]
+        speed = row.get("speedup_vs_sequential")
+        if "error" in row or speed is None:  # the batched row, or the sequential one it is against, failed
+            why = row.get("error") or "the sequential executor's row failed"
+            targets.append(Target(names[job], f"failed: {why[:120]}", False, "executor_gpu"))
+            continue
         targets.append(Target(names[job], f"{speed:.2f}x ({row['round_s'] * 1e3:.1f} ms a round)", speed >= goal,
                               "executor_gpu"))
     table1 = data["executor"].get("table1")
@@ -223,6 +227,9 @@ def reported(data: dict) -> list[str]:
         base = next((r for r in rows if r["job"] == job and r["executor"] == "batched"), None)
         for row in rows:
             if base and row["job"] == job and row["executor"].startswith("batched+"):
+                if "error" in row or "error" in base:
+                    lines.append(f"{job} {row['executor']}: failed: {(row.get('error') or base['error'])[:160]}")
+                    continue
                 lines.append(f"{job} {row['executor']}: {row['round_s'] * 1e3:.1f} ms a round against batched's "
                              f"{base['round_s'] * 1e3:.1f} ms ({base['round_s'] / row['round_s']:.2f}x)")
     accuracy = data["executor"].get("bf16_accuracy")

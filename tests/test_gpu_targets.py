@@ -288,3 +288,19 @@ def test_the_committed_results_of_each_device(slug, capsys):
     assert sum(t.met is not None for t in targets) >= 1
     for log in gt.RESULTS.glob(f"gpu_check_quick_{slug}_*.log"):  # the logs of its runs read too
         assert len(gt.test_targets(log.read_text(errors="replace"))) == 2
+
+
+def test_a_failed_executor_row_is_missed_with_its_error():
+    """A batched row that failed (or whose sequential row failed: no speed-up) is a miss naming
+    why, and a failed variant is reported as failed, not as a time."""
+    data = suites()
+    data["executor"]["rows"][2] = {"job": "resnet9-factorized", "executor": "batched",
+                                   "error": "RuntimeError: Expected running_mean to have type BFloat16"}
+    data["executor"]["rows"][0]["speedup_vs_sequential"] = None
+    data["executor"]["rows"].append({"job": "lenet5", "executor": "batched+gemm-conv", "error": "OutOfMemoryError: x"})
+    targets = verdicts(data)
+    resnet = targets["executor: resnet9-factorized batched >= 3x sequential"]
+    assert resnet.met is False and "Expected running_mean" in resnet.figure
+    lenet = targets["executor: lenet5 batched >= 10x sequential"]
+    assert lenet.met is False and "sequential executor's row failed" in lenet.figure
+    assert "lenet5 batched+gemm-conv: failed: OutOfMemoryError: x" in gt.reported(data)

@@ -16,10 +16,10 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     path = tmp_path / "executor.json"
     assert gpu_executor.main(["--dry-run", "--profile", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
+    common = ("sequential", "sequential-eager", "batched", "batched-eager", "batched+cudnn-benchmark", "batched+bf16")
     assert {(r["job"], r["executor"]) for r in result["rows"]} == {
-        *((job, executor) for job in ("lenet5", "resnet9-factorized")
-          for executor in ("sequential", "sequential-eager", "batched", "batched-eager",
-                           "batched+cudnn-benchmark", "batched+bf16", "batched+gemm-conv"))}
+        *(("lenet5", executor) for executor in (*common, "batched+gemm-conv")),
+        *(("resnet9-factorized", executor) for executor in common)}
     assert all(r["round_s"] > 0 for r in result["rows"])
     # On a CPU nothing is captured; the batched executor's plain steps run as static steps.
     assert all(r["steps"]["captured"] == 0 for r in result["rows"])
@@ -40,8 +40,9 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
 def test_a_run_cut_short_keeps_the_jobs_that_finished(tmp_path, monkeypatch):
     """gpu_check.sh kills a stage at its timeout: the JSON written so far must hold every job that
     ended (here the jobs are stand-ins, and the last one dies instead of being killed)."""
-    def rows(name, *args, **kwargs):
-        return [{"job": name, "executor": "batched", "round_s": 1.0}]
+    def rows(name, *args, rows, on_row, **kwargs):
+        rows.append({"job": name, "executor": "batched", "round_s": 1.0})
+        on_row()
 
     def dies(*args, **kwargs):
         raise KeyboardInterrupt
@@ -56,6 +57,34 @@ def test_a_run_cut_short_keeps_the_jobs_that_finished(tmp_path, monkeypatch):
     assert result["complete"] is False and result["table1"] is None
     assert {r["job"] for r in result["rows"]} == {"lenet5", "resnet9-factorized"}
     assert set(result["bf16_accuracy"]) == {"float32", "bf16"}
+
+
+def test_a_failing_variant_leaves_its_error_and_the_others_run(monkeypatch):
+    """A variant that raises (the H100's bf16 ResNet-9) is a row with its error; the variants after
+    it still run, each row is saved as it ends, and the speed-ups are over the sequential rows."""
+    made, saved = [], []
+    real_federation = gpu_executor.federation
+
+    def federation(model, **kwargs):
+        made.append(kwargs["autocast"])
+        if kwargs["autocast"] == "bf16":
+            raise RuntimeError("Expected running_mean to have type BFloat16 but got Float")
+        return real_federation(model, **kwargs)
+
+    monkeypatch.setattr(gpu_executor, "federation", federation)
+    rows = []
+    gpu_executor.speed_job("lenet5", "lenet5", False, 8, 4, 10.0, gpu_executor.DRY, "cpu", bf16=True, rows=rows,
+                           on_row=lambda: saved.append(len(rows)))
+    assert saved == list(range(1, 7)) and made.count("bf16") == 1
+    failed = [r for r in rows if "error" in r]
+    assert [r["executor"] for r in failed] == ["batched+bf16"] and "BFloat16" in failed[0]["error"]
+    timed = [r for r in rows if "error" not in r]
+    assert [r["executor"] for r in timed] == ["sequential-eager", "sequential", "batched-eager", "batched",
+                                              "batched+cudnn-benchmark"]
+    assert all(r["speedup_vs_sequential"] > 0 for r in timed)
+    sequential = next(r for r in timed if r["executor"] == "sequential")
+    assert sequential["speedup_vs_sequential"] == 1.0 and sequential["target"] is None
+    assert next(r for r in timed if r["executor"] == "batched")["target"] == 10.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
