@@ -121,14 +121,12 @@ def train_accuracy(fed) -> float:
 
 
 def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
-              device: str, *, bf16: bool, gemm: bool = False, rows: Optional[list] = None,
-              on_row: Callable[[], None] = lambda: None) -> list[dict]:
+              device: str, *, bf16: bool, rows: list, on_row: Callable[[], None], gemm: bool = False) -> None:
     """Each executor's round time (captured, and uncaptured: '-eager'), and its speed-up over the
     sequential executor as it runs by default (captured) and uncaptured.  Rows are appended to
     ``rows`` as each variant ends, ``on_row`` called after each (the caller saves), and a variant
     that fails leaves a row with its ``error`` instead of ending the job (on an H100 the bf16
     ResNet-9 variant failed and took every other ResNet-9 figure with it)."""
-    rows = [] if rows is None else rows
     first, seconds = len(rows), {}
     variants = [("sequential", None, False, False, "grouped"), ("sequential", None, True, False, "grouped"),
                 ("batched", None, False, False, "grouped"), ("batched", None, True, False, "grouped")]
@@ -167,7 +165,6 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
                 fed.close()
         _speedups(rows[first:], seconds, target)
         on_row()
-    return rows[first:]
 
 
 def _speedups(rows: list[dict], seconds: dict, target: float) -> None:

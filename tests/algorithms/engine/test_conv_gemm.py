@@ -171,13 +171,15 @@ class SmallConvNet(nn.Module):
         return self.head(self.body(x))
 
 
-def _run(conv: str, executor: str, factorized: bool, device: str = "cpu"):
+def _run(conv: str, executor: str, factorized: bool, device: str = "cpu", *, dtype=torch.float64,
+         autocast=None):
+    """Two FedAvg rounds of SmallConvNet on 3 clients: (round records, federation state, algorithm state)."""
     g = torch.Generator().manual_seed(3)
     sizes = (21, 30, 26)
     labels = torch.randint(0, 3, (sum(sizes),), generator=g)
-    inputs = torch.randn(sum(sizes), 1, 9, 9, generator=g, dtype=torch.float64) + labels.view(-1, 1, 1, 1)
+    inputs = torch.randn(sum(sizes), 1, 9, 9, generator=g, dtype=dtype) + labels.view(-1, 1, 1, 1)
     torch.manual_seed(0)
-    model = SmallConvNet().double()
+    model = SmallConvNet().to(dtype)
     if factorized:
         model = factorize(model)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
@@ -185,7 +187,8 @@ def _run(conv: str, executor: str, factorized: bool, device: str = "cpu"):
     splits = [ClientSplit(train=torch.arange(s, s + n), val=empty, test=torch.arange(s, s + n))
               for s, n in zip(starts, sizes)]
     settings = EngineSettings(rounds=2, optimizer=OptimizerSettings(lr=0.05, momentum=0.9),
-                              schedule=LocalSchedule(batch_size=8, epochs=2), executor=executor, batched_conv=conv)
+                              schedule=LocalSchedule(batch_size=8, epochs=2), executor=executor, batched_conv=conv,
+                              autocast=autocast)
     algorithm = make_algorithm("fedavg")
     fed = federation_for(algorithm, model, inputs, labels, splits, settings, device=device)
     fed.executor.batched_eval = True if executor == "batched" else None  # scored in chunks too, as on CUDA

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from pfl_algorithms.engine.model_call import MixedBatchNorm, vmapped_autocast
 
-from .test_conv_gemm import SmallConvNet
+from .test_conv_gemm import _run
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CLIENTS = 3
@@ -78,9 +78,8 @@ def _check(training: bool, device: str):
     for name in ("running_mean", "running_var"):
         assert parts[name].dtype == torch.float32
         torch.testing.assert_close(parts[name].double().cpu(), want_stats[name], rtol=1e-5, atol=1e-6)
-    moved = training
-    assert torch.equal(parts["running_mean"] != buffers["running_mean"], torch.full_like(parts["running_mean"], moved,
-                                                                                         dtype=torch.bool))
+    moved = parts["running_mean"] != buffers["running_mean"]
+    assert bool(moved.all()) if training else not moved.any()
     assert parts["num_batches_tracked"].tolist() == [int(training)] * CLIENTS
 
 
@@ -131,32 +130,11 @@ def test_vmapped_autocast_adds_the_mode_with_bf16_only():
     assert not torch._C._is_torch_function_mode_enabled()
 
 
-def _bf16_round(device: str, conv: str, executor: str) -> dict:
-    """One FedAvg round of SmallConvNet (BatchNorm after its first convolution) under bf16
-    autocast: the clients' training losses."""
-    from pfl_algorithms.algorithms import make_algorithm
-    from pfl_algorithms.data.partition import ClientSplit
-    from pfl_algorithms.engine.federation import EngineSettings
-    from pfl_algorithms.engine.local import LocalSchedule
-    from pfl_algorithms.engine.optim import OptimizerSettings
-    from pfl_algorithms.engine.rounds import federation_for, run_round
-
-    g = torch.Generator().manual_seed(3)
-    sizes = (21, 30, 26)
-    labels = torch.randint(0, 3, (sum(sizes),), generator=g)
-    inputs = torch.randn(sum(sizes), 1, 9, 9, generator=g) + labels.view(-1, 1, 1, 1)
-    torch.manual_seed(0)
-    model = SmallConvNet()
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    empty = torch.empty(0, dtype=torch.int64)
-    splits = [ClientSplit(train=torch.arange(s, s + n), val=empty, test=torch.arange(s, s + n))
-              for s, n in zip(starts, sizes)]
-    settings = EngineSettings(rounds=1, optimizer=OptimizerSettings(lr=0.05, momentum=0.9),
-                              schedule=LocalSchedule(batch_size=8, epochs=2), executor=executor, batched_conv=conv,
-                              autocast="bf16")
-    algorithm = make_algorithm("fedavg")
-    fed = federation_for(algorithm, model, inputs, labels, splits, settings, device=device)
-    return run_round(fed, algorithm, 0).as_dict()["train_loss"]
+def _bf16_losses(device: str, conv: str, executor: str) -> dict:
+    """The clients' training losses of the first FedAvg round of ``test_conv_gemm``'s
+    SmallConvNet (BatchNorm after its first convolution) in float32 under bf16 autocast."""
+    records, _, _ = _run(conv, executor, False, device, dtype=torch.float32, autocast="bf16")
+    return records[0]["train_loss"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
@@ -165,9 +143,9 @@ def test_a_batched_bf16_run_of_a_batch_norm_model_trains_as_the_sequential_one(d
     scalar type BFloat16 but found Float"); on CUDA the grouped ones do too (an H100: the
     backward failed).  The batched losses are the sequential executor's to bfloat16 precision."""
     convs = ["gemm"] if device == "cpu" else ["grouped", "gemm"]
-    sequential = _bf16_round(device, "grouped", "sequential")
+    sequential = _bf16_losses(device, "grouped", "sequential")
     for conv in convs:
-        batched = _bf16_round(device, conv, "batched")
+        batched = _bf16_losses(device, conv, "batched")
         assert batched.keys() == sequential.keys()
         for client, loss in batched.items():
             assert loss == pytest.approx(sequential[client], rel=0.05), (conv, client)
