@@ -23,10 +23,9 @@ batched input, ``groups == 1``, numeric padding or ``'valid'``, or ``'same'`` wh
 both sides alike.  Everything else runs ``F.conv2d``: a shared weight or input (vmap folds it
 into one dense convolution), grouped and depthwise convolutions, ``'same'`` with uneven
 padding.  Under autocast the float32 input and weight are cast to the autocast dtype first, as
-``conv2d``'s autocast does, so the im2col buffer is in that dtype too.  (On CUDA, autocast
-casts vmap's grouped convolutions as well; a CPU's autocast lists ``conv2d`` but not the
-``aten::convolution`` that vmap's batching rule calls, so there ``--autocast bf16`` leaves the
-grouped form in float32.)
+``conv2d``'s autocast does, so the im2col buffer is in that dtype too.  (The grouped form is
+cast too: by CUDA's autocast, and on a CPU, whose autocast lists ``conv2d`` but not the
+``aten::convolution`` that vmap's batching rule calls, by ``model_call.AutocastConvolutions``.)
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
 
 
 def forward(module: nn.Module, inputs: Tensor) -> tuple[Tensor, Optional[Tensor]]:
@@ -58,12 +59,54 @@ def _batch_norm_tensors(input, running_mean, running_var, weight=None, bias=None
 
 def vmapped_autocast(mode, device: torch.device, *, cache: bool = True):
     """``autocast`` for a forward under ``vmap`` (the batched executor's): with 'bf16' it also
-    runs BatchNorm mixed as unbatched (``MixedBatchNorm``)."""
+    runs BatchNorm mixed as unbatched (``MixedBatchNorm``) and, where autocast would miss them,
+    casts convolutions as unbatched (``AutocastConvolutions``)."""
     stack = contextlib.ExitStack()
     stack.enter_context(autocast(mode, device, cache=cache))
     if mode == "bf16":
         stack.enter_context(MixedBatchNorm())
+        if not autocast_casts_batched_convolutions(device.type):
+            stack.enter_context(AutocastConvolutions(device.type))
     return stack
+
+
+# The autocast dispatch key of each device type whose autocast torch implements.
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
+
+
+def autocast_casts_batched_convolutions(device_type: str) -> bool:
+    """Whether ``device_type``'s autocast casts ``aten::convolution``, the op a vmapped
+    convolution reaches it as (CUDA's does; the CPU's casts only ``conv2d`` and its kin)."""
+    key = _AUTOCAST_KEYS.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("aten::convolution", key)
+
+
+_CONVOLUTIONS = frozenset({F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d})
+
+
+class AutocastConvolutions(TorchFunctionMode):
+    """Within the mode, a convolution (``F.conv2d`` and its kin) under an enabled autocast of
+    ``device_type`` gets its floating inputs cast to autocast's dtype, as autocast casts an
+    unbatched one (float64 is left as it is, as autocast leaves it).
+
+    Under ``vmap`` a convolution reaches autocast as ``aten::convolution``: vmap's batching rule
+    (its dispatch key comes before autocast's) calls that op, not ``conv2d``.  CUDA's autocast
+    casts it; the CPU's does not, so before this mode a batched CPU step under ``--autocast
+    bf16`` ran its convolutions in float32 while the sequential executor's ran in bfloat16 (the
+    same step, other numbers).  ``vmapped_autocast`` enters it only where autocast leaves
+    ``aten::convolution`` alone."""
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CONVOLUTIONS and torch.is_autocast_enabled(self.device_type):
+            dtype = torch.get_autocast_dtype(self.device_type)
+            cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t  # noqa: E731
+            args, kwargs = tree_map_only(Tensor, cast, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 class ModelOutputs(nn.Module):

@@ -1,8 +1,8 @@
 """BatchNorm of a bfloat16 input with float32 statistics under ``vmap`` (``model_call.MixedBatchNorm``,
 the batched executor's forward under ``--autocast bf16``): each client's output, gradients and
 running statistics as the unbatched mixed BatchNorm computes them (float64 reference), every
-other call untouched, and a batched bf16 run of a BatchNorm model (on a CPU its convolutions
-reach BatchNorm in bfloat16 only when lowered to GEMMs; on CUDA always) trains."""
+other call untouched, and a batched bf16 run of a BatchNorm model (its convolutions hand
+BatchNorm bfloat16, grouped or lowered to GEMMs) trains as the sequential one."""
 from __future__ import annotations
 
 import pytest
@@ -139,12 +139,12 @@ def _bf16_losses(device: str, conv: str, executor: str) -> dict:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 def test_a_batched_bf16_run_of_a_batch_norm_model_trains_as_the_sequential_one(device):
-    """On a CPU the GEMM-lowered convolutions hand BatchNorm bfloat16 (before the mode: "expected
-    scalar type BFloat16 but found Float"); on CUDA the grouped ones do too (an H100: the
-    backward failed).  The batched losses are the sequential executor's to bfloat16 precision."""
-    convs = ["gemm"] if device == "cpu" else ["grouped", "gemm"]
+    """The convolutions hand BatchNorm bfloat16: before the mode, on a CPU the GEMM-lowered ones
+    failed ("expected scalar type BFloat16 but found Float"), and on CUDA the grouped ones too
+    (an H100: the backward failed); on a CPU the grouped ones do since ``AutocastConvolutions``.
+    The batched losses are the sequential executor's to bfloat16 precision."""
     sequential = _bf16_losses(device, "grouped", "sequential")
-    for conv in convs:
+    for conv in ("grouped", "gemm"):
         batched = _bf16_losses(device, conv, "batched")
         assert batched.keys() == sequential.keys()
         for client, loss in batched.items():
