@@ -30,11 +30,13 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     assert set(result["machine"]["direct_launches"]) == {"direct", "through_triton"}
     out = capsys.readouterr().out
     assert "factorized-fl-table1 end to end" in out
-    # --profile: LeNet-5's host functions and kernels, then ResNet-9's kernels alone
-    lenet, resnet = out.split("== profile of one batched LeNet-5 round")[1].split(
-        "== device kernels of one batched factorized ResNet-9 round")
+    # --profile: LeNet-5's host functions and kernels, then ResNet-9's kernels alone, batched in
+    # float32 and under bf16, and sequential
+    lenet, *resnet = out.split("== profile of one batched LeNet-5 round")[1].split(
+        "== device kernels of one factorized ResNet-9 round")
     assert "tottime" in lenet and lenet.count("Self CPU time total") == 2
-    assert "tottime" not in resnet and resnet.count("Self CPU time total") == 1
+    assert [part.split(")")[0] for part in resnet] == [" (batched", " (batched, bf16 autocast", " (sequential"]
+    assert all("tottime" not in part and part.count("Self CPU time total") == 1 for part in resnet)
 
 
 def test_a_run_cut_short_keeps_the_jobs_that_finished(tmp_path, monkeypatch):
