@@ -5,9 +5,9 @@
 # benchmarks/results/<suite>_gpu_<device>.json.
 #
 #   bash scripts/gpu_check.sh quick        # the one short GPU check (issue 30), about 6 minutes:
-#                                          #   build, the 10 fixed tests, launch benchmark, kernel
-#                                          #   benchmarks --quick, executor jobs --quick, GPU tests (xdist)
-#   bash scripts/gpu_check.sh gpu-tests    # quick's test stages alone (a second call, when quick's
+#                                          #   build, launch benchmark, kernel benchmarks --quick,
+#                                          #   executor jobs --quick, GPU tests (xdist)
+#   bash scripts/gpu_check.sh gpu-tests    # quick's test stage alone (a second call, when quick's
 #                                          #   last stage was cut), within 4.5 minutes
 #   bash scripts/gpu_check.sh tests        # pytest tests (CUDA tests included)
 #   bash scripts/gpu_check.sh bench        # every benchmarks/gpu_*.py, full grids
@@ -19,8 +19,9 @@
 # check ends in time even when a stage hangs, and a stage that runs long cannot starve the
 # later ones; a stage that fails or times out is reported and the next one still runs.  The
 # whole GPU test stage runs last, on what the measurements left (twice on the H200 it ran
-# first, ran out of its share and took no figure with it; the 10 tests that failed there run
-# second, in a stage of their own, on the default path).  The whole test stage runs with direct
+# first, ran out of its share and took no figure with it).  The 10 tests that failed there are
+# among its tests: gpu_targets.py reads their verdict from its summary (they had a stage of
+# their own, which passed on an H100 and cost 27 s of the 6 minutes).  The test stage runs with direct
 # launches on (PFL_KERNELS_DIRECT_LAUNCH=1), and so do the kernel benchmarks and the executor jobs once
 # gpu_launch (which times both paths itself, third) has checked every op's direct launches
 # against float64 on this GPU: the tests check the path the benchmarks time, the ResNet-9
@@ -60,10 +61,6 @@ KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_br
 # The test files with CUDA tests (quick; `tests` runs the whole suite): the Triton kernels'
 # (on the GPU, not the interpreter), the executors, captured steps, GEMM convolutions and augmentation on
 # CUDA, the package.
-# The 10 tests that failed on the H200 (issue 30), first, in a stage of their own: twice the
-# whole test stage ran out of time before its report, and these must be seen to pass.
-FIXED_TESTS=(tests/kernels/test_aggregate_triton.py::test_gpu_opcheck_and_gradcheck
-             tests/kernels/test_out_aliasing_triton.py::test_branch_aggregate_out_overlapping_inputs)
 GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
            tests/algorithms/engine/test_step_graphs.py tests/algorithms/engine/test_batched_eval.py
            tests/algorithms/engine/test_conv_gemm.py
@@ -76,7 +73,6 @@ GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
 BUDGET_S=${GPU_CHECK_BUDGET_S:-360}
 [ "$stage" != dry-run ] || BUDGET_S=${GPU_CHECK_BUDGET_S:-3600}  # the interpreter on a CPU is slow
 CAP_BUILD=${GPU_CHECK_CAP_BUILD:-120};       FLOOR_BUILD=${GPU_CHECK_FLOOR_BUILD:-30}
-CAP_FIXED=${GPU_CHECK_CAP_FIXED:-60};        FLOOR_FIXED=${GPU_CHECK_FLOOR_FIXED:-15}
 CAP_TESTS=${GPU_CHECK_CAP_TESTS:-240};       FLOOR_TESTS=${GPU_CHECK_FLOOR_TESTS:-60}  # last: what is left
 CAP_BENCH=${GPU_CHECK_CAP_BENCH:-40};        FLOOR_BENCH=${GPU_CHECK_FLOOR_BENCH:-20}  # each kernel benchmark
 CAP_LAUNCH=${GPU_CHECK_CAP_LAUNCH:-40};      FLOOR_LAUNCH=${GPU_CHECK_FLOOR_LAUNCH:-20}
@@ -120,10 +116,11 @@ run_benchmarks() {  # extra flags for every script
 }
 
 # The whole GPU test stage's pytest arguments (quick's last stage, and gpu-tests); --durations:
-# which tests set the stage's time (the next run's cap and worker count).
-GPU_TEST_STAGE=("${GPU_TESTS[@]}" tests/kernels/test_direct_launch.py -q -p no:cacheprovider -rs -m "not slow"
+# which tests set the stage's time (the next run's cap and worker count); -rfEs: each failure,
+# error and skip named in the summary (gpu_targets.py looks there for the 10 tests that failed
+# on the H200; with -rs alone the H100's 16 failures went unnamed).
+GPU_TEST_STAGE=("${GPU_TESTS[@]}" tests/kernels/test_direct_launch.py -q -p no:cacheprovider -rfEs -m "not slow"
                 --durations=15)
-FIXED_TEST_STAGE=("${FIXED_TESTS[@]}" -q -p no:cacheprovider -rs)  # quick's second stage, and gpu-tests' first
 
 # parallel_pytest_args: xdist (one worker per core) and a per-test timeout, where installed, into
 # the array xdist.  worksteal, not loadfile: twice on the H200 the stage stopped at 94% with one
@@ -199,7 +196,7 @@ finish() {
 if [ "$stage" = quick ]; then
   unset PFL_KERNELS_DIRECT_LAUNCH  # set below, stage by stage, never inherited from the caller
   stamp=$(mktemp)  # the JSON written after it is this run's
-  held_back=$((FLOOR_BUILD + FLOOR_FIXED + FLOOR_TESTS + ${#KERNEL_BENCHMARKS[@]} * FLOOR_BENCH + FLOOR_LAUNCH
+  held_back=$((FLOOR_BUILD + FLOOR_TESTS + ${#KERNEL_BENCHMARKS[@]} * FLOOR_BENCH + FLOOR_LAUNCH
                 + FLOOR_EXECUTOR))
   if [ "$held_back" -gt "$BUDGET_S" ]; then
     echo "gpu_check: the stages' floors ($held_back s) exceed the budget GPU_CHECK_BUDGET_S=$BUDGET_S" >&2; exit 2
@@ -207,10 +204,6 @@ if [ "$stage" = quick ]; then
   run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build"
   timeout 120 bash -c header 2>&1 | tee -a "$log" || true
   parallel_pytest_args
-  # The 10 tests on the path a user gets (direct launches off, the default), so that their
-  # verdict is theirs even if direct launches break on this GPU (gpu_launch and the test stage
-  # check those: pfl_kernels/triton/_direct.py, off by default until they have passed here).
-  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TEST_STAGE[@]}"
   # gpu_launch times each op as the default leaves it and with direct launches (switching
   # itself), checking both results against float64: the benchmarks after it launch directly
   # only where it passed, so a direct launch that fails on this GPU costs no figure.
@@ -258,17 +251,16 @@ fi
 
 # ---------------------------------------------------------------- single stages
 if [ "$stage" = gpu-tests ]; then
-  # quick's two test stages alone, for a second GPU call when quick's last stage was cut: the 10
-  # tests on the default path, then the GPU test files with direct launches on, within
-  # GPU_CHECK_BUDGET_S (default 270 s, build included: what a session's 15 device minutes leave
-  # after two machine starts and quick's 6 minutes).
+  # quick's test stage alone, for a second GPU call when quick's last stage was cut: the GPU
+  # test files with direct launches on, within GPU_CHECK_BUDGET_S (default 270 s, build
+  # included: what a session's 15 device minutes leave after two machine starts and quick's 6
+  # minutes).
   BUDGET_S=${GPU_CHECK_BUDGET_S:-270}
-  held_back=$((FLOOR_BUILD + FLOOR_FIXED + FLOOR_TESTS))
+  held_back=$((FLOOR_BUILD + FLOOR_TESTS))
   unset PFL_KERNELS_DIRECT_LAUNCH
   run_stage build "$CAP_BUILD" "$FLOOR_BUILD" bash -c "set -eo pipefail; build_if_needed"
   timeout 120 bash -c header 2>&1 | tee -a "$log" || true
   parallel_pytest_args
-  run_stage tests_fixed "$CAP_FIXED" "$FLOOR_FIXED" "$PY" -m pytest "${FIXED_TEST_STAGE[@]}"
   run_stage tests "$BUDGET_S" "$FLOOR_TESTS" env PFL_KERNELS_DIRECT_LAUNCH=1 "$PY" -m pytest "${GPU_TEST_STAGE[@]}" \
     "${xdist[@]}"
   finish  # the log is in $OUT where it is set

@@ -113,30 +113,51 @@ def test_an_absent_suite_leaves_its_targets_not_measured():
 
 
 LOG = """== stage build (timeout 110s): bash -c build
-== stage tests_fixed (timeout 60s): python3 -m pytest tests/kernels/test_aggregate_triton.py::x
-..........
-10 passed in 12.50s
 == stage tests (timeout 150s): python3 -m pytest tests/kernels/test_branch_triton.py
 ....F...
+=========================== short test summary info ============================
+FAILED tests/kernels/test_branch_triton.py::test_gpu_opcheck[None-torch.float64] - AssertionError: x
+ERROR tests/algorithms/engine/test_conv_gemm.py::test_e2e[cuda] - RuntimeError: y
+SKIPPED [12] tests/kernels/test_cuda_paths_triton.py:101: interpreter only
 =========== 1 failed, 1200 passed, 30 skipped, 2 errors in 140.1s ===========
 == stage gpu_factorized (timeout 40s): python3 benchmarks/gpu_factorized.py --quick
 """
+FIXED_FAILED = ("FAILED tests/kernels/test_out_aliasing_triton.py::test_branch_aggregate_out_overlapping_inputs[3] "
+                "- ValueError: alpha must be on branch_params' device cuda:0, got cpu\n")
+# a log from before the 10 joined the test stage: a stage of their own
+OLD_LOG = """== stage tests_fixed (timeout 60s): python3 -m pytest tests/kernels/test_aggregate_triton.py::x
+..........
+10 passed in 12.50s
+""" + LOG
 
 
 def test_the_gpu_tests_of_a_gpu_check_log():
-    assert gt.stage_results(LOG) == {"build": {}, "tests_fixed": {"passed": 10},
-                                     "tests": {"failed": 1, "passed": 1200, "skipped": 30, "error": 2},
+    assert gt.stage_results(LOG) == {"build": {}, "tests": {"failed": 1, "passed": 1200, "skipped": 30, "error": 2},
                                      "gpu_factorized": {}}
+    assert gt.stage_failures(LOG, "tests") == ["tests/kernels/test_branch_triton.py::test_gpu_opcheck[None-torch.float64]",
+                                               "tests/algorithms/engine/test_conv_gemm.py::test_e2e[cuda]"]
     fixed, tests = gt.test_targets(LOG)
-    assert fixed.met is True and fixed.figure == "10 passed"
+    assert (fixed.met, fixed.figure) == (True, "none failed in the test stage")  # others failed: not theirs
     assert tests.met is False and tests.figure == "1 failed, 1200 passed, 30 skipped, 2 error"
     assert gt.test_targets(LOG.replace("1 failed, ", "").replace(", 2 errors", ""))[1].met is True
+    # one of the 10 named as failed
+    fixed = gt.test_targets(LOG.replace("SKIPPED [12]", FIXED_FAILED + "SKIPPED [12]"))[0]
+    assert fixed.met is False and fixed.figure.startswith("1 failed in the test stage: tests/kernels/test_out_aliasing")
     # a stage cut off before its summary, and one not run
-    cut = LOG.split("=========== 1 failed")[0]
-    fixed, tests = gt.test_targets(cut.replace("== stage tests_fixed", "== stage other"))
-    assert (fixed.met, fixed.figure) == (None, "not run")
+    cut = LOG.split("=========================== short")[0]
+    fixed, tests = gt.test_targets(cut)
+    assert (fixed.met, fixed.figure) == (None, "none failed before the test stage stopped")
     assert (tests.met, tests.figure) == (None, "no pytest summary (timed out or crashed)")
-    assert gt.test_targets(LOG.replace("10 passed", "9 passed"))[0].met is False  # one of the 10 not run
+    fixed, tests = gt.test_targets(cut.replace("== stage tests ", "== stage other "))
+    assert (fixed.met, fixed.figure) == (None, "not run") and (tests.met, tests.figure) == (None, "not run")
+
+
+def test_the_fixed_tests_of_an_older_log_come_from_their_own_stage():
+    assert gt.stage_results(OLD_LOG)["tests_fixed"] == {"passed": 10}
+    fixed = gt.test_targets(OLD_LOG)[0]
+    assert (fixed.met, fixed.figure) == (True, "10 passed")
+    assert gt.test_targets(OLD_LOG.replace("10 passed", "9 passed"))[0].met is False  # one of the 10 not run
+    assert gt.test_targets(OLD_LOG.replace("10 passed", "1 failed, 9 passed"))[0].met is False
 
 
 INTERRUPTED = """== stage tests (timeout 96s): python3 -m pytest tests/kernels/test_branch_triton.py
