@@ -4,6 +4,8 @@
 # augmentation, torchvision comparisons), and the GPU benchmarks, whose JSON lands in
 # benchmarks/results/<suite>_gpu_<device>.json.
 #
+#   bash scripts/gpu_prebuild.sh           # before a GPU call, on a CPU machine: the extension built
+#                                          #   against the GPU image's torch (carry build/gpu-prebuilt)
 #   bash scripts/gpu_check.sh quick        # the one short GPU check (issue 30), about 6 minutes:
 #                                          #   build, launch benchmark, kernel benchmarks --quick,
 #                                          #   executor jobs --quick, GPU tests (xdist)
@@ -81,8 +83,22 @@ CAP_EXECUTOR=${GPU_CHECK_CAP_EXECUTOR:-120}; FLOOR_EXECUTOR=${GPU_CHECK_FLOOR_EX
 # One worker per core (16 on the H100/H200 machines): at 8, the tests ran past 120 s there.
 XDIST_WORKERS=${GPU_CHECK_WORKERS:-$(nproc)}
 
+# An extension built elsewhere against this machine's torch (scripts/gpu_prebuild.sh, carried
+# here): installed instead of compiled where its stamp names these sources and this torch (the
+# H100's compile took 64 s of quick's 6 minutes).  The copy goes through $PY (tests stand it in).
+PREBUILT=${GPU_CHECK_PREBUILT:-build/gpu-prebuilt}
+
 build() {  # the C++ extension must match the installed torch
-  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+  local want
+  want="$(bash scripts/extension_hash.sh) $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
+  if [ -f "$PREBUILT/_C.abi3.so" ] && [ "$(cat "$PREBUILT/stamp" 2>/dev/null || true)" = "$want" ]; then
+    echo "build: not compiled: $PREBUILT/_C.abi3.so was built from these sources against torch ${want#* }"
+    "$PY" -c "import shutil, sys; shutil.copy2(sys.argv[1], sys.argv[2])" "$PREBUILT/_C.abi3.so" \
+      pfl_kernels/_C.abi3.so
+    PFL_KERNELS_SKIP_EXTENSION=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+  else
+    MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+  fi
   "$PY" -c "import pfl_kernels._C"
 }
 
@@ -101,7 +117,7 @@ header() {
   "$PY" -m pfl_kernels
 }
 
-export PY
+export PY PREBUILT
 export -f build build_if_needed dry_build header  # run under timeout, in a bash of their own
 
 run_benchmarks() {  # extra flags for every script

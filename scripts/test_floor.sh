@@ -68,7 +68,7 @@ tar -cf - --exclude=__pycache__ --exclude='*.so' --exclude='*.egg-info' \
     setup.py pyproject.toml README.md csrc pfl_kernels pfl_algorithms tests benchmarks scripts | tar -xf - -C "$SRC"
 
 stamp="$BUILD/.pfl-build-stamp"
-want=$(cat setup.py pyproject.toml $(find csrc -type f | sort) | sha256sum | cut -d' ' -f1)
+want=$(bash scripts/extension_hash.sh)
 if [ "$want" != "$(cat "$stamp" 2>/dev/null || true)" ] || ! ls "$BUILD"/lib/pfl_kernels/_C*.so >/dev/null 2>&1; then
   log="$VENV/pfl-build.log"
   echo "floor: building the C++ extension against torch $(torch_version) (about 2 minutes on 2 cores); log in $log"

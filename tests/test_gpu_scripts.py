@@ -116,7 +116,8 @@ def test_launch_refuses_without_a_device(capsys):
 # ---------------------------------------------------------------- gpu_check.sh, with a stand-in python
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-} | DIRECT=${PFL_KERNELS_DIRECT_LAUNCH:-}" >> "$FAKE_LOG"
+echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-} | SKIP=${PFL_KERNELS_SKIP_EXTENSION:-} | DIRECT=${PFL_KERNELS_DIRECT_LAUNCH:-}" >> "$FAKE_LOG"
+if [ -n "${FAKE_TORCH:-}" ] && [[ "$*" == *"torch.__version__"* ]]; then echo "$FAKE_TORCH"; fi
 if [ -n "${FAKE_SLOW:-}" ] && [[ "$*" == *"$FAKE_SLOW"* ]]; then sleep 20; fi
 if [ -n "${FAKE_PYTEST_CUT:-}" ] && [[ "$*" == *"$FAKE_PYTEST_CUT"* ]]; then  # as pytest does on SIGINT
   # the sleep is killed with it: left behind, it would hold the stage's pipe (tee) open for 20 s
@@ -137,7 +138,7 @@ def run_check(tmp_path, stage, **env):
     calls = tmp_path / "calls.log"
     calls.write_text("")
     full_env = {**os.environ, "PYTHON": str(fake), "OUT": str(out), "FAKE_LOG": str(calls),
-                "TRITON_INTERPRET": "", **env}
+                "TRITON_INTERPRET": "", "GPU_CHECK_PREBUILT": str(tmp_path / "no-prebuilt"), **env}
     proc = subprocess.run(["bash", str(SCRIPT), stage], cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=120)
     return proc, calls.read_text().splitlines(), out
@@ -176,6 +177,45 @@ def test_quick_runs_every_stage_in_order(tmp_path):
         assert f"== stage {name} (timeout " in log and f"   {name}: ok" in log
     assert "   gpu_targets: ok" in log
     assert len(list(out.iterdir())) <= 8
+
+
+def _prebuilt(tmp_path, torch_version):
+    folder = tmp_path / "prebuilt"
+    folder.mkdir()
+    (folder / "_C.abi3.so").write_bytes(b"stand-in")
+    sources = subprocess.run(["bash", str(ROOT / "scripts/extension_hash.sh")], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    (folder / "stamp").write_text(f"{sources} {torch_version}\n")
+    return folder
+
+
+def test_a_prebuilt_extension_of_these_sources_and_this_torch_is_installed_not_compiled(tmp_path):
+    """gpu_prebuild.sh's extension, carried to the GPU machine: copied into the package, which
+    pip installs without compiling (the H100's compile took 64 s of the 6 minutes)."""
+    folder = _prebuilt(tmp_path, "2.11.0+cu130")
+    proc, calls, out = run_check(tmp_path, "quick", GPU_CHECK_PREBUILT=str(folder), FAKE_TORCH="2.11.0+cu130")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [copy] = [c for c in calls if "shutil.copy2" in c]
+    assert f"{folder}/_C.abi3.so pfl_kernels/_C.abi3.so" in copy
+    [install] = [c for c in calls if "pip install" in c]
+    assert "| SKIP=1 |" in install and calls.index(copy) < calls.index(install)
+    log = (out / "gpu_check_quick.log").read_text()
+    assert f"build: not compiled: {folder}/_C.abi3.so was built from these sources against torch 2.11.0+cu130" in log
+    assert "   build: ok" in log
+
+
+@pytest.mark.parametrize("change", ["torch", "sources"])
+def test_a_prebuilt_extension_of_another_torch_or_other_sources_is_not_used(tmp_path, change):
+    folder = _prebuilt(tmp_path, "2.11.0+cu130")
+    if change == "sources":
+        stamp = (folder / "stamp").read_text()
+        (folder / "stamp").write_text("0" * 64 + stamp[64:])
+    machine_torch = "2.13.0+cu130" if change == "torch" else "2.11.0+cu130"
+    proc, calls, out = run_check(tmp_path, "quick", GPU_CHECK_PREBUILT=str(folder), FAKE_TORCH=machine_torch)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not any("shutil.copy2" in c for c in calls)
+    [install] = [c for c in calls if "pip install" in c]
+    assert "| SKIP= |" in install  # compiled, as without a prebuilt extension
 
 
 def test_gpu_tests_runs_quicks_test_stage_alone(tmp_path):
