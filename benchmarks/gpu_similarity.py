@@ -15,7 +15,13 @@ For every client count K in ``CLIENTS`` and dimension D in ``DIMS`` (inputs unde
    the precision the op keeps).  ``copy_ms`` holds the mm time (the shared row format's
    name for the floor);
 3. reports the bytes the op must move (x read once, [K, K] float32 written once), the
-   ratio to the floor (fused / mm) and the speed-up over eager.
+   ratio to the floor (fused / mm) and the speed-up over eager;
+4. for float32 (where ``ops.similarity.cuda_pairwise_path`` chooses between the fused kernel
+   and the GEMM form by D), times the op on the path it does not take there too, checked
+   against float64 as well: ``path`` is the one that served ``fused_ms``, ``alt_path`` the
+   other and ``alt_ms`` its time, so that one run says which path wins at each shape (on the
+   H100 the GEMM form, with its device sync, ran at 0.21-0.83x of eager at every D >= 65536,
+   and the kernel was not timed there).
 
 ``similarity_weights`` is timed at K = M in ``WEIGHT_CLIENTS`` against the eager torch rule
 (topk + masks + softmax), with no floor.
@@ -24,6 +30,7 @@ Prints a table and writes JSON to ``benchmarks/results/similarity_gpu_<device>.j
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -60,6 +67,9 @@ class Row(common.Measured):
     eager_ms: float
     copy_ms: float  # the floor: torch.mm (pairwise ops); nan for weights
     max_abs_err: float
+    path: str = ""  # the path that served fused_ms: 'triton' or 'gemm' (cuda_pairwise_path)
+    alt_path: str = ""  # the other path, timed too (float32 pairwise ops), else ''
+    alt_ms: float = float("nan")
 
     JSON_EXTRA = (("fused_gbps", "fused_gbps"), ("floor_ratio", "floor_ratio"), ("speedup_vs_eager", "speedup"))
 
@@ -76,7 +86,8 @@ def format_table(rows: Sequence[Row]) -> str:
         flag = "" if r.floor_ratio != r.floor_ratio else (" ok" if r.floor_ratio <= TARGET else " MISS")
         lines.append(f"{r.op:<8} {r.clients:>6} {r.dim:>9} {r.bytes / 1e6:>8.1f} {r.fused_ms * 1e3:>10.1f} "
                      f"{r.eager_ms * 1e3:>10.1f} {r.copy_ms * 1e3:>10.1f} {r.floor_ratio:>8.2f} "
-                     f"{r.speedup:>8.2f} {r.max_abs_err:>9.2e}{flag}")
+                     f"{r.speedup:>8.2f} {r.max_abs_err:>9.2e}{flag}"
+                     + (f"  [{r.path}; {r.alt_path}: {r.alt_ms * 1e3:.1f} us]" if r.alt_path else ""))
     return "\n".join(lines)
 
 
@@ -111,12 +122,47 @@ def bench_pair(rt: common.Runtime, k: int, d: int, dtype: torch.dtype) -> list[R
     scale = 2 * xe.pow(2).sum(1).max().item()
     err_s = common.check(f"sqdist K={k} D={d}", fused_sq() / scale, ref.pairwise_sqdist(xe, None) / scale,
                          2e-6 * max(1.0, math.sqrt(d / 1000)))
+    path = pairwise_path(d, dtype)
+    alt_path = {"gemm": "triton", "triton": "gemm"}.get(path, "") if dtype == torch.float32 else ""
     for op, fused, eager, err in (("cosine", fused_cos, eager_cos, err_c), ("sqdist", fused_sq, eager_sq, err_s)):
         fused_ms, eager_ms = rt.pair(fused, eager)
-        rows.append(rt.annotate(Row(op, k, d, nbytes, fused_ms, eager_ms, floor_ms, err)))
+        row = rt.annotate(Row(op, k, d, nbytes, fused_ms, eager_ms, floor_ms, err, path, alt_path))
+        if alt_path:
+            with routed(alt_path, device):
+                want = ref.pairwise_cosine(xe, None, 1e-8) if op == "cosine" else ref.pairwise_sqdist(xe, None)
+                got = fused()
+                if op == "sqdist":
+                    got, want = got / scale, want / scale
+                common.check(f"{op} K={k} D={d} ({alt_path})", got, want,
+                             2e-5 if op == "cosine" else 2e-6 * max(1.0, math.sqrt(d / 1000)))
+                row.alt_ms = rt.time(fused)
+        rows.append(row)
     del x, xe
     rt.empty_cache()
     return rows
+
+
+def pairwise_path(d: int, dtype: torch.dtype) -> str:
+    """The path ``pairwise_cosine``/``pairwise_sqdist`` of [K, d] rows take on CUDA now."""
+    from pfl_kernels.ops import similarity as ops
+
+    return ops.cuda_pairwise_path(d, dtype, torch.backends.cuda.matmul.allow_tf32)
+
+
+@contextlib.contextmanager
+def routed(path: str, device: str):
+    """Within the block float32 rows of any D take ``path`` ('gemm' or 'triton') on ``device``
+    (the dispatch reads ``GEMM_MIN_DIM`` and the GEMM devices per call: both are in its plan's key)."""
+    from pfl_kernels.ops import similarity as ops
+    from pfl_kernels.triton import similarity as kernels
+
+    saved = ops.GEMM_MIN_DIM, kernels._GEMM_DEVICES
+    ops.GEMM_MIN_DIM = 0 if path == "gemm" else 1 << 62
+    kernels._GEMM_DEVICES = (torch.device(device).type,)
+    try:
+        yield
+    finally:
+        ops.GEMM_MIN_DIM, kernels._GEMM_DEVICES = saved
 
 
 def eager_weights(sim: torch.Tensor) -> torch.Tensor:

@@ -217,12 +217,21 @@ def executor_targets(data: dict) -> list[Target]:
 
 
 def reported(data: dict) -> list[str]:
-    """What the issue asks to report besides its targets: bf16 autocast's speed and accuracy,
+    """What the issue asks to report besides its targets: each pairwise similarity shape's
+    other CUDA path (the fused kernel or the GEMM form) against the one that served and eager,
+    which says where ``cuda_pairwise_path`` should route; bf16 autocast's speed and accuracy,
     and each other batched variant against the plain batched executor."""
-    if "executor" not in data:
-        return []
-    rows = data["executor"]["rows"]
     lines = []
+    for row in data.get("similarity", {}).get("rows", []):
+        if row.get("alt_path") and row.get("alt_ms") == row.get("alt_ms"):  # NaN: not timed
+            faster = row["alt_path"] if row["alt_ms"] < row["fused_ms"] else row["path"]
+            lines.append(f"similarity {row['op']} K={row['clients']} D={row['dim']}: {row['path']} "
+                         f"{row['fused_ms'] * 1e3:.1f} us, {row['alt_path']} {row['alt_ms'] * 1e3:.1f} us, eager "
+                         f"{row['eager_ms'] * 1e3:.1f} us ({faster} faster; "
+                         f"{row['eager_ms'] / min(row['fused_ms'], row['alt_ms']):.2f}x eager at best)")
+    if "executor" not in data:
+        return lines
+    rows = data["executor"]["rows"]
     for job in EXECUTOR_SPEEDUP:
         base = next((r for r in rows if r["job"] == job and r["executor"] == "batched"), None)
         for row in rows:

@@ -191,6 +191,22 @@ def test_reported_bf16_and_variants():
                      "bf16 autocast, LeNet-5 train accuracy: float32 0.8600, bf16 0.8500"]
 
 
+def test_reported_similarity_paths():
+    """gpu_similarity.py times float32 shapes on both CUDA paths: which one wins is reported
+    (rows without the other path, or where it was not timed, are not)."""
+    data = suites()
+    gemm = dict(kernel_row(0.4, 0.1, op="cosine"), clients=20, dim=65536, path="gemm", alt_path="triton",
+                alt_ms=0.08)
+    slow = dict(gemm, op="sqdist", alt_ms=0.5)
+    untimed = dict(gemm, op="sqdist", dim=1000000, alt_ms=float("nan"))
+    data["similarity"]["rows"] = [gemm, slow, untimed, kernel_row(1.0, 1.1, op="cosine")]
+    lines = gt.reported(data)
+    assert lines[:2] == [
+        "similarity cosine K=20 D=65536: gemm 400.0 us, triton 80.0 us, eager 100.0 us (triton faster; 1.25x eager at best)",
+        "similarity sqdist K=20 D=65536: gemm 400.0 us, triton 500.0 us, eager 100.0 us (gemm faster; 0.25x eager at best)"]
+    assert lines[2].startswith("lenet5 batched+bf16")
+
+
 def write(folder, data, slug=SLUG):
     for suite, payload in data.items():
         (folder / f"{suite}_gpu_{slug}.json").write_text(json.dumps(payload))

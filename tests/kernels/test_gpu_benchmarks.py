@@ -61,6 +61,12 @@ def test_dry_run(script, tmp_path, capsys):
         assert math.isfinite(row["max_abs_err"]) and row["max_abs_err"] < 1e-4
     if "--shared" in args:
         assert payload["config"]["shared_weights"] is True
+    if script == "gpu_similarity":  # float32 pairwise rows: timed on the other path too, checked
+        pairwise = [row for row in rows if row["op"] != "weights"]
+        assert pairwise and all(row["path"] == "triton" and row["alt_path"] == "gemm" and row["alt_ms"] > 0
+                                for row in pairwise)
+        assert all(row["alt_path"] == "" for row in rows if row["op"] == "weights")
+        assert "[triton; gemm: " in out
     # the scoped CPU registrations are gone: the C++ kernels serve CPU tensors again
     from pfl_kernels.ops._library import has_kernel
     assert has_kernel("pfl::weighted_average", "CPU") == _has_cpp_kernel()
