@@ -32,9 +32,9 @@ An op served by a library call rather than a Triton kernel at a shape (dense
 ``weighted_average``, long float32 pairwise rows and ``class_means`` with C <= D take cuBLAS,
 see ``python -m pfl_kernels``) compares the public op with that bare library call
 (``torch.mm``) and the Triton launches it records besides (dense ``weighted_average``'s
-counting of values for its checks), and says so in its ``path``.  An op that syncs (it reads values: the
-weights' NaN check, a band check) pays the device time in its host time; the row's device
-time shows it.
+counting of values for its checks, the pairwise GEMM form's epilogue), and says so in its
+``path``.  An op that syncs (it reads values: the weights' NaN check, a label range) pays the
+device time in its host time; the row's device time shows it.
 
 Prints a table and writes JSON to ``benchmarks/results/launch_gpu_<device>.json``.  With
 ``--dry-run`` (Triton interpreter, CPU tensors, tiny shapes) it checks the cases and the

@@ -27,7 +27,7 @@ def format_cuda_paths() -> str:
          else "triton (tl.dot kernel: TF32 is allowed, which the GEMM would use)"),
         ("pairwise_cosine/sqdist", "float64", "reference (cuBLAS dgemm)"),
         ("pairwise_cosine/sqdist", f"float32, {gemm_dim}",
-         "gemm (mm + norms, as torch.cdist)" if pair == "gemm"
+         "gemm (torch.mm, as torch.cdist, + one epilogue launch; no sync)" if pair == "gemm"
          else "triton (fused kernel: TF32 is allowed, which the GEMM would use)"),
         ("pairwise_cosine/sqdist", f"float32, D < {similarity.GEMM_MIN_DIM}; bfloat16, float16",
          "triton (fused kernel)"),

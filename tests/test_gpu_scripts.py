@@ -68,7 +68,8 @@ def test_launch_dry_run(tmp_path, capsys):
     assert payload["summary"]["by_via"]["autograd"]["cases"] == 2
     # the compaction (with the weights' stats), then the gather
     assert paths[("weighted_average", "K=20 P=257 density~0.05")] == "triton (2 launches)"
-    assert paths[("pairwise_cosine", "K=20 D=65536")] == "library (torch.mm)"
+    # the GEMM form: cuBLAS's product, then its epilogue
+    assert paths[("pairwise_cosine", "K=20 D=65536")] == "library (torch.mm) + triton (1 launch)"
     assert paths[("pairwise_cosine", "K=20 D=33")] == "triton (3 launches)"
     assert payload["summary"]["cases"] == len(rows)
     # the routing and the launch patches are undone

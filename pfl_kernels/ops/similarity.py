@@ -172,16 +172,18 @@ def _similarity_weights_fake(sim, tau, scale, min_keep, self_index):
 GEMM_MIN_DIM = 65_536
 # A float32 row whose norm lies in [2^-32, sqrt(max / 8)] (its squared norm in [2^-64, max/8],
 # the C++ and Triton kernels' safe band) squares, multiplies and sums without over- or
-# underflow that matters: the GEMM form takes such rows as they are.
+# underflow that matters: the GEMM form takes such rows as they are (its epilogue recomputes
+# a tile with any other row from the rows scaled by powers of two, as the reference does).
 _NORM_LOW = 2.0 ** -32
 _NORM_HIGH = math.sqrt(torch.finfo(torch.float32).max / 8)
 
 
 def cuda_pairwise_path(d: int, dtype: torch.dtype, tf32: bool) -> str:
     """Which implementation serves ``pairwise_cosine`` / ``pairwise_sqdist`` of rows of length
-    ``d`` and ``dtype`` on CUDA: 'reference' (float64: cuBLAS dgemm), 'gemm'
-    (``gemm_pairwise_cosine`` / ``gemm_pairwise_sqdist``: one cuBLAS GEMM plus the norms, as
-    ``torch.cdist`` does) or 'triton' (the fused kernel).
+    ``d`` and ``dtype`` on CUDA: 'reference' (float64: cuBLAS dgemm), 'gemm' (the GEMM form,
+    ``pfl_kernels.triton.similarity._gemm_pairwise``: one cuBLAS GEMM, with y the rows' norms,
+    as ``torch.cdist`` does, then one fused epilogue; no device sync) or 'triton' (the fused
+    kernel).
 
     'gemm' for float32 at D >= ``GEMM_MIN_DIM``, unless torch's float32 matmuls may use TF32
     (``torch.backends.cuda.matmul.allow_tf32``; the op promises float32 accumulation, which the
@@ -192,59 +194,6 @@ def cuda_pairwise_path(d: int, dtype: torch.dtype, tf32: bool) -> str:
     if dtype == torch.float32 and d >= GEMM_MIN_DIM and not tf32:
         return "gemm"
     return "triton"
-
-
-def _gemm_product(x, y):
-    """(s = x·yᵀ, ‖x_i‖, ‖y_j‖, in band) in the accumulation dtype; y None: the Gram matrix,
-    made exactly symmetric, its diagonal the squared norms (no second pass over x)."""
-    acc = ref.acc_dtype(x.dtype)
-    xa = x.to(acc)
-    if y is None:
-        s = xa @ xa.t()
-        s = 0.5 * (s + s.t())  # as the reference: BLAS need not sum s[i, j] and s[j, i] alike
-        nx = ny = s.diagonal().sqrt()
-    else:
-        ya = y.to(acc)
-        s = xa @ ya.t()
-        # vector_norm reads each row once, with no [K, D] temporary
-        nx, ny = torch.linalg.vector_norm(xa, dim=1), torch.linalg.vector_norm(ya, dim=1)
-    if acc == torch.float64:
-        low, high = 2.0 ** -500, math.sqrt(torch.finfo(acc).max / 8)
-    else:
-        low, high = _NORM_LOW, _NORM_HIGH
-    band = ((nx >= low) & (nx <= high)).all()
-    if y is not None:
-        band &= ((ny >= low) & (ny <= high)).all()
-    return s, nx, ny, bool(band)  # one device sync
-
-
-def gemm_pairwise_cosine(x: torch.Tensor, y: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """``pairwise_cosine`` as one GEMM plus the rows' norms (any device): the reference's result.
-
-    Where every row's norm is in the safe band (NaN, Inf, zero, 1e19 or 1e-30 rows are not),
-    c = clamp(s / (max(‖x_i‖, eps) max(‖y_j‖, eps)), -1, 1) straight from the unscaled product
-    (the reference's power-of-two row scales change no rounding there); otherwise the
-    reference computes it.  One device sync (the band check)."""
-    s, nx, ny, band = _gemm_product(x, y)
-    if not band:
-        return ref.pairwise_cosine(x, y, eps)
-    fx = 1 / nx.clamp_min(eps)
-    fy = fx if y is None else 1 / ny.clamp_min(eps)
-    return torch.where(s == 0, s, s * (fx[:, None] * fy[None, :])).clamp_(-1, 1)
-
-
-def gemm_pairwise_sqdist(x: torch.Tensor, y: Optional[torch.Tensor]) -> torch.Tensor:
-    """``pairwise_sqdist`` as one GEMM plus the rows' norms (any device): the reference's
-    result, max(‖x_i‖² + ‖y_j‖² − 2 s, 0) (diagonal 0 with y None) where every row's norm is
-    in the safe band, else the reference's.  One device sync (the band check)."""
-    s, nx, ny, band = _gemm_product(x, y)
-    if not band:
-        return ref.pairwise_sqdist(x, y)
-    if y is None:
-        sq = s.diagonal().clone()
-        d = (sq[:, None] + sq[None, :] - 2 * s).clamp_min_(0)
-        return d.fill_diagonal_(0)
-    return (nx.square()[:, None] + ny.square()[None, :] - 2 * s).clamp_min_(0)
 
 
 # ---------------------------------------------------------------- autograd

@@ -24,9 +24,12 @@
 
 float64 inputs use the plain-PyTorch reference (cuBLAS dgemm), which is what a float64
 Triton dot would lower to at best.  float32 rows of D >= ``GEMM_MIN_DIM`` (65536) on CUDA take
-the norm-plus-GEMM form (``pfl_kernels.ops.similarity.gemm_pairwise_cosine`` / ``_sqdist``:
-cuBLAS, as ``torch.cdist`` does), where on an H200 the kernels ran at 0.07x-1.02x of eager
-(issue 30; the choice is ``cuda_pairwise_path``, documented there).
+the GEMM form (``_gemm_pairwise``: s = x·yᵀ by cuBLAS, as ``torch.cdist`` does, then
+``_gemm_epilogue_kernel``, which takes s and the norms as they are on tiles whose rows all have
+norms in the safe band and recomputes any other tile from the scaled rows: two launches and
+no device sync), where on an H200 the kernels ran at 0.07x-1.02x of eager (issue 30; the
+choice is ``cuda_pairwise_path``, documented there).  Before, the GEMM form was ten PyTorch
+launches and a sync to check the norms' band, and ran at 0.21-0.83x of eager on an H100.
 
 ``similarity_weights``: one program per row holds the row in registers (rows up to
 ``_MAX_ROW`` = 16384 entries; longer rows use the reference).  The kept set is the
@@ -62,6 +65,7 @@ _BLOCK_D = 64
 _WAVES = 4  # split D until there are about this many programs per SM
 _MAX_PARTIAL_BYTES = 256 << 20  # cap on the float32 partials [SPLIT, K, M]
 _MAX_ROW = 16384  # similarity_weights: longer rows use the reference
+_GEMM_BLOCK = 64  # the GEMM form's epilogue tiles: 64 x 64 outputs (tests shrink them)
 # Devices on which long float32 rows take the GEMM form (``ops.similarity.cuda_pairwise_path``);
 # the interpreter tests add "cpu" to check the routing.
 _GEMM_DEVICES = ("cuda",)
@@ -72,12 +76,19 @@ MODE_SQDIST = 1
 @triton.jit
 def _row_scales(mx_ptr, rows, mask, R, SPLIT, m_low, m_high):
     """(σ, extreme, finite) of ``rows`` from the split partial maxima of |entry| (NaN stored as
-    Inf): a row is extreme where its max m is finite, nonzero and outside [m_low, m_high]
-    (then its squared norm may over- or underflow); σ = 2^-e with e = frexp's exponent of m,
-    clamped to ±125 (reference.similarity.row_scales), 1 for the other rows."""
+    Inf): see ``_scales_of_maxima``."""
     m = tl.zeros_like(rows).to(tl.float32)
     for p in range(0, SPLIT):
         m = tl.maximum(m, tl.load(mx_ptr + p * R + rows, mask=mask, other=0))
+    return _scales_of_maxima(m, m_low, m_high)
+
+
+@triton.jit
+def _scales_of_maxima(m, m_low, m_high):
+    """(σ, extreme, finite) of rows whose max |entry| is m (NaN counted as Inf): a row is
+    extreme where m is finite, nonzero and outside [m_low, m_high] (then its squared norm may
+    over- or underflow); σ = 2^-e with e = frexp's exponent of m, clamped to ±125
+    (reference.similarity.row_scales), 1 for the other rows."""
     finite = m < float("inf")
     extreme = finite & (m > 0) & ((m < m_low) | (m > m_high))
     e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126  # subnormal m: below -125, clamped
@@ -182,6 +193,15 @@ def _epilogue_kernel(
     # s, sx, sy are of the rows scaled by σ (1 but for extreme rows): see _row_scales.
     sig_x, _, fin_x = _row_scales(mx_ptr, rk, mk, K, SPLIT, m_low, m_high)
     sig_y, _, fin_y = _row_scales(my_ptr, rm, mm, M, SPLIT, m_low, m_high)
+    v = _pairwise_values(s, sx, sy, sig_x, sig_y, fin_x, fin_y, i, j, eps, MODE, SYMMETRIC)
+    tl.store(out_ptr + i * M + j, v, mask=m2)
+
+
+@triton.jit
+def _pairwise_values(s, sx, sy, sig_x, sig_y, fin_x, fin_y, i, j, eps, MODE: tl.constexpr, SYMMETRIC: tl.constexpr):
+    """The cosine (MODE 0) or squared distance (MODE 1) of a tile from the product s and the
+    squared norms sx, sy of its rows scaled by σ (as the reference computes them), NaN in the
+    rows and columns of non-finite rows; with SYMMETRIC (y None) the distance's diagonal is 0."""
     if MODE == 0:
         fx = 1.0 / tl.maximum(tl.sqrt(sx), eps * sig_x)
         fy = 1.0 / tl.maximum(tl.sqrt(sy), eps * sig_y)
@@ -200,8 +220,123 @@ def _epilogue_kernel(
         v = tl.where(v < 0, 0.0, v) * a * a
         if SYMMETRIC:
             v = tl.where(i == j, 0.0, v)
-    v = tl.where(fin_x[:, None] & fin_y[None, :], v, float("nan"))
-    tl.store(out_ptr + i * M + j, v, mask=m2)
+    return tl.where(fin_x[:, None] & fin_y[None, :], v, float("nan"))
+
+
+@triton.jit
+def _gemm_epilogue_kernel(
+    s_ptr, nx_ptr, ny_ptr, x_ptr, y_ptr, out_ptr,
+    K, M, D, sx_k, sx_d, sy_m, sy_d, eps, n_low, n_high, m_low, m_high,
+    MODE: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The GEMM form's one launch after cuBLAS's s = x·yᵀ: a tile whose rows and columns all
+    have norms in [n_low, n_high] (the safe band, where scaling changes nothing) takes them and
+    s as they are (y None: the norms from s's diagonal and s[i, j] as (s[i, j] + s[j, i]) / 2,
+    as the reference makes it exactly symmetric); a tile with another row (NaN, Inf, zero, 1e19,
+    1e-30) recomputes its product from x and y scaled by σ, as the fused kernel's second pass
+    does, so no host sync ever decides the path.  With y None a tile below the diagonal
+    computes its mirror's product and stores it transposed: s[i, j] and s[j, i] are the same
+    sums, and the result is exactly symmetric in either case."""
+    pk = tl.program_id(0)
+    pm = tl.program_id(1)
+    rk = pk * BLOCK + tl.arange(0, BLOCK)
+    rm = pm * BLOCK + tl.arange(0, BLOCK)
+    mk = rk < K
+    mm = rm < M
+    if SYMMETRIC:  # the squared norms are s's diagonal
+        sq_x = tl.load(s_ptr + rk.to(tl.int64) * (M + 1), mask=mk, other=1.0)
+        sq_y = tl.load(s_ptr + rm.to(tl.int64) * (M + 1), mask=mm, other=1.0)
+        n_x = tl.sqrt(sq_x)
+        n_y = tl.sqrt(sq_y)
+    else:
+        n_x = tl.load(nx_ptr + rk, mask=mk, other=1.0)
+        n_y = tl.load(ny_ptr + rm, mask=mm, other=1.0)
+        sq_x = n_x * n_x
+        sq_y = n_y * n_y
+    # NaN norms fail both comparisons: outside
+    out_x = ((n_x >= n_low) & (n_x <= n_high)) == 0
+    out_y = ((n_y >= n_low) & (n_y <= n_high)) == 0
+    outside = tl.sum((out_x & mk).to(tl.int32), axis=0) + tl.sum((out_y & mm).to(tl.int32), axis=0)
+    if outside == 0:
+        i = rk.to(tl.int64)[:, None]
+        j = rm.to(tl.int64)[None, :]
+        m2 = mk[:, None] & mm[None, :]
+        s = tl.load(s_ptr + i * M + j, mask=m2, other=0)
+        if SYMMETRIC:
+            s = 0.5 * (s + tl.load(s_ptr + j * M + i, mask=m2, other=0))
+        one_x = tl.full([BLOCK], 1.0, tl.float32)
+        one_y = tl.full([BLOCK], 1.0, tl.float32)
+        v = _pairwise_values(s, sq_x, sq_y, one_x, one_y, mk | True, mm | True, i, j, eps, MODE, SYMMETRIC)
+        tl.store(out_ptr + i * M + j, v, mask=m2)
+    else:
+        if SYMMETRIC:
+            swap = pk > pm
+        else:
+            swap = pk < 0  # never
+        # the product's rows (of x) and columns (of y), the tile's or its mirror's
+        ra = tl.where(swap, rm, rk)
+        rb = tl.where(swap, rk, rm)
+        ma = ra < K
+        mb = rb < M
+        a_row = x_ptr + ra.to(tl.int64)[:, None] * sx_k
+        b_row = y_ptr + rb.to(tl.int64)[:, None] * sy_m
+        ax = tl.zeros([BLOCK], dtype=tl.float32)
+        ay = tl.zeros([BLOCK], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):  # max |entry| per row, NaN counted as Inf
+            rd = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)
+            md = rd < D
+            xf = tl.load(a_row + rd[None, :] * sx_d, mask=ma[:, None] & md[None, :], other=0).to(tl.float32)
+            yf = tl.load(b_row + rd[None, :] * sy_d, mask=mb[:, None] & md[None, :], other=0).to(tl.float32)
+            ax = tl.maximum(ax, tl.max(tl.where(xf == xf, tl.abs(xf), float("inf")), axis=1))
+            ay = tl.maximum(ay, tl.max(tl.where(yf == yf, tl.abs(yf), float("inf")), axis=1))
+        sig_x, _, fin_x = _scales_of_maxima(ax, m_low, m_high)
+        sig_y, _, fin_y = _scales_of_maxima(ay, m_low, m_high)
+        acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+        sx = tl.zeros([BLOCK], dtype=tl.float32)
+        sy = tl.zeros([BLOCK], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            rd = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)
+            md = rd < D
+            xf = tl.load(a_row + rd[None, :] * sx_d, mask=ma[:, None] & md[None, :], other=0).to(tl.float32)
+            yf = tl.load(b_row + rd[None, :] * sy_d, mask=mb[:, None] & md[None, :], other=0).to(tl.float32)
+            xf = xf * sig_x[:, None]
+            yf = yf * sig_y[:, None]
+            acc = tl.dot(xf, tl.trans(yf), acc, input_precision="ieee")
+            sx += tl.sum(xf * xf, axis=1)
+            sy += tl.sum(yf * yf, axis=1)
+        ia = ra.to(tl.int64)[:, None]
+        jb = rb.to(tl.int64)[None, :]
+        if SYMMETRIC:  # a diagonal tile: its upper triangle for both (a dot need not be symmetric)
+            acc = tl.where(ia <= jb, acc, tl.trans(acc))
+        v = _pairwise_values(acc, sx, sy, sig_x, sig_y, fin_x, fin_y, ia, jb, eps, MODE, SYMMETRIC)
+        tl.store(out_ptr + tl.where(swap, jb * M + ia, ia * M + jb), v, mask=ma[:, None] & mb[None, :])
+
+
+def _gemm_pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
+    """The GEMM form (float32 rows of D >= ``GEMM_MIN_DIM`` on CUDA, TF32 off): s = x·yᵀ by
+    cuBLAS (``torch.mm``), with y the rows' norms (``torch.linalg.vector_norm``), then one
+    ``_gemm_epilogue_kernel`` launch.  No device sync: the reference's result, NaN and extreme
+    rows included, from two launches (four with y) where the norm-plus-GEMM form in PyTorch
+    took about ten and a sync to check the norms' band (on an H100 that form ran at 0.21-0.83x
+    of eager)."""
+    k, d = x.shape
+    yy = x if y is None else y
+    m = yy.shape[0]
+    out = x.new_empty((k, m), dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    s = torch.mm(x, yy.t())
+    if y is None:
+        nx = ny = s  # not read: the kernel takes the norms from s's diagonal
+    else:
+        nx, ny = torch.linalg.vector_norm(x, dim=1), torch.linalg.vector_norm(y, dim=1)
+    grid = (cdiv(k, _GEMM_BLOCK), cdiv(m, _GEMM_BLOCK))
+    with _device_guard(x):
+        _launch(_gemm_epilogue_kernel)[grid](
+            s, nx, ny, x, yy, out, k, m, d, x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), eps,
+            _ops._NORM_LOW, _ops._NORM_HIGH, _M_LOW, math.sqrt(_Q_HIGH / max(d, 1)),
+            MODE=mode, SYMMETRIC=y is None, BLOCK=_GEMM_BLOCK, BLOCK_D=_BLOCK_D, num_warps=4)
+    return out
 
 
 def _scratch_layout(shapes) -> tuple[int, tuple]:
@@ -290,7 +425,7 @@ def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
     if plan is None:
         if x.dtype == torch.float64:
             return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
-        return _ops.gemm_pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ops.gemm_pairwise_sqdist(x, y)
+        return _gemm_pairwise(x, y, mode, eps)
     k, m, d, d_per_split, split, layout, grid, m_high, launches = plan
     out = x.new_empty((k, m), dtype=torch.float32)
     if out.numel() == 0:

@@ -1,8 +1,10 @@
 """The faster path per shape on CUDA (issue 30, item 2), checked on the CPU: the routing rules
-(``cuda_path``, ``cuda_pairwise_path``) and the routed implementations, which are written for
-any device, against the float64 reference, NaN/Inf/extreme rows and empty shapes included.
+(``cuda_path``, ``cuda_pairwise_path``) and the routed GEMM form of ``weighted_average``, which
+is written for any device, against the float64 reference, NaN/Inf/extreme rows and empty
+shapes included.
 
-(``test_cuda_paths_triton.py`` checks that the Triton wrappers route to them.)
+(``test_cuda_paths_triton.py`` checks that the Triton wrappers route to them; the pairwise GEMM
+form ends in a Triton epilogue: ``test_similarity_triton.py`` runs its cases on it too.)
 """
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ import torch
 from pfl_kernels.ops import aggregate as agg
 from pfl_kernels.ops import similarity as sim
 from pfl_kernels.reference import aggregate as ref_agg
-from pfl_kernels.reference import similarity as ref_sim
-from tests.kernels.similarity_cases import assert_cosine_exact, assert_sqdist_exact, inputs
 from tests.tolerances import assert_close
 
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
@@ -176,61 +176,3 @@ def test_bfloat16_params_and_float64_weights():
 
 
 # ---------------------------------------------------------------- pairwise similarity
-
-def rows(k, d, dtype=F32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(k, d, generator=g, dtype=F64) + 0.3).to(dtype)
-
-
-@pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
-@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
-def test_gemm_pairwise_matches_the_reference(dtype, with_y):
-    x = rows(7, 300, dtype)
-    y = rows(5, 300, dtype, seed=1) if with_y else None
-    c = sim.gemm_pairwise_cosine(x, y, 1e-8)
-    d = sim.gemm_pairwise_sqdist(x, y)
-    acc = ref_sim.acc_dtype(dtype)
-    assert c.dtype == acc and d.dtype == acc
-    tight = F64 if dtype == F64 else F32
-    assert_close(c, ref_sim.pairwise_cosine(x.to(F64), None if y is None else y.to(F64), 1e-8), tight)
-    # the expanded form's rounding is relative to the norms (see pairwise_sqdist's docstring)
-    d64 = ref_sim.pairwise_sqdist(x.to(F64), None if y is None else y.to(F64))
-    scale = x.double().square().sum(1).max()
-    assert ((d.double() - d64).abs() <= 1e-5 * scale).all()
-    if not with_y:
-        assert torch.equal(c, c.t()) and torch.equal(d, d.t()) and (d.diagonal() == 0).all()
-    # the same bits as the reference on ordinary rows where the product is the same (y None)
-    if not with_y and dtype == F32:
-        assert torch.equal(c, ref_sim.pairwise_cosine(x, None, 1e-8))
-        assert torch.equal(d, ref_sim.pairwise_sqdist(x, None))
-
-
-@pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
-@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
-def test_gemm_pairwise_of_extreme_rows(dtype, with_y):
-    """NaN, ±Inf, 1e19, 1e-30 and zero rows: the exact answer (the reference's fix-up)."""
-    x, y = inputs(dtype, with_y)
-    for eps in (1e-8, 1e-36 if dtype != F64 else 1e-300):
-        assert_cosine_exact(sim.gemm_pairwise_cosine(x, y, eps), x, y, eps, f"gemm eps={eps}")
-    assert_sqdist_exact(sim.gemm_pairwise_sqdist(x, y), x, y, "gemm")
-
-
-@pytest.mark.parametrize("bad", [math.nan, math.inf, 1e19, 1e-30, 0.0])
-def test_one_special_row_among_ordinary_ones_falls_back(bad):
-    x = rows(6, 40)
-    x[2] = bad if bad != 1e19 and bad != 1e-30 else x[2] * bad
-    for y in (None, rows(4, 40, seed=3)):
-        yy = None if y is None else y
-        c, d = sim.gemm_pairwise_cosine(x, yy, 1e-8), sim.gemm_pairwise_sqdist(x, yy)
-        want_c, want_d = ref_sim.pairwise_cosine(x, yy, 1e-8), ref_sim.pairwise_sqdist(x, yy)
-        assert torch.equal(torch.isnan(c), torch.isnan(want_c)) and torch.equal(torch.isnan(d), torch.isnan(want_d))
-        ok = ~torch.isnan(want_c)
-        assert torch.equal(c[ok], want_c[ok]) and torch.equal(d[ok], want_d[ok])
-
-
-@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)], ids=str)
-def test_gemm_pairwise_empty(shape):
-    x = torch.randn(*shape)
-    for y in (None, torch.randn(2, shape[1])):
-        assert torch.equal(sim.gemm_pairwise_cosine(x, y, 1e-8), ref_sim.pairwise_cosine(x, y, 1e-8))
-        assert torch.equal(sim.gemm_pairwise_sqdist(x, y), ref_sim.pairwise_sqdist(x, y))

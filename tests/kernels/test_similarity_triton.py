@@ -22,13 +22,23 @@ if RUNNABLE:
     from tests.kernels import similarity_cases as extreme
 
 
-@pytest.fixture(params=["default-tiles", "small-tiles"])
+@pytest.fixture(params=["default-tiles", "small-tiles", "gemm-form"])
 def tiles(request, monkeypatch):
     """Default tiles, or 16 x 16 x 16 tiles so that the shapes below span several tiles of
-    every dimension and D is split over several programs (partials summed in the epilogue)."""
+    every dimension and D is split over several programs (partials summed in the epilogue), or
+    float32 rows of every length routed to the GEMM form (``_gemm_pairwise``: cuBLAS's product
+    and one epilogue launch) with 16 x 16 epilogue tiles, so that a tile with an extreme row
+    sits among ordinary ones."""
     if request.param == "small-tiles":
         for name in ("_BLOCK_K", "_BLOCK_M", "_BLOCK_D"):
             monkeypatch.setattr(ts, name, 16)
+    if request.param == "gemm-form":
+        from pfl_kernels.ops import similarity as ops
+
+        monkeypatch.setattr(ops, "GEMM_MIN_DIM", 0)
+        monkeypatch.setattr(ts, "_GEMM_DEVICES", (torch.device(DEVICE).type,))
+        monkeypatch.setattr(ts, "_GEMM_BLOCK", 16)
+        monkeypatch.setattr(ts, "_BLOCK_D", 16)
     return request.param
 
 
@@ -107,6 +117,41 @@ def test_extreme_rows(with_y, tiles):
     if y is None:
         finite = torch.isfinite(x).all(1)
         assert (d.diagonal()[finite] == 0).all() and torch.isnan(d.diagonal()[~finite]).all()
+        c = ts.pairwise_cosine_triton(x, y, 1e-8)
+        for r in (c, d):  # exactly symmetric, the tiles redone from scaled rows included
+            assert torch.equal(r.nan_to_num(), r.t().nan_to_num())
+
+
+@expected_overflow
+@pytest.mark.parametrize("with_y", [False, True], ids=["y=None", "y"])
+def test_the_gemm_forms_tiles_with_and_without_an_extreme_row(with_y, monkeypatch):
+    """The GEMM form's epilogue over 16 x 16 tiles: those without an extreme row (x's second
+    and fourth blocks, y's last two) take cuBLAS's product as it is, those with one (1e19, NaN,
+    zero, 1e-30 rows) are redone from the scaled rows, y None's tiles below the diagonal as
+    their mirrors (exactly symmetric)."""
+    from pfl_kernels.ops import similarity as ops
+
+    monkeypatch.setattr(ops, "GEMM_MIN_DIM", 0)
+    monkeypatch.setattr(ts, "_GEMM_DEVICES", (torch.device(DEVICE).type,))
+    monkeypatch.setattr(ts, "_GEMM_BLOCK", 16)  # tl.dot's least block on a GPU
+    monkeypatch.setattr(ts, "_BLOCK_D", 16)
+    x = rows(70, 37) + 0.2
+    x[3] *= 1e19
+    x[11] = float("nan")
+    x[40] = 0
+    x[66] *= 1e-30
+    y = None
+    if with_y:
+        y = rows(60, 37, seed=4)
+        y[[2, 9]] = x[[3, 66]]
+        y[20, 5] = float("inf")
+    xc, yc = x.cpu(), None if y is None else y.cpu()
+    c = ts.pairwise_cosine_triton(x, y, 1e-8)
+    d = ts.pairwise_sqdist_triton(x, y)
+    extreme.assert_cosine_exact(c, xc, yc, 1e-8, "cosine")
+    extreme.assert_sqdist_exact(d, xc, yc, "sqdist")
+    if y is None:
+        assert torch.equal(c.nan_to_num(), c.t().nan_to_num()) and torch.equal(d.nan_to_num(), d.t().nan_to_num())
 
 
 @expected_overflow

@@ -122,6 +122,17 @@ def _launches() -> dict:
                 for fn in (ops.pairwise_cosine, ops.pairwise_sqdist):
                     fn(x)
                     fn(x, y)
+                if dtype == torch.float32:  # the GEMM form's epilogue (long float32 rows on CUDA)
+                    from pfl_kernels.ops import similarity as sim_ops
+                    from pfl_kernels.triton import similarity as ts
+                    route = sim_ops.GEMM_MIN_DIM, ts._GEMM_DEVICES
+                    sim_ops.GEMM_MIN_DIM, ts._GEMM_DEVICES = 0, ("cpu",)
+                    try:
+                        for fn in (ops.pairwise_cosine, ops.pairwise_sqdist):
+                            fn(x)
+                            fn(x, y)
+                    finally:
+                        sim_ops.GEMM_MIN_DIM, ts._GEMM_DEVICES = route
                 ops.similarity_weights(torch.rand(6, 6, generator=g).to(dtype), tau=0.5, scale=10.0, min_keep=2)
                 ops.branch_aggregate(rand(4, 3, 50), torch.rand(4, 3, generator=g).to(dtype) + 0.1,
                                      torch.tensor([3, 1, 4, 2]))
