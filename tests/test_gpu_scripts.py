@@ -220,16 +220,22 @@ def test_a_prebuilt_extension_of_another_torch_or_other_sources_is_not_used(tmp_
 
 
 def test_gpu_tests_runs_quicks_test_stage_alone(tmp_path):
-    """The second GPU call where quick's test stage was cut: the GPU test files as quick runs
-    them (xdist, direct launches on), nothing else."""
+    """The second GPU call where quick's test stage was cut: the C++ CPU kernels' test files
+    that crashed on the H100 image in one process (faulthandler, first failure), with the
+    machine's compiler and CPU in the log, then the GPU test files as quick runs them (xdist,
+    direct launches on), nothing else."""
     proc, calls, out = run_check(tmp_path, "gpu-tests", PFL_KERNELS_DIRECT_LAUNCH="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not any("pip install" in c for c in calls)  # the extension imports: no rebuild
     assert not any(c.startswith("benchmarks/") for c in calls)
+    [crash] = [c for c in calls if c.startswith("-X faulthandler -m pytest")]
+    assert "tests/kernels/test_similarity.py" in crash and "-p no:xdist -x" in crash and " -n " not in crash
     [tests] = [c for c in calls if c.startswith("-m pytest")]
+    assert calls.index(crash) < calls.index(tests)
     assert " -n " in tests and "-m not slow" in tests and "--durations=15" in tests and tests.endswith("| DIRECT=1")
     assert "tests/kernels/test_direct_launch.py" in tests
     log = (out / "gpu_check_gpu-tests.log").read_text()
+    assert "   cpu_kernels: ok" in log and "cores " in log
     assert "tests_fixed" not in log and "   tests: ok" in log and re.search(r"== stage tests \(timeout 2\d\ds\)", log)
 
 
