@@ -42,6 +42,7 @@ T the lowest columns are taken (a cumulative count): the reference's tie-breakin
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -312,30 +313,44 @@ def _gemm_epilogue_kernel(
         tl.store(out_ptr + tl.where(swap, jb * M + ia, ia * M + jb), v, mask=ma[:, None] & mb[None, :])
 
 
-def _gemm_pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
+class _GemmPlan(NamedTuple):
+    """A GEMM-form call's output shape and its epilogue launch: grid, scalars, meta-parameters
+    (made once per signature by ``_pairwise_plan``; the plan is its launch's token)."""
+
+    k: int
+    m: int
+    grid: tuple
+    scalars: tuple
+    meta: dict
+
+
+def _gemm_plan(x, y, mode, eps, k, m, d) -> _GemmPlan:
+    yy = x if y is None else y
+    scalars = (k, m, d, x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), eps, _ops._NORM_LOW, _ops._NORM_HIGH,
+               _M_LOW, math.sqrt(_Q_HIGH / max(d, 1)))
+    meta = dict(MODE=mode, SYMMETRIC=y is None, BLOCK=_GEMM_BLOCK, BLOCK_D=_BLOCK_D, num_warps=4)
+    return _GemmPlan(k, m, (cdiv(k, _GEMM_BLOCK), cdiv(m, _GEMM_BLOCK)), scalars, meta)
+
+
+def _gemm_pairwise(x: torch.Tensor, y, plan: _GemmPlan) -> torch.Tensor:
     """The GEMM form (float32 rows of D >= ``GEMM_MIN_DIM`` on CUDA, TF32 off): s = x·yᵀ by
     cuBLAS (``torch.mm``), with y the rows' norms (``torch.linalg.vector_norm``), then one
     ``_gemm_epilogue_kernel`` launch.  No device sync: the reference's result, NaN and extreme
     rows included, from two launches (four with y) where the norm-plus-GEMM form in PyTorch
     took about ten and a sync to check the norms' band (on an H100 that form ran at 0.21-0.83x
     of eager)."""
-    k, d = x.shape
-    yy = x if y is None else y
-    m = yy.shape[0]
-    out = x.new_empty((k, m), dtype=torch.float32)
+    out = x.new_empty((plan.k, plan.m), dtype=torch.float32)
     if out.numel() == 0:
         return out
+    yy = x if y is None else y
     s = torch.mm(x, yy.t())
     if y is None:
         nx = ny = s  # not read: the kernel takes the norms from s's diagonal
     else:
         nx, ny = torch.linalg.vector_norm(x, dim=1), torch.linalg.vector_norm(y, dim=1)
-    grid = (cdiv(k, _GEMM_BLOCK), cdiv(m, _GEMM_BLOCK))
     with _device_guard(x):
-        _launch(_gemm_epilogue_kernel)[grid](
-            s, nx, ny, x, yy, out, k, m, d, x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), eps,
-            _ops._NORM_LOW, _ops._NORM_HIGH, _M_LOW, math.sqrt(_Q_HIGH / max(d, 1)),
-            MODE=mode, SYMMETRIC=y is None, BLOCK=_GEMM_BLOCK, BLOCK_D=_BLOCK_D, num_warps=4)
+        _launch_planned(_launch(_gemm_epilogue_kernel), plan.grid, plan, (s, nx, ny, x, yy, out), plan.scalars,
+                        plan.meta)
     return out
 
 
@@ -380,16 +395,17 @@ _Q_HIGH = torch.finfo(torch.float32).max / 8
 @metadata_cached
 def _pairwise_plan(x, y, mode, eps, tf32, tuning):
     """A pairwise call's checks and geometry, once per signature (``metadata_cached``): None
-    where the reference (float64) or the GEMM form serves, else (K, M, D, D per split, the
-    scratch layout, the product grid, the row band's upper end, the launches' arguments: see
-    ``_launch_arguments``).  ``tuning`` holds the block sizes and routing settings read here
+    where the reference serves (float64), a ``_GemmPlan`` where the GEMM form does, else (K, M,
+    D, D per split, the scratch layout, the product grid, the row band's upper end, the
+    launches' arguments: see ``_launch_arguments``).  ``tuning`` holds the block sizes and routing settings read here
     (tests change them), so that they are in the key."""
     k, m = _check_pair(x, y, eps if mode == MODE_COSINE else None)
     _check_devices(x, y)
     d = x.shape[1]
-    if x.dtype == torch.float64 or (x.device.type in _GEMM_DEVICES
-                                    and _ops.cuda_pairwise_path(d, x.dtype, tf32) == "gemm"):
+    if x.dtype == torch.float64:
         return None
+    if x.device.type in _GEMM_DEVICES and _ops.cuda_pairwise_path(d, x.dtype, tf32) == "gemm":
+        return _gemm_plan(x, y, mode, eps, k, m, d)
     if k == 0 or m == 0:  # an empty result: nothing to launch
         return k, m, d, 0, 0, None, None, 0.0, None
     split = _split(k, m, d, x.device)
@@ -420,12 +436,13 @@ def _launch_arguments(x, y, mode, eps, k, m, d, d_per_split, split, m_high):
 
 
 def _pairwise(x: torch.Tensor, y, mode: int, eps: float) -> torch.Tensor:
-    tuning = (_BLOCK_K, _BLOCK_M, _BLOCK_D, _WAVES, _MAX_PARTIAL_BYTES, _GEMM_DEVICES, _ops.GEMM_MIN_DIM)
+    tuning = (_BLOCK_K, _BLOCK_M, _BLOCK_D, _WAVES, _MAX_PARTIAL_BYTES, _GEMM_DEVICES, _ops.GEMM_MIN_DIM,
+              _GEMM_BLOCK)
     plan = _pairwise_plan(x, y, mode, eps, torch.backends.cuda.matmul.allow_tf32, tuning)
-    if plan is None:
-        if x.dtype == torch.float64:
-            return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
-        return _gemm_pairwise(x, y, mode, eps)
+    if plan is None:  # float64
+        return _ref.pairwise_cosine(x, y, eps) if mode == MODE_COSINE else _ref.pairwise_sqdist(x, y)
+    if isinstance(plan, _GemmPlan):
+        return _gemm_pairwise(x, y, plan)
     k, m, d, d_per_split, split, layout, grid, m_high, launches = plan
     out = x.new_empty((k, m), dtype=torch.float32)
     if out.numel() == 0:
