@@ -325,6 +325,9 @@ class _GemmPlan(NamedTuple):
 
 
 def _gemm_plan(x, y, mode, eps, k, m, d) -> _GemmPlan:
+    """The GEMM form's plan for a [K, D] x (and [M, D] y): the epilogue's grid over 64 x 64
+    output tiles, its scalars (strides, eps, the norm band, the max band of unscaled rows) and
+    meta-parameters."""
     yy = x if y is None else y
     scalars = (k, m, d, x.stride(0), x.stride(1), yy.stride(0), yy.stride(1), eps, _ops._NORM_LOW, _ops._NORM_HIGH,
                _M_LOW, math.sqrt(_Q_HIGH / max(d, 1)))
