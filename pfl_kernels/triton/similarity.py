@@ -325,7 +325,7 @@ class _GemmPlan(NamedTuple):
 
 
 def _gemm_plan(x, y, mode, eps, k, m, d) -> _GemmPlan:
-    """The GEMM form's plan for a [K, D] x (and [M, D] y): the epilogue's grid over 64 x 64
+    """The GEMM form's plan for a [K, D] x (and [M, D] y): the epilogue's grid over _GEMM_BLOCK-square
     output tiles, its scalars (strides, eps, the norm band, the max band of unscaled rows) and
     meta-parameters."""
     yy = x if y is None else y
