@@ -117,7 +117,8 @@ def test_launch_refuses_without_a_device(capsys):
 # ---------------------------------------------------------------- gpu_check.sh, with a stand-in python
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-} | SKIP=${PFL_KERNELS_SKIP_EXTENSION:-} | DIRECT=${PFL_KERNELS_DIRECT_LAUNCH:-}" >> "$FAKE_LOG"
+echo "$* | TRITON_INTERPRET=${TRITON_INTERPRET:-} | SKIP=${PFL_KERNELS_SKIP_EXTENSION:-} |" \
+  "DIRECT=${PFL_KERNELS_DIRECT_LAUNCH:-}" >> "$FAKE_LOG"
 if [ -n "${FAKE_TORCH:-}" ] && [[ "$*" == *"torch.__version__"* ]]; then echo "$FAKE_TORCH"; fi
 if [ -n "${FAKE_SLOW:-}" ] && [[ "$*" == *"$FAKE_SLOW"* ]]; then sleep 20; fi
 if [ -n "${FAKE_PYTEST_CUT:-}" ] && [[ "$*" == *"$FAKE_PYTEST_CUT"* ]]; then  # as pytest does on SIGINT

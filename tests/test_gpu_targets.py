@@ -134,8 +134,9 @@ OLD_LOG = """== stage tests_fixed (timeout 60s): python3 -m pytest tests/kernels
 def test_the_gpu_tests_of_a_gpu_check_log():
     assert gt.stage_results(LOG) == {"build": {}, "tests": {"failed": 1, "passed": 1200, "skipped": 30, "error": 2},
                                      "gpu_factorized": {}}
-    assert gt.stage_failures(LOG, "tests") == ["tests/kernels/test_branch_triton.py::test_gpu_opcheck[None-torch.float64]",
-                                               "tests/algorithms/engine/test_conv_gemm.py::test_e2e[cuda]"]
+    assert gt.stage_failures(LOG, "tests") == [
+        "tests/kernels/test_branch_triton.py::test_gpu_opcheck[None-torch.float64]",
+        "tests/algorithms/engine/test_conv_gemm.py::test_e2e[cuda]"]
     fixed, tests = gt.test_targets(LOG)
     assert (fixed.met, fixed.figure) == (True, "none failed in the test stage")  # others failed: not theirs
     assert tests.met is False and tests.figure == "1 failed, 1200 passed, 30 skipped, 2 error"
@@ -202,8 +203,10 @@ def test_reported_similarity_paths():
     data["similarity"]["rows"] = [gemm, slow, untimed, kernel_row(1.0, 1.1, op="cosine")]
     lines = gt.reported(data)
     assert lines[:2] == [
-        "similarity cosine K=20 D=65536: gemm 400.0 us, triton 80.0 us, eager 100.0 us (triton faster; 1.25x eager at best)",
-        "similarity sqdist K=20 D=65536: gemm 400.0 us, triton 500.0 us, eager 100.0 us (gemm faster; 0.25x eager at best)"]
+        "similarity cosine K=20 D=65536: gemm 400.0 us, triton 80.0 us, eager 100.0 us "
+        "(triton faster; 1.25x eager at best)",
+        "similarity sqdist K=20 D=65536: gemm 400.0 us, triton 500.0 us, eager 100.0 us "
+        "(gemm faster; 0.25x eager at best)"]
     assert lines[2].startswith("lenet5 batched+bf16")
 
 
