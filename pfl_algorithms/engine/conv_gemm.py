@@ -36,6 +36,8 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from .model_call import to_autocast_dtype
+
 CHOICES = ("grouped", "gemm")
 
 
@@ -71,9 +73,9 @@ def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # conv2d's autocast: its float operands but float64 in its dtype
+    if torch.is_autocast_enabled(device):  # as conv2d's autocast casts its operands
         dtype = torch.get_autocast_dtype(device)
-        x, weight = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, weight))
+        x, weight = to_autocast_dtype(x, dtype), to_autocast_dtype(weight, dtype)
     n, _, height, width = x.shape
     out_h = (height + 2 * pad[0] - dilation_[0] * (kernel[0] - 1) - 1) // stride_[0] + 1
     out_w = (width + 2 * pad[1] - dilation_[1] * (kernel[1] - 1) - 1) // stride_[1] + 1

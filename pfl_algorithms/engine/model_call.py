@@ -104,9 +104,14 @@ class AutocastConvolutions(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _CONVOLUTIONS and torch.is_autocast_enabled(self.device_type):
             dtype = torch.get_autocast_dtype(self.device_type)
-            cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t  # noqa: E731
-            args, kwargs = tree_map_only(Tensor, cast, (args, kwargs))
+            args, kwargs = tree_map_only(Tensor, lambda t: to_autocast_dtype(t, dtype), (args, kwargs))
         return func(*args, **kwargs)
+
+
+def to_autocast_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as autocast hands it to an op it runs in ``dtype`` (a convolution, a matmul): a
+    floating tensor in ``dtype``, but float64 and non-floating tensors as they are."""
+    return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
 
 
 class ModelOutputs(nn.Module):
