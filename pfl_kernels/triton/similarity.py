@@ -85,6 +85,13 @@ def _row_scales(mx_ptr, rows, mask, R, SPLIT, m_low, m_high):
 
 
 @triton.jit
+def _abs_max_rows(t):
+    """Each row's max |entry| of a tile, NaN counted as Inf (so that it is finite exactly for
+    finite rows)."""
+    return tl.max(tl.where(t == t, tl.abs(t), float("inf")), axis=1)
+
+
+@triton.jit
 def _scales_of_maxima(m, m_low, m_high):
     """(σ, extreme, finite) of rows whose max |entry| is m (NaN counted as Inf): a row is
     extreme where m is finite, nonzero and outside [m_low, m_high] (then its squared norm may
@@ -148,9 +155,8 @@ def _product_kernel(
                     acc = tl.dot(xt, tl.trans(yt), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(xt, tl.trans(yt), acc)
-                # max |entry| per row, NaN counted as Inf (so that m is finite exactly for finite rows)
-                ax = tl.maximum(ax, tl.max(tl.where(xf == xf, tl.abs(xf), float("inf")), axis=1))
-                ay = tl.maximum(ay, tl.max(tl.where(yf == yf, tl.abs(yf), float("inf")), axis=1))
+                ax = tl.maximum(ax, _abs_max_rows(xf))
+                ay = tl.maximum(ay, _abs_max_rows(yf))
             nx += tl.sum(xf * xf, axis=1)
             ny += tl.sum(yf * yf, axis=1)
         base = ps.to(tl.int64) * K * M
@@ -288,8 +294,8 @@ def _gemm_epilogue_kernel(
             md = rd < D
             xf = tl.load(a_row + rd[None, :] * sx_d, mask=ma[:, None] & md[None, :], other=0).to(tl.float32)
             yf = tl.load(b_row + rd[None, :] * sy_d, mask=mb[:, None] & md[None, :], other=0).to(tl.float32)
-            ax = tl.maximum(ax, tl.max(tl.where(xf == xf, tl.abs(xf), float("inf")), axis=1))
-            ay = tl.maximum(ay, tl.max(tl.where(yf == yf, tl.abs(yf), float("inf")), axis=1))
+            ax = tl.maximum(ax, _abs_max_rows(xf))
+            ay = tl.maximum(ay, _abs_max_rows(yf))
         sig_x, _, fin_x = _scales_of_maxima(ax, m_low, m_high)
         sig_y, _, fin_y = _scales_of_maxima(ay, m_low, m_high)
         acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
