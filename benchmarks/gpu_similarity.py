@@ -117,24 +117,24 @@ def bench_pair(rt: common.Runtime, k: int, d: int, dtype: torch.dtype) -> list[R
     def eager_sq():
         return torch.cdist(x.float(), x.float()) ** 2
 
-    err_c = common.check(f"cosine K={k} D={d}", fused_cos(), ref.pairwise_cosine(xe, None, 1e-8), 2e-5)
     # sqdist: the expanded form's error is relative to the norms (see pairwise_sqdist).
     scale = 2 * xe.pow(2).sum(1).max().item()
-    err_s = common.check(f"sqdist K={k} D={d}", fused_sq() / scale, ref.pairwise_sqdist(xe, None) / scale,
-                         2e-6 * max(1.0, math.sqrt(d / 1000)))
+    checks = {"cosine": (ref.pairwise_cosine(xe, None, 1e-8), 1.0, 2e-5),
+              "sqdist": (ref.pairwise_sqdist(xe, None) / scale, scale, 2e-6 * max(1.0, math.sqrt(d / 1000)))}
+
+    def checked(op: str, fused, what: str = "") -> float:
+        want, divisor, tol = checks[op]
+        return common.check(f"{op} K={k} D={d}{what}", fused() / divisor, want, tol)
+
     path = pairwise_path(d, dtype)
     alt_path = {"gemm": "triton", "triton": "gemm"}.get(path, "") if dtype == torch.float32 else ""
-    for op, fused, eager, err in (("cosine", fused_cos, eager_cos, err_c), ("sqdist", fused_sq, eager_sq, err_s)):
+    for op, fused, eager in (("cosine", fused_cos, eager_cos), ("sqdist", fused_sq, eager_sq)):
+        err = checked(op, fused)
         fused_ms, eager_ms = rt.pair(fused, eager)
         row = rt.annotate(Row(op, k, d, nbytes, fused_ms, eager_ms, floor_ms, err, path, alt_path))
         if alt_path:
             with routed(alt_path, device):
-                want = ref.pairwise_cosine(xe, None, 1e-8) if op == "cosine" else ref.pairwise_sqdist(xe, None)
-                got = fused()
-                if op == "sqdist":
-                    got, want = got / scale, want / scale
-                common.check(f"{op} K={k} D={d} ({alt_path})", got, want,
-                             2e-5 if op == "cosine" else 2e-6 * max(1.0, math.sqrt(d / 1000)))
+                checked(op, fused, f" ({alt_path})")
                 row.alt_ms = rt.time(fused)
         rows.append(row)
     del x, xe
