@@ -93,16 +93,16 @@ XDIST_WORKERS=${GPU_CHECK_WORKERS:-$(nproc)}
 PREBUILT=${GPU_CHECK_PREBUILT:-build/gpu-prebuilt}
 
 build() {  # the C++ extension must match the installed torch
-  local want
+  local want skip=
   want="$(bash scripts/extension_hash.sh) $("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
   if [ -f "$PREBUILT/_C.abi3.so" ] && [ "$(cat "$PREBUILT/stamp" 2>/dev/null || true)" = "$want" ]; then
     echo "build: not compiled: $PREBUILT/_C.abi3.so was built from these sources against torch ${want#* }"
     "$PY" -c "import shutil, sys; shutil.copy2(sys.argv[1], sys.argv[2])" "$PREBUILT/_C.abi3.so" \
       pfl_kernels/_C.abi3.so
-    PFL_KERNELS_SKIP_EXTENSION=1 "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
-  else
-    MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
+    skip=1  # the package and its entry points, without compiling
   fi
+  PFL_KERNELS_SKIP_EXTENSION=$skip MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+    "$PY" -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -5
   "$PY" -c "import pfl_kernels._C"
 }
 
