@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from pfl_kernels.nn import MultiBranchConv2d, MultiBranchLinear, multibranch, multibranch_layers
-from pfl_kernels.ops import branch_aggregate, project_simplex_
+from pfl_kernels.ops import branch_aggregate
 
 from ..api import GroupRule, OneOf, Phase, PositiveFloat, PositiveInt, capturable_hook, head_parameter_names
 from .fedavg import FedAvg
@@ -226,8 +226,16 @@ class PFedMB(FedAvg):
         return {name: factor[slot] for name, slot in self._alpha_slots(view.segments(ALPHA)).items()}
 
     def _project_alpha(self, view) -> None:
+        """α ← its projection onto the simplex, row by row, after each phase-1 step.
+
+        The op itself, not the ``project_simplex_`` wrapper: the wrapper reads α back to the
+        host to refuse NaN/Inf, which a CUDA graph capture of the step cannot do (the hook is
+        declared capturable) and which stopped a diverging run with an error about an ``x``
+        the user never passed.  The op makes a row holding NaN or Inf all NaN, so a diverged
+        client's result is non-finite and the engine reports it as diverged, as for any
+        other algorithm."""
         with torch.no_grad():
-            project_simplex_(view.group(ALPHA).view(-1, self.settings.branches))
+            torch.ops.pfl.project_simplex_(view.group(ALPHA).view(-1, self.settings.branches))
 
     def upload(self, view):
         extra = [ALPHA] if self.settings.weighting == "alpha" else []

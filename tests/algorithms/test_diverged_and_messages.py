@@ -40,6 +40,18 @@ def test_a_diverged_model_is_not_scored(executor, tmp_path, capsys):
     assert "there is no mean accuracy" in warning[0]
 
 
+def test_a_diverged_pfedmb_with_projected_alpha_is_reported_not_an_error(tmp_path, capsys):
+    """pFedMB's projection of α (simplex=projection) used the wrapper that refuses NaN: a
+    diverging client stopped the run with "x must be finite to be projected onto the simplex".
+    Now its α row turns NaN, and the run reports the diverged clients as any other does."""
+    out = tmp_path / "r"
+    assert main(["run", "pfedmb", *DIVERGING, "--set", "simplex=projection", "--set", "alpha_lr=1e6",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "must be finite" not in err and "diverged for 4 of 4 client(s)" in err
+    assert json.loads((out / "summary.json").read_text())["final_diverged_clients"] == [0, 1, 2, 3]
+
+
 def test_a_diverged_target_is_not_scored(tmp_path, capsys):
     """FedGP's target trained at target_lr 1e7 (the fda scenario): the same, and the target's
     final accuracy is null."""

@@ -24,9 +24,11 @@ from pfl_algorithms.algorithms.fedavg import FedAvg
 from pfl_algorithms.engine.plan import Phase, capturable_hook
 from pfl_algorithms.engine.rounds import federation_for, run_round
 from pfl_algorithms.engine.step_graphs import LIMIT, WARMUP, StaticStep, StepGraphs, capturable
+from pfl_algorithms.models import build_model
 
 from ..algorithms.federation_cases import BatchNormNet, TinyNet, make_federation
 from ..state_checks import ADAM_TOL, assert_close_state, assert_same
+from .host_reads import HostReadsRefused
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -221,23 +223,37 @@ class _Stream:
 
 
 class _Graph:
-    """A capture that records ``fn`` without running it, as a CUDA graph's does."""
+    """A capture of ``fn``: ``StepGraphs.run`` replays it right after capturing, which the
+    capture's own run of ``fn`` stands for (``pretend_capture``), so that first replay does nothing."""
 
     def __init__(self, fn):
-        self.fn = fn
+        self.fn, self.captured_run_pending = fn, True
 
     def replay(self):
+        if self.captured_run_pending:
+            self.captured_run_pending = False
+            return
         self.fn()
+
+
+def pretend_capture(self, step):
+    """``StepGraphs._capture`` on a CPU: runs the step as a capture would see it, refusing any
+    read of values on the host (``HostReadsRefused``: a real capture fails on those), and
+    returns a graph that replays it."""
+    with HostReadsRefused():
+        step.fn()
+    self.counts["captured"] += 1
+    return _Graph(step.fn)
 
 
 @pytest.fixture
 def pretend_cuda(monkeypatch):
-    """StepGraphs' capture path on a CPU: streams that do nothing, captures that record."""
+    """StepGraphs' capture path on a CPU: streams that do nothing, captures that run the step
+    with host reads refused, replays that run it again."""
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(StepGraphs, "_capture", lambda self, step: (self.counts.__setitem__(
-        "captured", self.counts["captured"] + 1), _Graph(step.fn))[1])
+    monkeypatch.setattr(StepGraphs, "_capture", pretend_capture)
 
 
 def test_each_step_runs_once_warmed_up_then_captured_then_replayed(pretend_cuda, monkeypatch, capsys):
@@ -279,6 +295,87 @@ def test_a_federation_whose_steps_are_replayed_trains_as_one_run_eagerly(pretend
             if capture:
                 assert fed.step_graphs.counts["replayed"] > 0
         assert_same(results[1], results[0])
+
+
+def captured_against_uncaptured(make, capsys, *, rtol: float, atol: float) -> None:
+    """Two rounds of ``make()`` (a fresh (federation, algorithm)) uncaptured, then captured the
+    pretend way: each step a capture takes (run with host reads refused, as a CUDA graph
+    capture fails on them) is captured, none is refused, and the runs agree."""
+    runs = []
+    for capture in (False, True):
+        torch.manual_seed(0)
+        fed, algo = make()
+        fed.step_graphs.capture = fed.step_graphs.static = capture
+        for r in range(2):
+            run_round(fed, algo, r)
+        runs.append((fed.state_dict(), algo.state_dict()))
+    refused = [key for key, step in fed.step_graphs._steps.items() if step.refused]
+    assert "could not be captured" not in capsys.readouterr().err and not refused
+    assert fed.step_graphs.counts["captured"] > 0 and fed.step_graphs.counts["replayed"] > 0
+    assert_close_state(runs[1], runs[0], rtol=rtol, atol=atol)
+
+
+# Every algorithm with a phase that ``capturable`` accepts, and pFedMB's projected α (its
+# after-step hook is declared capturable: no value may be read back in it).
+CAPTURED = [(name, {}) for name in PLAIN] + [("pfedmb", {"simplex": "projection"})]
+
+
+def _ids(cases) -> list[str]:
+    return [name + "".join(f"-{v}" for v in settings.values()) for name, settings in cases]
+
+
+@pytest.mark.parametrize("executor", ["sequential", "batched"])
+@pytest.mark.parametrize("name,settings", CAPTURED, ids=_ids(CAPTURED))
+def test_every_captured_step_reads_no_value_on_the_host(pretend_cuda, capsys, executor, name, settings):
+    def make():
+        algo = make_algorithm(name, **settings)
+        return make_federation(algo, rounds=2, epochs=2, executor=executor, sizes=(46, 58, 69),
+                               optimizer_settings={"lr": 0.1, "momentum": 0.9}, optimizer_state="keep"), algo
+
+    captured_against_uncaptured(make, capsys, rtol=1e-12, atol=1e-12)
+
+
+CNN_CAPTURED = [("fedavg", {}), ("factorized-fl-beta", {}), ("simfed", {}), ("pfedmb", {}),
+                ("pfedmb", {"simplex": "projection"})]
+
+
+@pytest.mark.parametrize("executor", ["sequential", "batched"])
+@pytest.mark.parametrize("name,settings", CNN_CAPTURED, ids=_ids(CNN_CAPTURED))
+def test_captured_cnn_steps_read_no_value_on_the_host(pretend_cuda, capsys, executor, name, settings):
+    """The same for LeNet-5 (the GPU benchmark's model): its convolutions and pools made
+    factorized or multi-branch by the algorithm, on CIFAR-shaped images."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = (24, 24, 30)
+    inputs = torch.randn(sum(sizes), 3, 32, 32, generator=gen)
+    labels = torch.randint(0, 10, (sum(sizes),), generator=gen)
+    empty = torch.empty(0, dtype=torch.int64)
+    splits = [ClientSplit(train=torch.arange(sum(sizes[:k]), sum(sizes[:k + 1])), val=empty, test=empty)
+              for k in range(len(sizes))]
+
+    def make():
+        algo = make_algorithm(name, **settings)
+        engine = EngineSettings(rounds=2, eval_every=10 ** 6, optimizer=OptimizerSettings(lr=0.05, momentum=0.9),
+                                schedule=LocalSchedule(batch_size=8, epochs=1), executor=executor,
+                                optimizer_state="keep")
+        model = build_model("lenet5", input_shape=(3, 32, 32), num_classes=10)
+        return federation_for(algo, model, inputs, labels, splits, engine), algo
+
+    captured_against_uncaptured(make, capsys, rtol=1e-6, atol=1e-7)
+
+
+def test_a_capture_refuses_reads_of_values_on_the_host():
+    """The stand-in for a capture refuses what a CUDA capture fails on, and nothing else."""
+    x = torch.tensor([1.0, -2.0, 3.0])
+    reads = [lambda: x.sum().item(), lambda: bool(x.sum() > 0), lambda: float(x[0]), lambda: x.tolist(),
+             lambda: x[x > 0], lambda: torch.nonzero(x), lambda: str(x), lambda: int(x[0]),
+             lambda: torch.equal(x, x), lambda: x.unique()]
+    for read in reads:
+        with HostReadsRefused(), pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            read()
+    with HostReadsRefused():  # device work only
+        y = torch.where(x > 0, x, x.abs()).sum() + x[torch.tensor([0, 2])].mean()
+        x.clone().masked_fill_(x < 0, 0.0)
+    assert y.item() == pytest.approx(8.0)
 
 
 def test_cuda_graphs_is_a_checked_setting():
