@@ -21,6 +21,7 @@ import torch
 
 from ..reference import branch as ref
 from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, has_values, values_finite
+from ._eager import kernel_for
 from ._memo import metadata_cached
 from ._library import define_op, has_kernel, register_autograd, sum_defined
 from ._vmap import fold_vmap_dim, logical_dim, unfold_gradients
@@ -279,5 +280,5 @@ def project_simplex_(x: torch.Tensor) -> torch.Tensor:
     # (a graph break, as before).
     if (torch.compiler.is_compiling() or has_values(x)) and not values_finite(x):
         raise ValueError("x must be finite to be projected onto the simplex (it holds NaN or Inf)")
-    torch.ops.pfl.project_simplex_(x)
+    kernel_for("project_simplex_", x)(x)
     return x

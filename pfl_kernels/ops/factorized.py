@@ -331,5 +331,5 @@ def soft_threshold_(mu: torch.Tensor, threshold: float) -> torch.Tensor:
     threshold = float(threshold)
     if not threshold >= 0 or threshold == float("inf"):
         raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
-    torch.ops.pfl.soft_threshold_(mu, threshold)
+    kernel_for("soft_threshold_", mu)(mu, threshold)
     return mu

@@ -12,8 +12,9 @@ from torch.autograd import forward_ad
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pfl_kernels.ops import _eager, branch_aggregate, factorized_weight, pairwise_cosine, similarity_weights, weighted_average
-from pfl_kernels.reference import aggregate as ref_aggregate
+from pfl_kernels.ops import (_eager, branch_aggregate, factorized_weight, pairwise_cosine, project_simplex_,
+                             similarity_weights, soft_threshold_, weighted_average)
+from pfl_kernels.reference import aggregate as ref_aggregate, branch as ref_branch
 from tests.tolerances import assert_close
 
 
@@ -172,12 +173,71 @@ def test_the_profiler_still_shows_the_op(spies):
     assert "pfl::weighted_average" in {e.name for e in prof.events()}
 
 
-def test_ops_that_write_an_argument_keep_the_dispatcher():
-    """Their version bump lives in the dispatcher (``_library._guard_mutation``)."""
-    _eager.register("soft_threshold_", "cpu", lambda *args: None)
-    _eager.register("weighted_average.out", "cpu", lambda *args: None)
-    assert ("soft_threshold_", "cpu") not in _eager.KERNELS
-    assert ("weighted_average.out", "cpu") not in _eager.KERNELS
+@pytest.fixture
+def writing_spies(monkeypatch):
+    """{op name: direct calls} for the ops that write an argument, registered as
+    ``launchers_on_cpu`` registers a launcher (``_eager.register``: with the version bump)."""
+    calls = {}
+    monkeypatch.setattr(_eager, "ENABLED", True)
+    for name in ("soft_threshold_", "project_simplex_"):
+        calls[name] = 0
+        op = getattr(torch.ops.pfl, name)
+
+        def launcher(*args, name=name, op=op):
+            calls[name] += 1
+            with torch._C._AutoDispatchBelowAutograd():  # the kernel alone, as a launcher
+                return op(*args)
+        monkeypatch.delitem(_eager.KERNELS, (name, "cpu"), raising=False)
+        _eager.register(name, "cpu", launcher)
+        monkeypatch.setitem(_eager.KERNELS, (name, "cpu"), _eager.KERNELS[(name, "cpu")])
+    return calls
+
+
+def _projected(x: torch.Tensor) -> torch.Tensor:
+    ref_branch.project_simplex_(x)
+    return x
+
+
+# op name -> (the public wrapper's call, in place; the float64 reference on a copy)
+WRITERS = {"soft_threshold_": (lambda x: soft_threshold_(x, 0.25),
+                               lambda x: x.sign() * (x.abs() - 0.25).clamp_min(0)),
+           "project_simplex_": (project_simplex_, lambda x: _projected(x.clone()))}
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_an_op_that_writes_an_argument_skips_the_dispatcher_and_bumps_its_version(writing_spies, name):
+    """Past the dispatcher the write still moves the version counter (its Autograd kernel's
+    bump, ``_library._guard_mutation``): a backward that saved the tensor refuses to run."""
+    call, reference = WRITERS[name]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    want = reference(x)
+    a = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    loss = (a * x).sum()  # saves x
+    version = x._version
+    with torch.no_grad():
+        call(x)
+    assert writing_spies[name] == 1 and x._version > version
+    assert_close(x, want, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_a_write_into_a_tensor_that_requires_grad_keeps_the_dispatcher(writing_spies, name):
+    """Under grad mode the dispatcher's Autograd kernel refuses it (the op has no derivative)."""
+    leaf = torch.rand(4, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="has no derivative.*torch.no_grad"):
+        WRITERS[name][0](leaf)
+    assert writing_spies[name] == 0
+
+
+def test_an_inference_tensor_keeps_the_dispatcher(writing_spies):
+    """It has no version counter to bump: the dispatcher's path, which knows to skip it."""
+    with torch.inference_mode():
+        x = torch.randn(4, 3)
+        soft_threshold_(x, 0.25)
+    assert writing_spies["soft_threshold_"] == 0
 
 
 def test_switched_off_every_call_goes_through_the_dispatcher(spies, monkeypatch):
