@@ -57,7 +57,7 @@ import torch
 from torch.nn import functional as F
 
 from ..api import (BUFFERS, SGD, Algorithm, Capabilities, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase,
-                   PositiveFloat, PositiveInt)
+                   PositiveFloat, PositiveInt, capturable_hook)
 from .fedper import FedPer
 
 EMBEDDINGS = "embeddings"
@@ -138,15 +138,18 @@ def server_gradients(params: Mapping[str, torch.Tensor], client: int,
 
 def clip_term(groups, max_norm: float):
     """A gradient term that scales the gradient of ``groups`` to norm ≤ ``max_norm`` (the code's
-    ``clip_grad_norm_(net.parameters(), 50)`` before each inner step; torch's coefficient
-    max_norm / (norm + 1e-6)).  Adds no loss."""
+    ``clip_grad_norm_(net.parameters(), 50)`` before each inner step), as torch computes it:
+    the coefficient max_norm / (norm + 1e-6), clamped to 1, in the gradients' dtype and on their
+    device, multiplied in whether or not it clips (by 1 it changes nothing), so no value is read
+    back to the host and the step can be captured as a CUDA graph.  Adds no loss."""
     def clip(view):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(view.grad(g)) for g in groups]))
-        coefficient = max_norm / (float(norm) + 1e-6)
-        if coefficient < 1.0:
-            for g in groups:
-                view.grad(g).mul_(coefficient)
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in groups:
+            view.grad(g).mul_(coefficient)
         return None
+
+    return capturable_hook(clip, key=("pfedhn-clip", tuple(groups), float(max_norm)))
 
     return clip
 

@@ -48,7 +48,8 @@ def run(name, *, static: bool, executor="sequential", optimizer="sgd", settings=
     return (records, fed.state_dict(), algo.state_dict()), dict(fed.step_graphs.counts)
 
 
-PLAIN = ["fedavg", "fedrep", "pfedmb", "fedper", "local", "pfedpara", "factorized-fl-beta", "simfed"]
+PLAIN = ["fedavg", "fedrep", "pfedmb", "fedper", "local", "pfedpara", "factorized-fl-beta", "simfed", "pfedhn",
+         "pfedhn-pc"]
 
 
 @pytest.mark.parametrize("name", PLAIN)
@@ -315,9 +316,10 @@ def captured_against_uncaptured(make, capsys, *, rtol: float, atol: float) -> No
     assert_close_state(runs[1], runs[0], rtol=rtol, atol=atol)
 
 
-# Every algorithm with a phase that ``capturable`` accepts, and pFedMB's projected α (its
-# after-step hook is declared capturable: no value may be read back in it).
-CAPTURED = [(name, {}) for name in PLAIN] + [("pfedmb", {"simplex": "projection"})]
+# Every algorithm with a phase that ``capturable`` accepts, pFedMB's projected α (its after-step
+# hook is declared capturable: no value may be read back in it) and pFedHN's clipping where it
+# clips (its default norm 50 is never reached here).
+CAPTURED = [(name, {}) for name in PLAIN] + [("pfedmb", {"simplex": "projection"}), ("pfedhn", {"client_clip": 0.05})]
 
 
 def _ids(cases) -> list[str]:
