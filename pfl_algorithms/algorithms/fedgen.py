@@ -328,7 +328,11 @@ class FedGen(Algorithm):
             return
         random = self.server.generator(round_)
         optimizer = generator_optimizer(s, round_)
-        totals = {"teacher": 0.0, "student": 0.0, "diversity": 0.0}
+        # The parts' running means stay on the device (float64, as the Python floats they
+        # replace) and are read once after the loop: a read per step was a device sync per
+        # step, 3 × generator_steps a round, which kept the host from queueing the next step.
+        names = ("teacher", "student", "diversity")
+        totals = torch.zeros(len(names), dtype=torch.float64, device=self.params.device)
         for _ in range(s.generator_steps):
             y = labels[torch.randint(len(labels), (s.generator_batch_size,), generator=random)].to(self.params.device)
             noise = torch.rand(s.generator_batch_size, s.noise_dim, generator=random, dtype=self.params.dtype)
@@ -338,9 +342,8 @@ class FedGen(Algorithm):
             loss, parts = generator_loss(heads, self.head, weights.to(self.params.device), y, noise, output, s)
             (grad,) = torch.autograd.grad(loss, params)
             optimizer.step(self.params, grad, self.adam)
-            for key, value in parts.items():
-                totals[key] += float(value) / s.generator_steps
-        self.losses = totals
+            totals += torch.stack([parts[key].detach() for key in names]).double() / s.generator_steps
+        self.losses = dict(zip(names, totals.tolist()))
 
     def round_metrics(self, round_):
         """The generator's mean teacher, student and diversity losses of the round."""

@@ -444,13 +444,14 @@ def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, gr
         copy_gradients(layout, leaves, target)
         if not whole:
             grads[idx] = target
-        extra = torch.zeros(len(members), dtype=torch.float64)
+        # The terms' losses stay on the device (a float() each was a sync per client and step).
+        extra = torch.zeros(len(members), dtype=torch.float64, device=params.device)
         for k, i in enumerate(members):
             phase = tasks[i].plan[index]
             for term in phase.grad_terms:
                 value = term(views[i])
                 if value is not None:
-                    extra[k] += float(value)
+                    extra[k] += value.detach().double() if isinstance(value, torch.Tensor) else float(value)
         steps = state["steps"]
         if whole and bool((steps == steps[0]).all()):
             shared = {name: value for name, value in state.items() if name != "steps"}
