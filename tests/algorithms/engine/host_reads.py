@@ -28,14 +28,30 @@ def _has_mask(index) -> bool:
     return any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys)
 
 
+def reads_on_host(func, args) -> bool:
+    """Whether the call ``func(*args)`` reads tensor values on the host."""
+    return func in HOST_READS or (func in (T.__getitem__, T.__setitem__) and len(args) > 1 and _has_mask(args[1]))
+
+
 class HostReadsRefused(TorchFunctionMode):
     """Within the mode, a call that reads tensor values on the host raises RuntimeError, as a
     CUDA graph capture fails on it (module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        masked = func in (T.__getitem__, T.__setitem__) and len(args) > 1 and _has_mask(args[1])
-        if func in HOST_READS or masked:
+        if reads_on_host(func, args):
             name = getattr(func, "__name__", str(func))
             raise RuntimeError(f"operation not permitted when stream is capturing: {name} reads values on the host")
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+class HostReadsCounted(TorchFunctionMode):
+    """Within the mode, ``count`` is the number of calls that read tensor values on the host
+    (on a GPU, each a device sync; on a CPU some read tensors that live on the host anyway)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += reads_on_host(func, args)
+        return func(*args, **(kwargs or {}))

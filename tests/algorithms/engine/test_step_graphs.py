@@ -28,7 +28,7 @@ from pfl_algorithms.models import build_model
 
 from ..algorithms.federation_cases import BatchNormNet, TinyNet, make_federation
 from ..state_checks import ADAM_TOL, assert_close_state, assert_same
-from .host_reads import HostReadsRefused
+from .host_reads import HostReadsCounted, HostReadsRefused
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -363,6 +363,28 @@ def test_captured_cnn_steps_read_no_value_on_the_host(pretend_cuda, capsys, exec
         return federation_for(algo, model, inputs, labels, splits, engine), algo
 
     captured_against_uncaptured(make, capsys, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("executor", ["sequential", "batched"])
+@pytest.mark.parametrize("name", PLAIN)
+def test_host_reads_a_round_do_not_grow_with_its_steps(executor, name):
+    """Around its static steps a round reads values on the host (each a device sync on a GPU) a
+    fixed number of times, for the checks of its results: three times as many local epochs,
+    the same reads, so no step syncs.  The batched executor's clients have equal sizes here, so
+    that every step is a whole chunk's static one (its general steps read the host-side step
+    counts of the rows they step)."""
+    reads = []
+    sizes = (46, 58, 69) if executor == "sequential" else (46, 46, 46)
+    for epochs in (1, 3):
+        algo = make_algorithm(name)
+        fed = make_federation(algo, rounds=2, epochs=epochs, executor=executor, sizes=sizes,
+                              optimizer_settings={"lr": 0.1, "momentum": 0.9}, optimizer_state="keep")
+        fed.step_graphs.static = True
+        run_round(fed, algo, 0)
+        with HostReadsCounted() as counted:
+            run_round(fed, algo, 1)
+        reads.append(counted.count)
+    assert reads[0] == reads[1], f"{reads[0]} host reads a round with 1 epoch, {reads[1]} with 3"
 
 
 def test_a_capture_refuses_reads_of_values_on_the_host():
