@@ -216,6 +216,10 @@ def executor_targets(data: dict) -> list[Target]:
     return targets
 
 
+def _ratio(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def reported(data: dict) -> list[str]:
     """What the issue asks to report besides its targets: each pairwise similarity shape's
     other CUDA path (the fused kernel or the GEMM form) against the one that served and eager,
@@ -232,8 +236,15 @@ def reported(data: dict) -> list[str]:
     if "executor" not in data:
         return lines
     rows = data["executor"]["rows"]
-    for job in EXECUTOR_SPEEDUP:
+    for job, target in EXECUTOR_SPEEDUP.items():
         base = next((r for r in rows if r["job"] == job and r["executor"] == "batched"), None)
+        for row in rows:  # the bound of batching with the same kernels (gpu_executor.speed_job)
+            if row["job"] == job and row["executor"].startswith("one-model") and "error" not in row:
+                speedup = row.get("speedup_vs_sequential")
+                lines.append(f"{job} {row['executor']} (one model, batch {row['batch']}, the round's samples): "
+                             f"{row['round_s'] * 1e3:.1f} ms a round, {_ratio(speedup)}x sequential: a batched "
+                             f"executor on these kernels {'can' if speedup and speedup >= target else 'cannot'} "
+                             f"reach {target:g}x")
         for row in rows:
             if base and row["job"] == job and row["executor"].startswith("batched+"):
                 if "error" in row or "error" in base:

@@ -192,6 +192,22 @@ def test_reported_bf16_and_variants():
                      "bf16 autocast, LeNet-5 train accuracy: float32 0.8600, bf16 0.8500"]
 
 
+def test_reported_bound_of_batching():
+    """The one-model rows say whether a batched executor on the same kernels can reach the target."""
+    data = suites()
+    data["executor"]["rows"] += [
+        {"job": "lenet5", "executor": "one-model", "round_s": 0.004, "batch": 1280, "speedup_vs_sequential": 12.5},
+        {"job": "resnet9-factorized", "executor": "one-model", "round_s": 0.2, "batch": 2560,
+         "speedup_vs_sequential": 1.4},
+        {"job": "resnet9-factorized", "executor": "one-model+bf16", "error": "RuntimeError: out of memory"}]
+    lines = gt.reported(data)
+    assert ("lenet5 one-model (one model, batch 1280, the round's samples): 4.0 ms a round, 12.50x sequential: "
+            "a batched executor on these kernels can reach 10x") in lines
+    assert ("resnet9-factorized one-model (one model, batch 2560, the round's samples): 200.0 ms a round, 1.40x "
+            "sequential: a batched executor on these kernels cannot reach 3x") in lines
+    assert not any("one-model+bf16" in line for line in lines)  # a failed bound says nothing
+
+
 def test_reported_similarity_paths():
     """gpu_similarity.py times float32 shapes on both CUDA paths: which one wins is reported
     (rows without the other path, or where it was not timed, are not)."""

@@ -16,11 +16,17 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     path = tmp_path / "executor.json"
     assert gpu_executor.main(["--dry-run", "--profile", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
-    common = ("sequential", "sequential-eager", "batched", "batched-eager", "batched+cudnn-benchmark", "batched+bf16")
+    common = ("sequential", "sequential-eager", "batched", "batched-eager", "batched+bf16", "one-model",
+              "one-model+bf16")
     assert {(r["job"], r["executor"]) for r in result["rows"]} == {
         *(("lenet5", executor) for executor in (*common, "batched+gemm-conv")),
         *(("resnet9-factorized", executor) for executor in common)}
     assert all(r["round_s"] > 0 for r in result["rows"])
+    # the bound: one model on all the clients' samples, at the clients' batch times their number
+    batches = {"lenet5": 64, "resnet9-factorized": 8}
+    clients = gpu_executor.DRY["clients"]
+    for r in result["rows"]:
+        assert r["batch"] == batches[r["job"]] * (clients if r["executor"].startswith("one-model") else 1)
     # On a CPU nothing is captured; the batched executor's plain steps run as static steps.
     assert all(r["steps"]["captured"] == 0 for r in result["rows"])
     assert all(r["steps"]["eager"] > 0 for r in result["rows"] if r["executor"].startswith("batched"))
@@ -77,12 +83,12 @@ def test_a_failing_variant_leaves_its_error_and_the_others_run(monkeypatch):
     rows = []
     gpu_executor.speed_job("lenet5", "lenet5", False, 8, 4, 10.0, gpu_executor.DRY, "cpu", bf16=True, rows=rows,
                            on_row=lambda: saved.append(len(rows)))
-    assert saved == list(range(1, 7)) and made.count("bf16") == 1
+    assert saved == list(range(1, 8)) and made.count("bf16") == 2
     failed = [r for r in rows if "error" in r]
-    assert [r["executor"] for r in failed] == ["batched+bf16"] and "BFloat16" in failed[0]["error"]
+    assert [r["executor"] for r in failed] == ["batched+bf16", "one-model+bf16"] and "BFloat16" in failed[0]["error"]
     timed = [r for r in rows if "error" not in r]
     assert [r["executor"] for r in timed] == ["sequential-eager", "sequential", "batched-eager", "batched",
-                                              "batched+cudnn-benchmark"]
+                                              "one-model"]
     assert all(r["speedup_vs_sequential"] > 0 for r in timed)
     sequential = next(r for r in timed if r["executor"] == "sequential")
     assert sequential["speedup_vs_sequential"] == 1.0 and sequential["target"] is None
