@@ -37,7 +37,9 @@ class MixedBatchNorm(TorchFunctionMode):
     convolution output, on CUDA) with each client's float32 running statistics failed (on an
     H100: "Expected running_mean to have type BFloat16 but got Float" in the backward; on a CPU
     already in the forward).  The cast up is exact, so the statistics are float32 ones as
-    unbatched; only the output is rounded to bfloat16, as cuDNN rounds it."""
+    unbatched; only the output is rounded to bfloat16, as cuDNN rounds it.  The batched
+    executor's calls that fold (``folded_batch_norm``: all of its own) never reach this mode:
+    they run the native mixed kernel, without the casts."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -63,9 +63,11 @@ def _reference(bn, params, buffers, x, grad_out):
     return stack(outs), stack(x_grads), {k: stack(v) for k, v in p_grads.items()}, {k: stack(v) for k, v in stats.items()}
 
 
-def _check(training: bool, device: str):
+def _check(training: bool, device: str, mode=None):
+    """``mode`` (default ``MixedBatchNorm()``) runs the vmapped bf16 BatchNorm as the unbatched
+    mixed one computes it (``test_folded_batch_norm`` passes its own)."""
     bn, params, buffers, x = _clients(training, device)
-    out, x_grad, p_grads, parts, grad_out = _vmapped(bn, params, buffers, x, MixedBatchNorm())
+    out, x_grad, p_grads, parts, grad_out = _vmapped(bn, params, buffers, x, mode or MixedBatchNorm())
     want_out, want_x_grad, want_p_grads, want_stats = _reference(bn, params, buffers, x, grad_out)
     # 16-bit results: within a few bfloat16 roundings (2^-8 relative) of the float64 values
     assert out.dtype == x_grad.dtype == torch.bfloat16

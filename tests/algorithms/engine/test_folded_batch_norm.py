@@ -1,0 +1,170 @@
+"""Each client's BatchNorm under ``vmap`` as one native BatchNorm over the clients' channels
+(``engine/folded_batch_norm.py``, the batched executor's forward): the batching rule's output,
+gradients and running statistics in float64, the unbatched mixed BatchNorm's in bfloat16 with
+float32 statistics, and the batching rule itself wherever the call does not fold."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from pfl_algorithms.engine import folded_batch_norm as folding
+from pfl_algorithms.engine.folded_batch_norm import FoldedBatchNorm
+
+from .test_mixed_batch_norm import _check
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+F64 = torch.float64
+K = 3
+
+
+@pytest.fixture
+def folds(monkeypatch):
+    """[whether each folded_batch_norm call folded]."""
+    seen, real = [], folding.folded_batch_norm
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(folding, "folded_batch_norm", spy)
+    return seen
+
+
+def _module(kind: str, affine: bool, track: bool, training: bool) -> nn.Module:
+    cls = nn.BatchNorm1d if kind.startswith("1d") else nn.BatchNorm2d
+    return cls(4, affine=affine, track_running_stats=track, momentum=0.3).to(F64).train(training)
+
+
+def _input(kind: str, g) -> torch.Tensor:
+    """A client batch [K, N, 4, ...] with per-client shifts, so that the clients' statistics differ."""
+    shape = {"1d": (K, 6, 4), "1d-seq": (K, 5, 4, 7), "2d": (K, 5, 4, 3, 2)}[kind]
+    shift = torch.arange(K, dtype=F64).view(K, *[1] * (len(shape) - 1)) * 3
+    return torch.randn(*shape, generator=g, dtype=F64) * (1 + shift) + shift
+
+
+def _run(bn, params, buffers, x, mode, *, in_dims=0):
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    parts = {k: v.clone() for k, v in buffers.items()}
+    xs = x.clone().requires_grad_()
+    with mode:
+        out = vmap(lambda p, b, xi: functional_call(bn, {**p, **b}, (xi,)), in_dims=in_dims)(leaves, parts, xs)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out))
+    return out.detach(), xs.grad, {k: v.grad for k, v in leaves.items()}, parts
+
+
+def _assert_same(got, want):
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for grads_or_stats in (2, 3):
+        assert got[grads_or_stats].keys() == want[grads_or_stats].keys()
+        for k in got[grads_or_stats]:
+            torch.testing.assert_close(got[grads_or_stats][k], want[grads_or_stats][k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("track", [True, False], ids=["stats", "no-stats"])
+@pytest.mark.parametrize("affine", ["clients", "shared", None])
+@pytest.mark.parametrize("kind", ["1d", "1d-seq", "2d"])
+def test_folded_equals_the_batching_rule_in_float64(folds, kind, affine, track, training):
+    """Output, the input's and the affine parameters' gradients, and the running statistics (updated
+    in place through the fold) as vmap's own rule computes them; each call folded."""
+    g = torch.Generator().manual_seed(3)
+    bn = _module(kind, affine is not None, track, training)
+    x = _input(kind, g)
+    params, buffers = {}, {}
+    if affine == "clients":
+        params = {"weight": 1 + 0.3 * torch.randn(K, 4, generator=g, dtype=F64),
+                  "bias": torch.randn(K, 4, generator=g, dtype=F64)}
+    if track:
+        buffers = {"running_mean": torch.randn(K, 4, generator=g, dtype=F64),
+                   "running_var": 0.5 + torch.rand(K, 4, generator=g, dtype=F64),
+                   "num_batches_tracked": torch.zeros(K, dtype=torch.int64)}
+    if affine == "shared":  # the module's own parameters, not mapped over
+        with torch.no_grad():
+            bn.weight.copy_(1 + 0.3 * torch.randn(4, generator=g, dtype=F64))
+            bn.bias.copy_(torch.randn(4, generator=g, dtype=F64))
+    want = _run(bn, params, buffers, x, _Plain())
+    shared = [p.grad.clone() for p in bn.parameters()] if affine == "shared" else []
+    bn.zero_grad()
+    got = _run(bn, params, buffers, x, FoldedBatchNorm())
+    _assert_same(got, want)
+    for p, grad in zip(bn.parameters(), shared):  # a shared affine's gradient sums the clients'
+        torch.testing.assert_close(p.grad, grad, rtol=1e-12, atol=1e-12)
+    assert folds == [True]
+    if track:
+        moved = got[3]["running_mean"] != buffers["running_mean"]
+        assert bool(moved.all()) if training else not moved.any()
+
+
+class _Plain(torch.overrides.TorchFunctionMode):
+    """No change: vmap's own batching rule."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_folded_bf16_batch_norm_equals_the_unbatched_mixed_one(folds, training):
+    """A bfloat16 input with float32 statistics goes to the native mixed kernel folded, with no
+    cast of the activations (MixedBatchNorm's float32 copy and back, 1.7 GB of a batched ResNet-9
+    round's traffic): within bfloat16 roundings of float64, as unbatched."""
+    _check(training, "cpu", FoldedBatchNorm())
+    assert folds == [True]
+
+
+@cuda
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_folded_bf16_batch_norm_on_cuda(training):
+    _check(training, "cuda", FoldedBatchNorm())
+
+
+def _stats(g):
+    return {"running_mean": torch.randn(K, 4, generator=g, dtype=F64),
+            "running_var": 0.5 + torch.rand(K, 4, generator=g, dtype=F64)}
+
+
+def test_calls_that_do_not_fold_run_the_batching_rule(folds):
+    """Running statistics mapped over another dim (their rows fold into no view the in-place
+    update would reach), nested vmaps (the inner level wraps another) and unbatched calls: the
+    batching rule's results exactly."""
+    g = torch.Generator().manual_seed(8)
+    bn = _module("2d", True, True, True)
+    x = _input("2d", g)
+    stats = _stats(g)
+    transposed = {k: v.t().contiguous() for k, v in stats.items()}  # [4, K], mapped over dim 1
+    dims = (None, {k: 1 for k in transposed}, 0)
+    _assert_same(_run(bn, {}, transposed, x, FoldedBatchNorm(), in_dims=dims),
+                 _run(bn, {}, transposed, x, _Plain(), in_dims=dims))
+    assert folds == [False]
+
+    nested_x = x.expand(2, *x.shape).clone()
+    nested_stats = {k: v.expand(2, *v.shape).clone() for k, v in stats.items()}
+
+    def nested(mode):
+        parts = {k: v.clone() for k, v in nested_stats.items()}
+        with mode:
+            out = vmap(vmap(lambda b, xi: functional_call(bn, b, (xi,))))(parts, nested_x)
+        return out, parts
+
+    (out, parts), (want, want_parts) = nested(FoldedBatchNorm()), nested(_Plain())
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for k in parts:
+        torch.testing.assert_close(parts[k], want_parts[k], rtol=1e-12, atol=1e-12)
+    assert folds[1:] and not any(folds[1:])
+
+    plain_stats = {k: v[0].clone() for k, v in stats.items()}
+    with FoldedBatchNorm():
+        out = bn(x[0])
+    folds.clear()
+    torch.testing.assert_close(out, torch.nn.functional.batch_norm(
+        x[0], plain_stats["running_mean"], plain_stats["running_var"], bn.weight, bn.bias, True, 0.3))
+
+
+def test_one_value_per_channel_when_training_is_refused_as_unbatched():
+    bn = _module("1d", True, True, True)
+    stats = {k: v for k, v in _stats(torch.Generator().manual_seed(1)).items()}
+    with FoldedBatchNorm(), pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        vmap(lambda b, xi: functional_call(bn, b, (xi,)))(stats, torch.randn(K, 1, 4, dtype=F64))
