@@ -38,8 +38,8 @@ class MixedBatchNorm(TorchFunctionMode):
     H100: "Expected running_mean to have type BFloat16 but got Float" in the backward; on a CPU
     already in the forward).  The cast up is exact, so the statistics are float32 ones as
     unbatched; only the output is rounded to bfloat16, as cuDNN rounds it.  The batched
-    executor's calls that fold (``folded_batch_norm``: all of its own) never reach this mode:
-    they run the native mixed kernel, without the casts."""
+    executor's own calls fold (``folded_channels.folded_batch_norm``) and never reach this
+    mode: they run the native mixed kernel, without the casts."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -65,7 +65,7 @@ def _reference(bn, params, buffers, x, grad_out):
 
 def _check(training: bool, device: str, mode=None):
     """``mode`` (default ``MixedBatchNorm()``) runs the vmapped bf16 BatchNorm as the unbatched
-    mixed one computes it (``test_folded_batch_norm`` passes its own)."""
+    mixed one computes it (``test_folded_channels`` passes its own)."""
     bn, params, buffers, x = _clients(training, device)
     out, x_grad, p_grads, parts, grad_out = _vmapped(bn, params, buffers, x, mode or MixedBatchNorm())
     want_out, want_x_grad, want_p_grads, want_stats = _reference(bn, params, buffers, x, grad_out)

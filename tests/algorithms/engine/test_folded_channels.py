@@ -1,16 +1,17 @@
-"""Each client's BatchNorm under ``vmap`` as one native BatchNorm over the clients' channels
-(``engine/folded_batch_norm.py``, the batched executor's forward): the batching rule's output,
-gradients and running statistics in float64, the unbatched mixed BatchNorm's in bfloat16 with
-float32 statistics, and the batching rule itself wherever the call does not fold."""
+"""Each client's BatchNorm and max pooling under ``vmap`` as one native op over the clients'
+channels (``engine/folded_channels.py``, the batched executor's forward): the batching rule's
+output, gradients and running statistics in float64, the unbatched mixed BatchNorm's in bfloat16
+with float32 statistics, and the batching rule itself wherever the call does not fold."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.nn import functional as F
 
-from pfl_algorithms.engine import folded_batch_norm as folding
-from pfl_algorithms.engine.folded_batch_norm import FoldedBatchNorm
+from pfl_algorithms.engine import folded_channels as folding
+from pfl_algorithms.engine.folded_channels import FoldedChannels
 
 from .test_mixed_batch_norm import _check
 
@@ -21,15 +22,18 @@ K = 3
 
 @pytest.fixture
 def folds(monkeypatch):
-    """[whether each folded_batch_norm call folded]."""
-    seen, real = [], folding.folded_batch_norm
+    """[whether each folded_batch_norm or folded_pooling call folded]."""
+    seen = []
 
-    def spy(*args, **kwargs):
-        out = real(*args, **kwargs)
-        seen.append(out is not None)
-        return out
+    def spy(real):
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs)
+            seen.append(out is not None)
+            return out
+        return call
 
-    monkeypatch.setattr(folding, "folded_batch_norm", spy)
+    for name in ("folded_batch_norm", "folded_pooling"):
+        monkeypatch.setattr(folding, name, spy(getattr(folding, name)))
     return seen
 
 
@@ -89,7 +93,7 @@ def test_folded_equals_the_batching_rule_in_float64(folds, kind, affine, track, 
     want = _run(bn, params, buffers, x, _Plain())
     shared = [p.grad.clone() for p in bn.parameters()] if affine == "shared" else []
     bn.zero_grad()
-    got = _run(bn, params, buffers, x, FoldedBatchNorm())
+    got = _run(bn, params, buffers, x, FoldedChannels())
     _assert_same(got, want)
     for p, grad in zip(bn.parameters(), shared):  # a shared affine's gradient sums the clients'
         torch.testing.assert_close(p.grad, grad, rtol=1e-12, atol=1e-12)
@@ -111,14 +115,14 @@ def test_folded_bf16_batch_norm_equals_the_unbatched_mixed_one(folds, training):
     """A bfloat16 input with float32 statistics goes to the native mixed kernel folded, with no
     cast of the activations (MixedBatchNorm's float32 copy and back, 1.7 GB of a batched ResNet-9
     round's traffic): within bfloat16 roundings of float64, as unbatched."""
-    _check(training, "cpu", FoldedBatchNorm())
+    _check(training, "cpu", FoldedChannels())
     assert folds == [True]
 
 
 @cuda
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_folded_bf16_batch_norm_on_cuda(training):
-    _check(training, "cuda", FoldedBatchNorm())
+    _check(training, "cuda", FoldedChannels())
 
 
 def _stats(g):
@@ -136,7 +140,7 @@ def test_calls_that_do_not_fold_run_the_batching_rule(folds):
     stats = _stats(g)
     transposed = {k: v.t().contiguous() for k, v in stats.items()}  # [4, K], mapped over dim 1
     dims = (None, {k: 1 for k in transposed}, 0)
-    _assert_same(_run(bn, {}, transposed, x, FoldedBatchNorm(), in_dims=dims),
+    _assert_same(_run(bn, {}, transposed, x, FoldedChannels(), in_dims=dims),
                  _run(bn, {}, transposed, x, _Plain(), in_dims=dims))
     assert folds == [False]
 
@@ -149,22 +153,76 @@ def test_calls_that_do_not_fold_run_the_batching_rule(folds):
             out = vmap(vmap(lambda b, xi: functional_call(bn, b, (xi,))))(parts, nested_x)
         return out, parts
 
-    (out, parts), (want, want_parts) = nested(FoldedBatchNorm()), nested(_Plain())
+    (out, parts), (want, want_parts) = nested(FoldedChannels()), nested(_Plain())
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     for k in parts:
         torch.testing.assert_close(parts[k], want_parts[k], rtol=1e-12, atol=1e-12)
     assert folds[1:] and not any(folds[1:])
 
     plain_stats = {k: v[0].clone() for k, v in stats.items()}
-    with FoldedBatchNorm():
+    with FoldedChannels():
         out = bn(x[0])
     folds.clear()
-    torch.testing.assert_close(out, torch.nn.functional.batch_norm(
+    torch.testing.assert_close(out, F.batch_norm(
         x[0], plain_stats["running_mean"], plain_stats["running_var"], bn.weight, bn.bias, True, 0.3))
 
 
 def test_one_value_per_channel_when_training_is_refused_as_unbatched():
     bn = _module("1d", True, True, True)
     stats = {k: v for k, v in _stats(torch.Generator().manual_seed(1)).items()}
-    with FoldedBatchNorm(), pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+    with FoldedChannels(), pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         vmap(lambda b, xi: functional_call(bn, b, (xi,)))(stats, torch.randn(K, 1, 4, dtype=F64))
+
+
+POOLS = {"max": lambda x: F.max_pool2d(x, 2),
+         "max-3-stride-2-pad-1": lambda x: F.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True),
+         "adaptive": lambda x: F.adaptive_max_pool2d(x, 1),
+         "adaptive-3x2": lambda x: F.adaptive_max_pool2d(x, (3, 2))}
+
+
+@pytest.mark.parametrize("indices", [False, True], ids=["values", "indices"])
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_folded_max_pooling_equals_the_batching_rule(folds, pool, indices):
+    """After a per-client convolution (vmap's [N, clients, C, ...] layout): values, indices (each a
+    position in its own channel's plane) and the input's gradient as vmap's own rule gives them."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(K, 5, 2, 7, 9, generator=g, dtype=F64)
+    w = torch.randn(K, 4, 2, 3, 3, generator=g, dtype=F64)
+
+    def client(xi, wi):
+        y = F.conv2d(xi, wi, padding=1)
+        if not indices:
+            return POOLS[pool](y)
+        fn = F.adaptive_max_pool2d if pool.startswith("adaptive") else F.max_pool2d
+        size = {"adaptive": (1,), "adaptive-3x2": ((3, 2),), "max": (2,)}.get(pool, (3, 2, 1, 1, True))
+        return fn(y, *size, return_indices=True)
+
+    def run(mode):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with mode:
+            out = vmap(client)(xs, ws)
+        values, where = out if indices else (out, None)
+        values.backward(torch.linspace(-1, 1, values.numel(), dtype=F64).view_as(values))
+        return values.detach(), where, xs.grad, ws.grad
+
+    got, want = run(FoldedChannels()), run(_Plain())
+    for a, b in zip(got, want):
+        if a is None:
+            assert b is None
+        elif a.dtype == torch.int64:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert folds == [True]
+
+
+def test_pooling_that_does_not_fold_runs_the_batching_rule(folds):
+    """An unbatched-looking [C, H, W] input (no batch dim of its own) and an input the clients do
+    not map over."""
+    x = torch.randn(K, 2, 6, 6, dtype=F64)
+    with FoldedChannels():
+        got = vmap(lambda xi: F.max_pool2d(xi, 2))(x)
+        shared = vmap(lambda w: F.max_pool2d(x[0][None], 2) * w)(torch.ones(K))
+    torch.testing.assert_close(got, F.max_pool2d(x, 2))
+    torch.testing.assert_close(shared[1], F.max_pool2d(x[0][None], 2))
+    assert folds == [False, False]
