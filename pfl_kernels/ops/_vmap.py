@@ -30,6 +30,29 @@ def fold_vmap_dim(info, in_dims, tensors: Sequence[Optional[torch.Tensor]], has_
     return folded, unfold
 
 
+def fold_into_channels(info, in_dims, tensors: Sequence[torch.Tensor]):
+    """For an op on [N, C, ...] tensors that treats each (image, channel) plane on its own: fold
+    the vmapped dim V into the channels, [N, V·C, ...], as views, where every tensor is vmapped
+    and its layout allows (vmap's per-client convolution lays its output out as [N, V, C, ...]).
+    Returns the folded tensors and a function that unfolds an output [N, V·C, ...] to
+    [N, V, C, ...] (vmapped dim 1), or None where a tensor does not fold into a view (the caller
+    folds V into the images instead: ``fold_vmap_dim``, which copies such a layout)."""
+    folded = []
+    for t, d in zip(tensors, in_dims):
+        if d is None:
+            return None
+        moved = t.movedim(d, 1)
+        try:
+            folded.append(moved.view(moved.shape[0], -1, *moved.shape[3:]))
+        except RuntimeError:  # not one strided run over (V, C)
+            return None
+
+    def unfold(out: torch.Tensor) -> torch.Tensor:
+        return out.unflatten(1, (info.batch_size, -1))
+
+    return folded, unfold
+
+
 def logical_dim(t: torch.Tensor, in_dim: Optional[int]) -> int:
     """The number of dims the op sees for ``t`` (without the vmapped one)."""
     return t.dim() - (in_dim is not None)

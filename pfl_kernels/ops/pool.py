@@ -13,7 +13,9 @@ equal values, the last NaN), then ReLU; equal, values and gradients, to ReLU the
 quarter of the values and the gradient is one scatter, with no int64 indices.  The outputs
 take the input's memory layout (channels-last stays channels-last).  Differentiable to any
 order (the backward is linear in grad; its derivative is a gather), with a forward-mode
-rule and a vmap rule (vmap over images is more images).
+rule and a vmap rule: vmap over copies is more channels where that folds into a view (the
+[N, clients, C, H, W] of vmap's per-client convolution, so neither the forward nor the backward
+copies the activations), more images otherwise.
 
 Kernels: C++ on CPU (an AVX2 loop for float32); plain PyTorch elsewhere.  On CUDA the plain
 version is cuDNN's pooling and one elementwise op, which a fused kernel would gain little on.
@@ -25,7 +27,7 @@ import torch
 from ..reference import pool as ref
 from ._checks import FLOAT_DTYPES
 from ._library import define_op, has_kernel, register_autograd
-from ._vmap import fold_vmap_dim
+from ._vmap import fold_into_channels, fold_vmap_dim
 
 __all__ = ["relu_max_pool2d"]
 
@@ -131,17 +133,27 @@ if not has_kernel(RELU_MAX_POOL2D_BACKWARD, "Autograd"):
     register_autograd(RELU_MAX_POOL2D_BACKWARD, _backward_backward, _backward_setup, jvp=_backward_jvp)
 
 
+def _folded(info, in_dims, tensors):
+    """(folded tensors, unfold, the outputs' vmapped dim): the vmapped dim folded into the
+    channels where that is a view (vmap's convolution output, [N, V, C, H, W]: no copy either
+    way), else into the images (a copy for such a layout): each plane is pooled on its own."""
+    channels = fold_into_channels(info, in_dims, tensors)
+    if channels is not None:
+        return (*channels, 1)
+    return (*fold_vmap_dim(info, in_dims, tensors, True), 0)
+
+
 @torch.library.register_vmap(RELU_MAX_POOL2D)
 def _relu_max_pool2d_vmap(info, in_dims, x):
-    (x,), unfold = fold_vmap_dim(info, in_dims, (x,), True)
+    (x,), unfold, dim = _folded(info, in_dims, (x,))
     out, offsets = torch.ops.pfl.relu_max_pool2d(x)
-    return (unfold(out), unfold(offsets)), (0, 0)
+    return (unfold(out), unfold(offsets)), (dim, dim)
 
 
 @torch.library.register_vmap(RELU_MAX_POOL2D_BACKWARD)
 def _relu_max_pool2d_backward_vmap(info, in_dims, grad, offsets, input_size):
-    (grad, offsets), unfold = fold_vmap_dim(info, in_dims, (grad, offsets), True)
-    return unfold(torch.ops.pfl.relu_max_pool2d_backward(grad, offsets, input_size)), 0
+    (grad, offsets), unfold, dim = _folded(info, in_dims, (grad, offsets))
+    return unfold(torch.ops.pfl.relu_max_pool2d_backward(grad, offsets, input_size)), dim
 
 
 def relu_max_pool2d(input: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,30 @@ def test_vmap_is_more_images():
     assert torch.equal(grads, want)
 
 
+def test_vmap_over_a_convolutions_layout_folds_into_channels():
+    """After a per-client convolution vmap holds [N, clients, C, H, W] (vmapped dim 1): the rule
+    pools it as [N, clients·C, H, W], a view (no copy), and returns its outputs in that layout;
+    values, offsets and gradients are each client's own (odd sizes: the last row and column
+    dropped)."""
+    from pfl_kernels.ops._vmap import fold_into_channels
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3, 2, 7, 9, generator=g, dtype=F64)  # [N, clients, C, H, W]
+    info = type("Info", (), {"batch_size": 3})()
+    (folded,), unfold = fold_into_channels(info, (1,), (x,))
+    assert folded.shape == (4, 6, 7, 9) and folded.data_ptr() == x.data_ptr()
+    assert unfold(folded).shape == x.shape
+    # clients first and contiguous ([clients, N, C, H, W]): no view folds them into the channels
+    assert fold_into_channels(info, (0,), (x.movedim(1, 0).contiguous(),)) is None
+    out, offsets = torch.func.vmap(torch.ops.pfl.relu_max_pool2d, in_dims=1)(x)
+    for k in range(3):
+        want_out, want_offsets = torch.ops.pfl.relu_max_pool2d(x[:, k].contiguous())
+        assert torch.equal(out[k], want_out) and torch.equal(offsets[k], want_offsets)
+    grads = torch.func.vmap(torch.func.grad(lambda xi: relu_max_pool2d(xi).pow(2).sum()), in_dims=1)(x)
+    for k in range(3):
+        assert torch.equal(grads[k], torch.func.grad(lambda xi: plain(xi).pow(2).sum())(x[:, k].contiguous()))
+
+
 @pytest.mark.parametrize("bad, error, message", [
     ("not a tensor", TypeError, "input must be a torch.Tensor"),
     (torch.ones(2, 3, 4, 4, dtype=torch.int64), TypeError, "input must be a floating tensor"),
