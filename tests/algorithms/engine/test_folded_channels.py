@@ -55,17 +55,33 @@ def _run(bn, params, buffers, x, mode, *, in_dims=0):
     xs = x.clone().requires_grad_()
     with mode:
         out = vmap(lambda p, b, xi: functional_call(bn, {**p, **b}, (xi,)), in_dims=in_dims)(leaves, parts, xs)
-    out.backward(torch.linspace(-1, 1, out.numel(), dtype=F64).view_as(out))
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=F64, device=out.device).view_as(out))
     return out.detach(), xs.grad, {k: v.grad for k, v in leaves.items()}, parts
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, tol=1e-12):
     for a, b in zip(got[:2], want[:2]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     for grads_or_stats in (2, 3):
         assert got[grads_or_stats].keys() == want[grads_or_stats].keys()
         for k in got[grads_or_stats]:
-            torch.testing.assert_close(got[grads_or_stats][k], want[grads_or_stats][k], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[grads_or_stats][k], want[grads_or_stats][k], rtol=tol, atol=tol)
+
+
+@cuda
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_folded_equals_the_batching_rule_on_cuda(folds, training):
+    """The same on CUDA (its BatchNorm kernels over the folded channels), float64."""
+    g = torch.Generator().manual_seed(6)
+    bn = _module("2d", True, True, training).cuda()
+    x = _input("2d", g).cuda()
+    params = {"weight": (1 + 0.3 * torch.randn(K, 4, generator=g, dtype=F64)).cuda(),
+              "bias": torch.randn(K, 4, generator=g, dtype=F64).cuda()}
+    buffers = {"running_mean": torch.randn(K, 4, generator=g, dtype=F64).cuda(),
+               "running_var": (0.5 + torch.rand(K, 4, generator=g, dtype=F64)).cuda(),
+               "num_batches_tracked": torch.zeros(K, dtype=torch.int64).cuda()}
+    _assert_same(_run(bn, params, buffers, x, FoldedChannels()), _run(bn, params, buffers, x, _Plain()), tol=1e-10)
+    assert folds == [True]
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
