@@ -11,6 +11,8 @@ evaluation unless said, SGD lr 0.01, both executors from the same initial state)
    effect of bf16 on accuracy: the train-set accuracy after 20 rounds, float32 against bf16.
    This job also times its per-client convolutions as im2col and batched GEMMs ("+gemm-conv",
    ``--batched-conv gemm``) instead of vmap's grouped convolutions (on an H100: 6x slower).
+   Each job times the grouped convolutions in channels-last memory ("+nhwc", ``--batched-conv
+   grouped-nhwc``), in float32 and under bf16.
    Each job also times the bound of batching with these kernels ("one-model", and under bf16):
    one model trained on all the clients' samples at batch 20 x the job's, the same samples and
    FLOPs as a round, in dense convolutions.  A target it does not reach is out of reach of any
@@ -124,6 +126,7 @@ def train_accuracy(fed) -> float:
 
 
 ONE_MODEL = "one-model"  # speed_job's bound: one model on every client's samples at once
+CONV_KEYS = {"grouped": "", "gemm": "+gemm-conv", "grouped-nhwc": "+nhwc"}  # --batched-conv -> a row's suffix
 
 
 def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
@@ -141,6 +144,11 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
         variants.append(("batched", "bf16", True, "grouped"))
     if gemm:  # the per-client convolutions as im2col and batched GEMMs (``--batched-conv gemm``)
         variants.append(("batched", None, True, "gemm"))
+    # The grouped convolutions in channels-last memory (``--batched-conv grouped-nhwc``): no
+    # NCHW/NHWC conversions around cuDNN's kernels, the bias in the call.
+    variants.append(("batched", None, True, "grouped-nhwc"))
+    if bf16:
+        variants.append(("batched", "bf16", True, "grouped-nhwc"))
     # The bound of batching with these kernels: one model trained on every client's samples at
     # once, batch clients x batch (the same samples and FLOPs as a round of either executor, in
     # dense convolutions, which grouped ones do not beat).  Where it is not 'target' times the
@@ -151,8 +159,7 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
     if bf16:
         variants.append((ONE_MODEL, "bf16", True, "grouped"))
     for executor, autocast, graphs, conv in variants:
-        key = (executor + ("+bf16" if autocast else "") + ("+gemm-conv" if conv == "gemm" else "")
-               + ("" if graphs else "-eager"))
+        key = executor + ("+bf16" if autocast else "") + CONV_KEYS[conv] + ("" if graphs else "-eager")
         one = executor == ONE_MODEL
         fed = None
         try:

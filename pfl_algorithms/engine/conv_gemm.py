@@ -36,9 +36,10 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from .conv_nhwc import NhwcConvolutions
 from .model_call import to_autocast_dtype
 
-CHOICES = ("grouped", "gemm")
+CHOICES = ("grouped", "gemm", "grouped-nhwc")
 
 
 def _pair(value) -> tuple[int, int]:
@@ -108,6 +109,9 @@ def check_choice(choice) -> None:
 
 def batched_convolutions(choice: str):
     """The context a vmapped forward of per-client weights runs in: ``'grouped'`` (vmap's grouped
-    convolutions), ``'gemm'`` (``GemmConvolutions``)."""
+    convolutions), ``'gemm'`` (``GemmConvolutions``), ``'grouped-nhwc'`` (the grouped
+    convolutions in channels-last, ``conv_nhwc.NhwcConvolutions``)."""
     check_choice(choice)
-    return GemmConvolutions() if choice == "gemm" else contextlib.nullcontext()
+    if choice == "gemm":
+        return GemmConvolutions()
+    return NhwcConvolutions() if choice == "grouped-nhwc" else contextlib.nullcontext()

@@ -47,7 +47,7 @@ def _bn_arguments(input, running_mean, running_var, weight=None, bias=None, trai
     return input, running_mean, running_var, weight, bias, training, momentum, eps
 
 
-def _physical(t: Tensor, level: int) -> Optional[tuple[Tensor, Optional[int]]]:
+def unwrap_level(t: Tensor, level: int) -> Optional[tuple[Tensor, Optional[int]]]:
     """(the tensor under ``t``'s vmap wrapper, its batch dim), (t, None) for a plain tensor,
     or None where ``t`` is wrapped otherwise (another level, another transform)."""
     if not _functorch.is_functorch_wrapped_tensor(t):
@@ -63,7 +63,7 @@ def _per_channel(t: Optional[Tensor], level: int, clients: int, channels: int, *
     ``in_place`` (running statistics, updated through it).  False where it does not fold."""
     if t is None:
         return None
-    unwrapped = _physical(t, level)
+    unwrapped = unwrap_level(t, level)
     if unwrapped is None:
         return False
     physical, bdim = unwrapped
@@ -82,7 +82,7 @@ def _per_channel(t: Optional[Tensor], level: int, clients: int, channels: int, *
     return rows.reshape(clients * channels)
 
 
-def _clients_in_channels(x, *, min_dims: int) -> Optional[tuple[Tensor, int]]:
+def clients_in_channels(x, *, min_dims: int) -> Optional[tuple[Tensor, int]]:
     """(x's clients as [N, clients, C, ...], a view where vmap's convolution laid them out so;
     its vmap level) for a batched x of at least ``min_dims`` dims at the innermost level with no
     other transform, else None."""
@@ -91,7 +91,7 @@ def _clients_in_channels(x, *, min_dims: int) -> Optional[tuple[Tensor, int]]:
     level = _functorch.maybe_get_level(x)
     if level != _functorch.current_level():
         return None
-    unwrapped = _physical(x, level)
+    unwrapped = unwrap_level(x, level)
     if unwrapped is None:
         return None
     physical, bdim = unwrapped
@@ -106,7 +106,7 @@ def _unfold(out: Tensor, moved: Tensor, level: int) -> Tensor:
 def folded_pooling(func, x, *args, **kwargs):
     """``func(x, *args, **kwargs)``, a max pool over a batched [N, C, H, W] (values, or values and
     indices), as one pool over the clients' channels; None where it does not fold."""
-    batched = _clients_in_channels(x, min_dims=4)
+    batched = clients_in_channels(x, min_dims=4)
     if batched is None or x.dim() != 4:
         return None
     moved, level = batched
@@ -120,7 +120,7 @@ def folded_batch_norm(*args, **kwargs) -> Optional[Tensor]:
     """``F.batch_norm(*args, **kwargs)`` of each client under ``vmap`` as one native BatchNorm
     over the clients' channels (module docstring), or None where it does not fold."""
     x, running_mean, running_var, weight, bias, training, momentum, eps = _bn_arguments(*args, **kwargs)
-    batched = _clients_in_channels(x, min_dims=2)
+    batched = clients_in_channels(x, min_dims=2)
     if batched is None:
         return None
     moved, level = batched

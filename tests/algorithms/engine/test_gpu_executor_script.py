@@ -16,8 +16,8 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     path = tmp_path / "executor.json"
     assert gpu_executor.main(["--dry-run", "--profile", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
-    common = ("sequential", "sequential-eager", "batched", "batched-eager", "batched+bf16", "one-model",
-              "one-model+bf16")
+    common = ("sequential", "sequential-eager", "batched", "batched-eager", "batched+bf16", "batched+nhwc",
+              "batched+bf16+nhwc", "one-model", "one-model+bf16")
     assert {(r["job"], r["executor"]) for r in result["rows"]} == {
         *(("lenet5", executor) for executor in (*common, "batched+gemm-conv")),
         *(("resnet9-factorized", executor) for executor in common)}
@@ -83,12 +83,13 @@ def test_a_failing_variant_leaves_its_error_and_the_others_run(monkeypatch):
     rows = []
     gpu_executor.speed_job("lenet5", "lenet5", False, 8, 4, 10.0, gpu_executor.DRY, "cpu", bf16=True, rows=rows,
                            on_row=lambda: saved.append(len(rows)))
-    assert saved == list(range(1, 8)) and made.count("bf16") == 2
+    assert saved == list(range(1, 10)) and made.count("bf16") == 3
     failed = [r for r in rows if "error" in r]
-    assert [r["executor"] for r in failed] == ["batched+bf16", "one-model+bf16"] and "BFloat16" in failed[0]["error"]
+    assert [r["executor"] for r in failed] == ["batched+bf16", "batched+bf16+nhwc", "one-model+bf16"]
+    assert "BFloat16" in failed[0]["error"]
     timed = [r for r in rows if "error" not in r]
     assert [r["executor"] for r in timed] == ["sequential-eager", "sequential", "batched-eager", "batched",
-                                              "one-model"]
+                                              "batched+nhwc", "one-model"]
     assert all(r["speedup_vs_sequential"] > 0 for r in timed)
     sequential = next(r for r in timed if r["executor"] == "sequential")
     assert sequential["speedup_vs_sequential"] == 1.0 and sequential["target"] is None

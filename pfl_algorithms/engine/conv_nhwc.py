@@ -1,0 +1,80 @@
+"""Per-client convolutions as one grouped convolution in channels-last layout under ``vmap``
+(the batched executor's ``batched_conv='grouped-nhwc'``).
+
+vmap's own rule for a convolution with each client's weight makes one grouped convolution over
+[N, clients·C, H, W] in the layout the input has (NCHW from a stacked batch), adds each client's
+bias as a separate pass over the output, and lays the output out as [N, clients, O, H', W'].
+On an H200, cuDNN ran those grouped convolutions through NHWC kernels with explicit NCHW↔NHWC
+conversions around them (``nchwToNhwcKernel``/``nhwcToNchwKernel``: about 10% of a batched
+LeNet-5 round's kernel time) and a slow weight gradient (README, "Executors").
+
+Here the same grouped convolution is called on the clients' channels folded ([N, clients·C,
+H, W], a view where the input comes from such a convolution or from the folded BatchNorm and
+pools of ``folded_channels``) in channels-last memory, with the bias folded into the call, so
+cuDNN gets the layout its tensor-core kernels take and no conversion runs; the output keeps
+channels-last, [N, clients, O, H', W'] as a view, so the next channel-wise op and convolution
+fold it without a copy.  The values are the grouped convolution's (the same sums; a kernel of
+another layout may order them differently).  Whether it is faster is a GPU question
+(``benchmarks/gpu_executor.py`` times it); the default stays ``'grouped'``.
+
+Folded: ``F.conv2d`` with a batched input [N, C, H, W] and a batched weight at the innermost vmap
+level (no other transform), bias batched, shared or None, any stride, padding (numbers or a
+string), dilation and groups.  Anything else runs as before.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch._C import _functorch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from .folded_channels import clients_in_channels, unwrap_level
+
+
+def _conv_arguments(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    return input, weight, bias, stride, padding, dilation, groups
+
+
+def conv2d_nhwc(*args, **kwargs) -> Optional[Tensor]:
+    """``F.conv2d(*args, **kwargs)`` of each client under ``vmap`` as one channels-last grouped
+    convolution over the clients' channels (module docstring), or None where it does not fold."""
+    x, weight, bias, stride, padding, dilation, groups = _conv_arguments(*args, **kwargs)
+    batched = clients_in_channels(x, min_dims=4)
+    if batched is None or x.dim() != 4 or not isinstance(weight, Tensor) or weight.dim() != 4:
+        return None
+    moved, level = batched
+    unwrapped = unwrap_level(weight, level)
+    if unwrapped is None or unwrapped[1] is None:  # a shared weight: vmap's rule makes it one dense convolution
+        return None
+    weights = unwrapped[0].movedim(unwrapped[1], 0)  # [clients, O, C / groups, kh, kw]
+    clients, out_channels = weights.shape[:2]
+    if moved.shape[1] != clients or moved.shape[2] != weights.shape[2] * groups:
+        return None  # shapes that do not fit: vmap's rule raises F.conv2d's own error
+    folded_bias = None
+    if bias is not None:
+        unwrapped_bias = unwrap_level(bias, level)
+        if unwrapped_bias is None:
+            return None
+        b, bdim = unwrapped_bias
+        folded_bias = (b.expand(clients, out_channels) if bdim is None else b.movedim(bdim, 0)).reshape(-1)
+    samples = moved.shape[0]
+    x_nhwc = moved.reshape(samples, -1, *moved.shape[3:]).contiguous(memory_format=torch.channels_last)
+    w_nhwc = weights.reshape(-1, *weights.shape[2:]).contiguous(memory_format=torch.channels_last)
+    out = F.conv2d(x_nhwc, w_nhwc, folded_bias, stride, padding, dilation, groups * clients)
+    return _functorch._add_batch_dim(out.unflatten(1, (clients, out_channels)), 1, level)
+
+
+class NhwcConvolutions(TorchFunctionMode):
+    """Within the mode, ``F.conv2d`` under ``vmap`` runs as ``conv2d_nhwc`` where it folds, and
+    as it would otherwise."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.conv2d:
+            out = conv2d_nhwc(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
