@@ -27,7 +27,6 @@ from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
 from .conv_gemm import batched_convolutions
-from .folded_channels import FoldedChannels
 from .model_call import ModelOutputs, autocast, forward, vmapped_autocast
 from .plan import run_grad_terms
 from .step_graphs import StaticStep, StepGraphs, hook_keys, static_like
@@ -149,8 +148,7 @@ def stacked_forward(module, cohort, leaves: dict, buffers, int_buffers, x, y, au
     # not a strided view of the stacked rows (nor a view taken inside the vmapped function).
     views = {**cohort.buffer_layout.views(buffers), **cohort.int_buffer_layout.views(int_buffers)}
     parts = {name: view.clone() for name, view in views.items()}
-    # FoldedChannels last, so that it sees each BatchNorm call first (before MixedBatchNorm's cast).
-    with vmapped_autocast(autocast_mode, x.device, cache=cache), batched_convolutions(conv), FoldedChannels():
+    with vmapped_autocast(autocast_mode, x.device, cache=cache), batched_convolutions(conv):
         out = vmap(client_outputs)(leaves, parts, x)
     logits, embeddings = (out, None) if isinstance(out, torch.Tensor) else out
     # The loss in float32, as torch.autocast leaves it.

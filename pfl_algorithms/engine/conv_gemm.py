@@ -37,6 +37,7 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from .conv_nhwc import NhwcConvolutions
+from .folded_channels import FoldedChannels
 from .model_call import to_autocast_dtype
 
 CHOICES = ("grouped", "gemm", "grouped-nhwc")
@@ -108,10 +109,16 @@ def check_choice(choice) -> None:
 
 
 def batched_convolutions(choice: str):
-    """The context a vmapped forward of per-client weights runs in: ``'grouped'`` (vmap's grouped
-    convolutions), ``'gemm'`` (``GemmConvolutions``), ``'grouped-nhwc'`` (the grouped
-    convolutions in channels-last, ``conv_nhwc.NhwcConvolutions``)."""
+    """The context a vmapped forward of per-client weights runs in: its convolutions as
+    ``choice`` says, ``'grouped'`` (vmap's grouped convolutions), ``'gemm'``
+    (``GemmConvolutions``) or ``'grouped-nhwc'`` (``conv_nhwc.NhwcConvolutions``), and its
+    BatchNorm and max pools folded into the clients' channels (``folded_channels``), the
+    outermost mode, so that it sees those calls first (before ``MixedBatchNorm``'s cast)."""
     check_choice(choice)
+    stack = contextlib.ExitStack()
     if choice == "gemm":
-        return GemmConvolutions()
-    return NhwcConvolutions() if choice == "grouped-nhwc" else contextlib.nullcontext()
+        stack.enter_context(GemmConvolutions())
+    elif choice == "grouped-nhwc":
+        stack.enter_context(NhwcConvolutions())
+    stack.enter_context(FoldedChannels())
+    return stack

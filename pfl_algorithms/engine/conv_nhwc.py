@@ -36,14 +36,10 @@ from torch.overrides import TorchFunctionMode
 from .folded_channels import clients_in_channels, unwrap_level
 
 
-def _conv_arguments(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return input, weight, bias, stride, padding, dilation, groups
-
-
-def conv2d_nhwc(*args, **kwargs) -> Optional[Tensor]:
-    """``F.conv2d(*args, **kwargs)`` of each client under ``vmap`` as one channels-last grouped
+def conv2d_nhwc(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Optional[Tensor]:
+    """``F.conv2d`` (same arguments) of each client under ``vmap`` as one channels-last grouped
     convolution over the clients' channels (module docstring), or None where it does not fold."""
-    x, weight, bias, stride, padding, dilation, groups = _conv_arguments(*args, **kwargs)
+    x = input
     batched = clients_in_channels(x, min_dims=4)
     if batched is None or x.dim() != 4 or not isinstance(weight, Tensor) or weight.dim() != 4:
         return None

@@ -41,12 +41,6 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 
-def _bn_arguments(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
-                  eps=1e-5):
-    """``F.batch_norm``'s arguments by name."""
-    return input, running_mean, running_var, weight, bias, training, momentum, eps
-
-
 def unwrap_level(t: Tensor, level: int) -> Optional[tuple[Tensor, Optional[int]]]:
     """(the tensor under ``t``'s vmap wrapper, its batch dim), (t, None) for a plain tensor,
     or None where ``t`` is wrapped otherwise (another level, another transform)."""
@@ -116,10 +110,11 @@ def folded_pooling(func, x, *args, **kwargs):
     return _unfold(out, moved, level)
 
 
-def folded_batch_norm(*args, **kwargs) -> Optional[Tensor]:
-    """``F.batch_norm(*args, **kwargs)`` of each client under ``vmap`` as one native BatchNorm
+def folded_batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                      eps=1e-5) -> Optional[Tensor]:
+    """``F.batch_norm`` (same arguments) of each client under ``vmap`` as one native BatchNorm
     over the clients' channels (module docstring), or None where it does not fold."""
-    x, running_mean, running_var, weight, bias, training, momentum, eps = _bn_arguments(*args, **kwargs)
+    x = input
     batched = clients_in_channels(x, min_dims=2)
     if batched is None:
         return None
