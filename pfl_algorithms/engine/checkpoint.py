@@ -53,10 +53,16 @@ def _header(path: Path, data: bytes) -> dict:
 
 
 def refusal_reason(error: Exception) -> str:
-    """The line of torch's (multi-paragraph) weights_only message that says what was refused."""
-    for line in str(error).splitlines():
-        line = re.sub(r"^.*WeightsUnpickler error:\s*", "", line).strip()
-        if line and not line.startswith(("Weights only load failed", "Check the documentation")):
+    """The line of torch's (multi-paragraph) weights_only message that says what was refused:
+    the one after "WeightsUnpickler error:" where there is one, which torch puts after two
+    paragraphs of advice (to load with weights_only=False, which we never do)."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            # torch's advice to allow-list the global follows; the refused global is the news
+            return re.sub(r"^.*WeightsUnpickler error:\s*", "", line).split(" Please use ")[0]
+    for line in lines:
+        if line and not line.startswith(("Weights only load failed", "Check the documentation", "(1)", "(2)")):
             return line
     return type(error).__name__
 
