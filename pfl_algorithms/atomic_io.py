@@ -3,12 +3,13 @@ flushed and synced, then moved over the old one with ``os.replace`` (atomic on P
 written strict (``json_text``): no bare NaN or Infinity."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Iterator
 
 # Mode asked for when a file is created; the kernel removes the user's umask from it (0644
 # under umask 022), as for a file any other tool writes.  tempfile.mkstemp would give 0600.
@@ -25,15 +26,18 @@ def _create_temporary(folder: Path, name: str) -> tuple[int, str]:
             continue
 
 
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and an atomic rename (the file's
-    mode follows the umask)."""
+@contextlib.contextmanager
+def atomic_file(path) -> Iterator[BinaryIO]:
+    """A new binary file (writable and seekable) that replaces ``path`` atomically when the
+    block ends without an error: written in a temporary file in the same folder, flushed and
+    synced, then moved over ``path`` (the file's mode follows the umask).  On an error the
+    temporary file is removed and ``path`` keeps its previous content."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _create_temporary(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -41,6 +45,12 @@ def atomic_write_bytes(path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and an atomic rename (:func:`atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def finite_json(value: Any) -> Any:

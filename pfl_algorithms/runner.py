@@ -223,33 +223,37 @@ def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, p
     first = fed.round
     bar = Progress(config.rounds, config.algorithm) if progress else None
     wall_start = time.perf_counter()
-    for round_ in range(first, config.rounds):
-        if stop_after is not None and round_ - first >= stop_after:
-            break
-        record = run_round(fed, algorithm, round_).as_dict()
-        record["comm_gb"] = fed.comm.gigabits()
-        # As metrics.jsonl holds it (NaN and Inf as None), so that the history of a resumed run,
-        # read back from that file, is the same as the one kept in memory here.
-        record = finite_json(record)
-        history.append(record)
-        checkpoint = (round_ + 1) % config.checkpoint_every == 0 or round_ + 1 == config.rounds
-        if checkpoint:
-            fed.executor.sync_state(fed)  # a collective on a distributed run: every rank, before rank 0 saves
-        if rundir is None:
-            continue
-        for client in record["skipped_non_finite"]:
-            print(f"{config.algorithm}: round {round_}: client {client}'s update holds NaN or Inf; it is not "
-                  f"aggregated and the client keeps its previous state", file=sys.stderr)
-        rundir.append_metrics(record)
-        if on_round is not None:
-            on_round(record)
-        if checkpoint:
-            # Plain values only (see engine/checkpoint.py); the run id and config let a
-            # resume refuse another run's checkpoint or a config.json edited since.
-            rundir.save_checkpoint({"run_id": run_id, "config": json_value(config.as_dict()),
-                                    "federation": fed.state_dict(), "algorithm": algorithm.state_dict()})
-        if bar is not None:
-            bar.update(round_ + 1, first, record.get("eval", {}).get("mean_accuracy"))
+    try:
+        for round_ in range(first, config.rounds):
+            if stop_after is not None and round_ - first >= stop_after:
+                break
+            record = run_round(fed, algorithm, round_).as_dict()
+            record["comm_gb"] = fed.comm.gigabits()
+            # As metrics.jsonl holds it (NaN and Inf as None), so that the history of a resumed run,
+            # read back from that file, is the same as the one kept in memory here.
+            record = finite_json(record)
+            history.append(record)
+            checkpoint = (round_ + 1) % config.checkpoint_every == 0 or round_ + 1 == config.rounds
+            if checkpoint:
+                fed.executor.sync_state(fed)  # a collective on a distributed run: every rank, before rank 0 saves
+            if rundir is None:
+                continue
+            for client in record["skipped_non_finite"]:
+                print(f"{config.algorithm}: round {round_}: client {client}'s update holds NaN or Inf; it is not "
+                      f"aggregated and the client keeps its previous state", file=sys.stderr)
+            rundir.append_metrics(record)
+            if on_round is not None:
+                on_round(record)
+            if checkpoint:
+                # Plain values only (see engine/checkpoint.py); the run id and config let a
+                # resume refuse another run's checkpoint or a config.json edited since.
+                rundir.save_checkpoint({"run_id": run_id, "config": json_value(config.as_dict()),
+                                        "federation": fed.state_dict(), "algorithm": algorithm.state_dict()})
+            if bar is not None:
+                bar.update(round_ + 1, first, record.get("eval", {}).get("mean_accuracy"))
+    finally:
+        if rundir is not None:
+            _checkpoint_written(rundir, failing=sys.exc_info()[1])
     if bar is not None:
         bar.close()
     summary = summarize(config, history, fed, time.perf_counter() - wall_start, partition.info)
@@ -259,6 +263,20 @@ def _run_rounds(config, rundir, run_id, fed, algorithm, partition, history, *, p
         summary["plots"] = write_plots(rundir, history)
         atomic_write_json(rundir.summary, summary)
     return summary
+
+
+def _checkpoint_written(rundir: RunDirectory, failing: Optional[BaseException]) -> None:
+    """Wait for the checkpoint written in the background.  Its write's error is raised, unless
+    the run is already stopping on another error (``failing``), which then keeps its place and
+    the write's error is said on stderr."""
+    if failing is None:
+        rundir.wait_for_checkpoint()
+        return
+    try:
+        rundir.wait_for_checkpoint()
+    except Exception as error:
+        print(f"pfl: the last checkpoint could not be written either ({type(error).__name__}: {error}); "
+              f"{rundir.checkpoint} is as it was before that write", file=sys.stderr, flush=True)
 
 
 def json_value(value):

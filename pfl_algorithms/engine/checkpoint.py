@@ -1,8 +1,11 @@
 """The checkpoint file: a one-line header with the SHA-256 of what follows, then the state as
 ``torch.save`` writes it.
 
-    pfl-checkpoint {"sha256": "<hex digest of the payload>", "size": <payload bytes>, "version": 1}\\n
+    pfl-checkpoint {"sha256": "<hex digest of the payload>", "size": <payload bytes>, "version": 1}<spaces>\\n
     <payload: torch.save of a dict of dicts, lists, tensors, numbers and strings>
+
+The header line is padded with spaces to ``HEADER_BYTES``; files written before the padding
+have none, and both are read.
 
 Reading checks the header, then the digest (so a flipped byte anywhere in the payload is
 refused, instead of resuming with different numbers), then unpickles with
@@ -20,21 +23,53 @@ from pathlib import Path
 
 import torch
 
-from ..atomic_io import atomic_write_bytes
+from ..atomic_io import atomic_file
 
 MAGIC = b"pfl-checkpoint "
 VERSION = 1
 _HEADER_LIMIT = 4096  # bytes searched for the header's end: a longer first line is not ours
 
 
+# The header line's length in bytes (newline included), padded with spaces after the JSON: a
+# fixed length lets the header, which holds the payload's digest and size, be written over
+# its placeholder once the payload is in the file.  Readers take any length below _HEADER_LIMIT.
+HEADER_BYTES = 256
+
+
+class _HashingWriter:
+    """A writable stream that passes what it is given on to ``file`` and hashes it on the way."""
+
+    def __init__(self, file):
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.sha256.update(view)
+        self.size += view.nbytes
+        return self.file.write(view)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def header_line(sha256: str, size: int) -> bytes:
+    """The checkpoint's first line for a payload of ``size`` bytes with digest ``sha256``,
+    ``HEADER_BYTES`` long."""
+    header = MAGIC + json.dumps({"sha256": sha256, "size": size, "version": VERSION}, sort_keys=True).encode()
+    return header + b" " * (HEADER_BYTES - 1 - len(header)) + b"\n"
+
+
 def write_checkpoint(path, state: dict) -> None:
     """Save ``state`` (plain containers, numbers, strings and tensors) to ``path`` atomically,
-    under a header holding its SHA-256."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    header = {"sha256": hashlib.sha256(payload).hexdigest(), "size": len(payload), "version": VERSION}
-    atomic_write_bytes(path, MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
+    under a header holding its SHA-256.  ``torch.save`` streams the payload into the file, hashed
+    on the way; the header goes over its placeholder at the end, so the payload is never held
+    in memory whole (a federation's checkpoint is hundreds of MB)."""
+    with atomic_file(path) as f:
+        f.write(b" " * HEADER_BYTES)
+        payload = _HashingWriter(f)
+        torch.save(state, payload)
+        f.seek(0)
+        f.write(header_line(payload.sha256.hexdigest(), payload.size))
 
 
 def _header(path: Path, data: bytes) -> dict:

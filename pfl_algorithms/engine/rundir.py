@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Optional
 
 from ..atomic_io import atomic_write_bytes, atomic_write_json, json_text
-from .checkpoint import read_checkpoint, write_checkpoint
+from .checkpoint import read_checkpoint
+from .checkpoint_writer import CheckpointWriter
 
 RUN_FORMAT = "pfl-run"
 RUN_FORMAT_VERSION = 1
@@ -65,6 +66,7 @@ class RunDirectory:
         self.executor = self.root / "executor.json"
         self.checkpoint = self.root / "checkpoint.pt"
         self.plots = self.root / "plots"
+        self._writer: Optional[CheckpointWriter] = None
 
     # ------------------------------------------------------------------ identity and lock
 
@@ -219,11 +221,21 @@ class RunDirectory:
     # ------------------------------------------------------------------ checkpoint
 
     def save_checkpoint(self, state: dict) -> None:
-        """Write ``state`` (plain values and tensors) as the checkpoint, atomically."""
-        write_checkpoint(self.checkpoint, state)
+        """Write ``state`` (plain values and tensors) as the checkpoint, atomically, on a
+        background thread (``checkpoint_writer.py``): :meth:`wait_for_checkpoint` before the
+        file is read or the run ends."""
+        if self._writer is None:
+            self._writer = CheckpointWriter()
+        self._writer.save(self.checkpoint, state)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written is on disk; raise its write's error."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def load_checkpoint(self) -> dict:
         """The checkpoint's state, verified (see :func:`read_checkpoint`)."""
+        self.wait_for_checkpoint()
         if not self.checkpoint.exists():
             raise ValueError(f"--resume: no checkpoint at {self.checkpoint}")
         return read_checkpoint(self.checkpoint)
