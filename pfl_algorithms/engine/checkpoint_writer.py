@@ -12,6 +12,7 @@ the file is replaced atomically.
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 from typing import Any, Optional
 
@@ -26,7 +27,7 @@ def host_copy(value: Any) -> Any:
     writes them: views of a storage stay views of it)."""
     copies: dict[tuple, torch.UntypedStorage] = {}
 
-    def copy(tensor: torch.Tensor) -> torch.Tensor:
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             return tensor.detach().to("cpu", copy=True)  # sparse or a subclass: no storage to share
         storage = tensor.untyped_storage()
@@ -42,7 +43,7 @@ def host_copy(value: Any) -> Any:
 
     def walk(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
-            return copy(item)
+            return copy_tensor(item)
         if isinstance(item, dict):
             entries = [(key, walk(entry)) for key, entry in item.items()]
             return collections.OrderedDict(entries) if isinstance(item, collections.OrderedDict) else dict(entries)
@@ -51,7 +52,9 @@ def host_copy(value: Any) -> Any:
         if isinstance(item, tuple):
             entries = [walk(entry) for entry in item]
             return type(item)(*entries) if hasattr(item, "_fields") else tuple(entries)
-        return item
+        if item is None or isinstance(item, (bool, int, float, complex, str, bytes)):
+            return item
+        return copy.deepcopy(item)  # anything else the next round might change in place
 
     return walk(value)
 

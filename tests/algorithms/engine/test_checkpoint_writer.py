@@ -56,6 +56,20 @@ def test_the_host_copy_saves_as_the_state_itself_and_is_independent_of_it():
     assert saved_bytes(copy) == before
 
 
+def test_the_host_copy_copies_other_objects_too():
+    marks = {"seen": [1, 2]}
+
+    class Box:
+        def __init__(self):
+            self.items = [torch.ones(2)]
+
+    state = {"box": Box(), "marks": marks}
+    copy = host_copy(state)
+    state["box"].items[0].add_(1)
+    marks["seen"].append(3)
+    assert copy["box"].items[0].tolist() == [1.0, 1.0] and copy["marks"] == {"seen": [1, 2]}
+
+
 def test_a_streamed_checkpoint_has_a_fixed_header_and_reads_back(tmp_path):
     state = mixed_state()
     write_checkpoint(tmp_path / "c.pt", state)
