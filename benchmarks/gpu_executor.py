@@ -12,7 +12,8 @@ evaluation unless said, SGD lr 0.01, both executors from the same initial state)
    This job also times its per-client convolutions as im2col and batched GEMMs ("+gemm-conv",
    ``--batched-conv gemm``) instead of vmap's grouped convolutions (on an H100: 6x slower).
    Each job times the grouped convolutions in channels-last memory ("+nhwc", ``--batched-conv
-   grouped-nhwc``), in float32 and under bf16.
+   grouped-nhwc``), in float32 and under bf16, and each client's convolution as its own dense
+   one ("+per-client", ``--batched-conv per-client``), in float32.
    Each job also times the bound of batching with these kernels ("one-model", and under bf16):
    one model trained on all the clients' samples at batch 20 x the job's, the same samples and
    FLOPs as a round, in dense convolutions.  A target it does not reach is out of reach of any
@@ -126,7 +127,7 @@ def train_accuracy(fed) -> float:
 
 
 ONE_MODEL = "one-model"  # speed_job's bound: one model on every client's samples at once
-CONV_KEYS = {"grouped": "", "gemm": "+gemm-conv", "grouped-nhwc": "+nhwc"}  # --batched-conv -> a row's suffix
+CONV_KEYS = {"grouped": "", "gemm": "+gemm-conv", "grouped-nhwc": "+nhwc", "per-client": "+per-client"}  # --batched-conv -> a row's suffix
 
 
 def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
@@ -149,6 +150,9 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
     variants.append(("batched", None, True, "grouped-nhwc"))
     if bf16:
         variants.append(("batched", "bf16", True, "grouped-nhwc"))
+    # Each client's convolution as its own dense one (``--batched-conv per-client``): the
+    # sequential executor's convolution kernels, everything else of the step batched.
+    variants.append(("batched", None, True, "per-client"))
     # The bound of batching with these kernels: one model trained on every client's samples at
     # once, batch clients x batch (the same samples and FLOPs as a round of either executor, in
     # dense convolutions, which grouped ones do not beat).  Where it is not 'target' times the

@@ -76,8 +76,9 @@ FLAGS = {
     "autocast": (str, "bf16: the training forward under bfloat16 autocast (convolutions and matmuls)"),
     "cuda_graphs": (_flag_bool, "on CUDA, replay plain training steps as CUDA graphs (false: launch every kernel)"),
     "batched_conv": (str, "how the batched executor runs each client's convolutions: grouped (vmap's grouped "
-                          "convolutions), gemm (im2col and one batched GEMM; for small convolutions) or "
-                          "grouped-nhwc (the grouped convolutions in channels-last memory)"),
+                          "convolutions), gemm (im2col and one batched GEMM; for small convolutions), "
+                          "grouped-nhwc (the grouped convolutions in channels-last memory) or per-client "
+                          "(each client's own dense convolution)"),
     "checkpoint_every": (int, "write checkpoint.pt every N rounds (and after the last)"),
     "data_root": (str, "where dataset files are read"),
     "augment": (str, "training-batch augmentation, e.g. crop,flip (`pfl list`)"),

@@ -68,7 +68,7 @@ KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_br
 CPU_CRASH_TESTS=(tests/kernels/test_similarity.py tests/kernels/test_error_types.py)
 GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
            tests/algorithms/engine/test_step_graphs.py tests/algorithms/engine/test_batched_eval.py
-           tests/algorithms/engine/test_conv_gemm.py tests/algorithms/engine/test_conv_nhwc.py
+           tests/algorithms/engine/test_conv_gemm.py tests/algorithms/engine/test_conv_nhwc.py tests/algorithms/engine/test_conv_per_client.py
            tests/algorithms/engine/test_mixed_batch_norm.py tests/algorithms/engine/test_folded_channels.py
            tests/algorithms/test_augment.py tests/test_package.py)
 # Stage caps and floors in seconds (quick).  A stage runs for at most its cap, and never into

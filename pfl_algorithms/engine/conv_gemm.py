@@ -37,10 +37,11 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from .conv_nhwc import NhwcConvolutions
+from .conv_per_client import PerClientConvolutions
 from .folded_channels import FoldedChannels
 from .model_call import to_autocast_dtype
 
-CHOICES = ("grouped", "gemm", "grouped-nhwc")
+CHOICES = ("grouped", "gemm", "grouped-nhwc", "per-client")
 
 
 def _pair(value) -> tuple[int, int]:
@@ -111,7 +112,8 @@ def check_choice(choice) -> None:
 def batched_convolutions(choice: str):
     """The context a vmapped forward of per-client weights runs in: its convolutions as
     ``choice`` says, ``'grouped'`` (vmap's grouped convolutions), ``'gemm'``
-    (``GemmConvolutions``) or ``'grouped-nhwc'`` (``conv_nhwc.NhwcConvolutions``), and its
+    (``GemmConvolutions``), ``'grouped-nhwc'`` (``conv_nhwc.NhwcConvolutions``) or
+    ``'per-client'`` (``conv_per_client.PerClientConvolutions``), and its
     BatchNorm and max pools folded into the clients' channels (``folded_channels``), the
     outermost mode, so that it sees those calls first (before ``MixedBatchNorm``'s cast)."""
     check_choice(choice)
@@ -120,5 +122,7 @@ def batched_convolutions(choice: str):
         stack.enter_context(GemmConvolutions())
     elif choice == "grouped-nhwc":
         stack.enter_context(NhwcConvolutions())
+    elif choice == "per-client":
+        stack.enter_context(PerClientConvolutions())
     stack.enter_context(FoldedChannels())
     return stack

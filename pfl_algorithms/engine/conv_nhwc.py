@@ -33,31 +33,18 @@ from torch._C import _functorch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from .folded_channels import clients_in_channels, unwrap_level
+from .folded_channels import client_conv_operands
 
 
 def conv2d_nhwc(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Optional[Tensor]:
     """``F.conv2d`` (same arguments) of each client under ``vmap`` as one channels-last grouped
     convolution over the clients' channels (module docstring), or None where it does not fold."""
-    x = input
-    batched = clients_in_channels(x, min_dims=4)
-    if batched is None or x.dim() != 4 or not isinstance(weight, Tensor) or weight.dim() != 4:
+    operands = client_conv_operands(input, weight, bias, groups)
+    if operands is None:
         return None
-    moved, level = batched
-    unwrapped = unwrap_level(weight, level)
-    if unwrapped is None or unwrapped[1] is None:  # a shared weight: vmap's rule makes it one dense convolution
-        return None
-    weights = unwrapped[0].movedim(unwrapped[1], 0)  # [clients, O, C / groups, kh, kw]
+    moved, level, weights, biases = operands
     clients, out_channels = weights.shape[:2]
-    if moved.shape[1] != clients or moved.shape[2] != weights.shape[2] * groups:
-        return None  # shapes that do not fit: vmap's rule raises F.conv2d's own error
-    folded_bias = None
-    if bias is not None:
-        unwrapped_bias = unwrap_level(bias, level)
-        if unwrapped_bias is None:
-            return None
-        b, bdim = unwrapped_bias
-        folded_bias = (b.expand(clients, out_channels) if bdim is None else b.movedim(bdim, 0)).reshape(-1)
+    folded_bias = None if biases is None else biases.reshape(-1)
     samples = moved.shape[0]
     x_nhwc = moved.reshape(samples, -1, *moved.shape[3:]).contiguous(memory_format=torch.channels_last)
     w_nhwc = weights.reshape(-1, *weights.shape[2:]).contiguous(memory_format=torch.channels_last)

@@ -92,6 +92,33 @@ def clients_in_channels(x, *, min_dims: int) -> Optional[tuple[Tensor, int]]:
     return physical.movedim(bdim, 1), level
 
 
+def client_conv_operands(input, weight, bias, groups) -> Optional[tuple[Tensor, int, Tensor, Optional[Tensor]]]:
+    """The operands of ``F.conv2d(input, weight, bias, groups=groups)`` under ``vmap`` with a
+    weight per client, unwrapped: (input as [N, clients, C, H, W], the vmap level, the weights
+    [clients, O, C / groups, kh, kw], the biases [clients, O] or None).  None where the call is
+    not that: unbatched images, a weight shared by the clients (vmap makes it one dense
+    convolution), another transform, or shapes that do not fit (vmap's rule then raises
+    F.conv2d's own error)."""
+    batched = clients_in_channels(input, min_dims=4)
+    if batched is None or input.dim() != 4 or not isinstance(weight, Tensor) or weight.dim() != 4:
+        return None
+    moved, level = batched
+    unwrapped = unwrap_level(weight, level)
+    if unwrapped is None or unwrapped[1] is None:
+        return None
+    weights = unwrapped[0].movedim(unwrapped[1], 0)
+    clients, out_channels = weights.shape[:2]
+    if moved.shape[1] != clients or moved.shape[2] != weights.shape[2] * groups:
+        return None
+    if bias is None:
+        return moved, level, weights, None
+    unwrapped_bias = unwrap_level(bias, level)
+    if unwrapped_bias is None:
+        return None
+    b, bdim = unwrapped_bias
+    return moved, level, weights, b.expand(clients, out_channels) if bdim is None else b.movedim(bdim, 0)
+
+
 def _unfold(out: Tensor, moved: Tensor, level: int) -> Tensor:
     """A folded result [N, clients·C, ...] as each client's [N, C, ...] at ``level``."""
     return _functorch._add_batch_dim(out.view(*moved.shape[:3], *out.shape[2:]), 1, level)

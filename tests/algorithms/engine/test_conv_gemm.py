@@ -152,9 +152,9 @@ def test_autocast_gives_conv2ds_dtype():
 
 
 def test_the_choice_is_checked():
-    with pytest.raises(ValueError, match="batched_conv must be one of grouped, gemm, grouped-nhwc, got 'cudnn'"):
+    with pytest.raises(ValueError, match="batched_conv must be one of grouped, gemm, grouped-nhwc, per-client, got 'cudnn'"):
         EngineSettings(batched_conv="cudnn")
-    with pytest.raises(ValueError, match="batched_conv must be one of grouped, gemm, grouped-nhwc, got 'x'"):
+    with pytest.raises(ValueError, match="batched_conv must be one of grouped, gemm, grouped-nhwc, per-client, got 'x'"):
         conv_gemm.batched_convolutions("x")
 
 

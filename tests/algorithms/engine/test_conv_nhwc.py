@@ -74,6 +74,14 @@ def test_groups_within_a_client_and_vmaps_own_output_layout(folded):
     """A client's own groups (5 input channels, 5 groups) become groups·clients; the output is
     vmap's own layout, [N, clients, O, H', W'] contiguous, which the next op takes as it would
     take the grouped convolution's (a channels-last one failed GroupNorm's rule under vmap)."""
+    assert_groups_and_vmaps_layout(NhwcConvolutions)
+    assert folded == [True, True]
+
+
+def assert_groups_and_vmaps_layout(mode):
+    """Under ``mode()``, a depthwise convolution (groups within a client) then GroupNorm and a
+    1x1 convolution: plain vmap's values and gradients, and the first output in vmap's own
+    layout ([N, clients, O, H', W'] contiguous)."""
     x, _, _ = _inputs()
     g = torch.Generator().manual_seed(4)
     depthwise = torch.randn(3, 10, 1, 3, 3, generator=g, dtype=x.dtype)
@@ -88,26 +96,32 @@ def test_groups_within_a_client_and_vmaps_own_output_layout(folded):
 
     want = _values_and_gradients(_Plain(), net, (x, depthwise, second), (0, 0, 0))
     layouts.clear()
-    got = _values_and_gradients(NhwcConvolutions(), net, (x, depthwise, second), (0, 0, 0))
+    got = _values_and_gradients(mode(), net, (x, depthwise, second), (0, 0, 0))
     _assert_same(got, want)
-    assert folded == [True, True] and layouts == [(1, True)]
+    assert layouts == [(1, True)]
 
 
 def test_what_it_does_not_fold_runs_as_before(folded):
     """A weight shared by the clients (vmap makes one dense convolution of it), unbatched images
     [C, H, W], and shapes that do not fit (F.conv2d's own error)."""
+    assert_runs_as_before(NhwcConvolutions)
+    assert folded == [False, False, False]
+
+
+def assert_runs_as_before(mode):
+    """Under ``mode()``, a shared weight, unbatched images and shapes that do not fit give plain
+    vmap's results and error."""
     x, w, b = _inputs()
     cases = [(lambda x, w: F.conv2d(x, w), (0, None), (x, w[0])), (lambda x, w: F.conv2d(x, w), (0, 0), (x[:, 0], w))]
     for fn, in_dims, args in cases:
-        with NhwcConvolutions():
+        with mode():
             got = vmap(fn, in_dims=in_dims)(*args)
         torch.testing.assert_close(got, vmap(fn, in_dims=in_dims)(*args), rtol=0, atol=0)
-    with NhwcConvolutions(), pytest.raises(RuntimeError) as folded_error:
+    with mode(), pytest.raises(RuntimeError) as folded_error:
         vmap(F.conv2d)(x, w[:, :, :4])
     with pytest.raises(RuntimeError) as plain_error:
         vmap(F.conv2d)(x, w[:, :, :4])
     assert str(folded_error.value) == str(plain_error.value)
-    assert folded == [False, False, False]
 
 
 @pytest.mark.parametrize("factorized", [False, True], ids=["dense", "factorized"])
