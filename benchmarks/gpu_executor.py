@@ -29,7 +29,9 @@ evaluation unless said, SGD lr 0.01, both executors from the same initial state)
    projects the 50: the time to the end of round 1 (setup, captures) plus 49 times the median
    of the later rounds.
 
-Every executor runs as a user gets it, its plain steps replayed as CUDA graphs
+Every job's target rows (sequential and batched, captured) run first, then Table 1, then the
+rows only reported, so that ``gpu_check.sh``'s stage cap, where it cuts the run short, takes
+those first.  Every executor runs as a user gets it, its plain steps replayed as CUDA graphs
 (``--cuda-graphs``, the default), and uncaptured (``-eager``), so each target is met or not
 against the sequential executor as it runs by default, and the rows show what capture gives.
 
@@ -130,17 +132,19 @@ ONE_MODEL = "one-model"  # speed_job's bound: one model on every client's sample
 CONV_KEYS = {"grouped": "", "gemm": "+gemm-conv", "grouped-nhwc": "+nhwc", "per-client": "+per-client"}  # --batched-conv -> a row's suffix
 
 
-def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
-              device: str, *, bf16: bool, rows: list, on_row: Callable[[], None], gemm: bool = False) -> None:
-    """Each executor's round time (captured, and uncaptured: '-eager'), and its speed-up over the
-    sequential executor as it runs by default (captured) and uncaptured.  Rows are appended to
-    ``rows`` as each variant ends, ``on_row`` called after each (the caller saves), and a variant
-    that fails leaves a row with its ``error`` instead of ending the job (on an H100 the bf16
-    ResNet-9 variant failed and took every other ResNet-9 figure with it)."""
-    first, seconds = len(rows), {}
-    clients = sizes["clients"]
-    variants = [("sequential", None, False, "grouped"), ("sequential", None, True, "grouped"),
-                ("batched", None, False, "grouped"), ("batched", None, True, "grouped")]
+Variant = tuple  # (executor, autocast, captured, batched_conv)
+
+
+def target_variants() -> list[Variant]:
+    """The rows a job's target needs: the sequential and the batched executor as a user gets
+    them (captured)."""
+    return [("sequential", None, True, "grouped"), ("batched", None, True, "grouped")]
+
+
+def reported_variants(*, bf16: bool, gemm: bool) -> list[Variant]:
+    """The rows a job reports besides its target (module docstring), run after every job's
+    target rows and Table 1, so that a stage cut short at its cap loses these first."""
+    variants = [("sequential", None, False, "grouped"), ("batched", None, False, "grouped")]  # uncaptured
     if bf16:
         variants.append(("batched", "bf16", True, "grouped"))
     if gemm:  # the per-client convolutions as im2col and batched GEMMs (``--batched-conv gemm``)
@@ -162,6 +166,19 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
     variants.append((ONE_MODEL, None, True, "grouped"))
     if bf16:
         variants.append((ONE_MODEL, "bf16", True, "grouped"))
+    return variants
+
+
+def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int, target: float, sizes: dict,
+              device: str, *, variants: list[Variant], seconds: dict, rows: list, on_row: Callable[[], None]) -> None:
+    """Each variant's round time (``executor``, ``autocast``, captured or uncaptured ('-eager'),
+    ``batched_conv``), and its speed-up over the sequential executor as it runs by default
+    (captured) and uncaptured, from ``seconds`` (each timed row's round time by its key, kept
+    across the calls of one job).  Rows are appended to ``rows`` as each variant ends,
+    ``on_row`` called after each (the caller saves), and a variant that fails leaves a row with
+    its ``error`` instead of ending the job (on an H100 the bf16 ResNet-9 variant failed and
+    took every other ResNet-9 figure with it)."""
+    clients = sizes["clients"]
     for executor, autocast, graphs, conv in variants:
         key = executor + ("+bf16" if autocast else "") + CONV_KEYS[conv] + ("" if graphs else "-eager")
         one = executor == ONE_MODEL
@@ -185,7 +202,7 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
         finally:
             if fed is not None:
                 fed.close()
-        _speedups(rows[first:], seconds, target)
+        _speedups([row for row in rows if row["job"] == name], seconds, target)
         on_row()
 
 
@@ -314,19 +331,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         path.write_text(json.dumps(result, indent=2))
 
     rows = result["rows"]
-    speed_job("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, sizes, device, bf16=True,
-              gemm=True, rows=rows, on_row=save)
-    # No GEMM lowering for ResNet-9: on an H100 it made even LeNet-5's batched round 6x slower
-    # (161 against 26 ms), and ResNet-9's im2col would hold about 0.85 GB per client per step.
-    speed_job("resnet9-factorized", "resnet9", True, sizes["resnet_samples"], 128 if not args.dry_run else 8,
-              3.0, sizes, device, bf16=True, rows=rows, on_row=save)
-    accuracy = result["bf16_accuracy"] = accuracy_effect(sizes, device)
-    save()
+    # (name, model, factorized, samples, batch, target, bf16, gemm); no GEMM lowering for
+    # ResNet-9: on an H100 it made even LeNet-5's batched round 6x slower (161 against 26 ms),
+    # and ResNet-9's im2col would hold about 0.85 GB per client per step.  --quick leaves the
+    # GEMM row out for LeNet-5 too, measured twice.
+    jobs = [("lenet5", "lenet5", False, sizes["lenet_samples"], 64, 10.0, True, not args.quick),
+            ("resnet9-factorized", "resnet9", True, sizes["resnet_samples"], 128 if not args.dry_run else 8, 3.0,
+             True, False)]
+    seconds = {name: {} for name, *_ in jobs}
+    # The targets first, then Table 1, then what is only reported: a stage cut short at its cap
+    # (gpu_check.sh) loses the reported rows before any target.
+    for name, model, factorized, samples, batch, target, _, _ in jobs:
+        speed_job(name, model, factorized, samples, batch, target, sizes, device, variants=target_variants(),
+                  seconds=seconds[name], rows=rows, on_row=save)
     with tempfile.TemporaryDirectory() as scratch:
         table1 = result["table1"] = table1_job(sizes, device, Path(scratch), rounds=3 if args.quick else None)
+    save()
+    for name, model, factorized, samples, batch, target, bf16, gemm in jobs:
+        speed_job(name, model, factorized, samples, batch, target, sizes, device,
+                  variants=reported_variants(bf16=bf16, gemm=gemm), seconds=seconds[name], rows=rows, on_row=save)
+    accuracy = result["bf16_accuracy"] = accuracy_effect(sizes, device)
     result["complete"] = True
     save()
-    for row in rows:
+    order = [name for name, *_ in jobs]
+    for row in sorted(rows, key=lambda row: order.index(row["job"])):
         if "error" in row:
             print(f"{row['job']:<20} {row['executor']:<26} FAILED: {row['error'][:200]}")
             continue

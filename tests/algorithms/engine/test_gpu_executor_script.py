@@ -17,11 +17,15 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     assert gpu_executor.main(["--dry-run", "--profile", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     common = ("sequential", "sequential-eager", "batched", "batched-eager", "batched+bf16", "batched+nhwc",
-              "batched+bf16+nhwc", "one-model", "one-model+bf16")
+              "batched+bf16+nhwc", "batched+per-client", "one-model", "one-model+bf16")
     assert {(r["job"], r["executor"]) for r in result["rows"]} == {
         *(("lenet5", executor) for executor in (*common, "batched+gemm-conv")),
         *(("resnet9-factorized", executor) for executor in common)}
     assert all(r["round_s"] > 0 for r in result["rows"])
+    # every job's target rows first (a stage cut at its cap loses only reported ones)
+    assert [(r["job"], r["executor"]) for r in result["rows"][:4]] == [
+        ("lenet5", "sequential"), ("lenet5", "batched"), ("resnet9-factorized", "sequential"),
+        ("resnet9-factorized", "batched")]
     # the bound: one model on all the clients' samples, at the clients' batch times their number
     batches = {"lenet5": 64, "resnet9-factorized": 8}
     clients = gpu_executor.DRY["clients"]
@@ -47,24 +51,24 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
 
 def test_a_run_cut_short_keeps_the_jobs_that_finished(tmp_path, monkeypatch):
     """gpu_check.sh kills a stage at its timeout: the JSON written so far must hold every job that
-    ended (here the jobs are stand-ins, and the last one dies instead of being killed)."""
-    def rows(name, *args, rows, on_row, **kwargs):
-        rows.append({"job": name, "executor": "batched", "round_s": 1.0})
+    ended (here the jobs are stand-ins, and Table 1, after the targets' rows, dies instead of
+    being killed)."""
+    def rows(name, *args, variants, rows, on_row, **kwargs):
+        rows.append({"job": name, "executor": "+".join(v[0] for v in variants), "round_s": 1.0})
         on_row()
 
     def dies(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(gpu_executor, "speed_job", rows)
-    monkeypatch.setattr(gpu_executor, "accuracy_effect", lambda sizes, device: {"float32": 0.5, "bf16": 0.5})
     monkeypatch.setattr(gpu_executor, "table1_job", dies)
     path = tmp_path / "executor.json"
     with pytest.raises(KeyboardInterrupt):
         gpu_executor.main(["--dry-run", "--json", str(path)])
     result = json.loads(path.read_text())
-    assert result["complete"] is False and result["table1"] is None
-    assert {r["job"] for r in result["rows"]} == {"lenet5", "resnet9-factorized"}
-    assert set(result["bf16_accuracy"]) == {"float32", "bf16"}
+    assert result["complete"] is False and result["table1"] is None and result["bf16_accuracy"] is None
+    assert [(r["job"], r["executor"]) for r in result["rows"]] == [("lenet5", "sequential+batched"),
+                                                                   ("resnet9-factorized", "sequential+batched")]
 
 
 def test_a_failing_variant_leaves_its_error_and_the_others_run(monkeypatch):
@@ -81,15 +85,16 @@ def test_a_failing_variant_leaves_its_error_and_the_others_run(monkeypatch):
 
     monkeypatch.setattr(gpu_executor, "federation", federation)
     rows = []
-    gpu_executor.speed_job("lenet5", "lenet5", False, 8, 4, 10.0, gpu_executor.DRY, "cpu", bf16=True, rows=rows,
-                           on_row=lambda: saved.append(len(rows)))
-    assert saved == list(range(1, 10)) and made.count("bf16") == 3
+    variants = gpu_executor.target_variants() + gpu_executor.reported_variants(bf16=True, gemm=False)
+    gpu_executor.speed_job("lenet5", "lenet5", False, 8, 4, 10.0, gpu_executor.DRY, "cpu", variants=variants,
+                           seconds={}, rows=rows, on_row=lambda: saved.append(len(rows)))
+    assert saved == list(range(1, 11)) and made.count("bf16") == 3
     failed = [r for r in rows if "error" in r]
     assert [r["executor"] for r in failed] == ["batched+bf16", "batched+bf16+nhwc", "one-model+bf16"]
     assert "BFloat16" in failed[0]["error"]
     timed = [r for r in rows if "error" not in r]
-    assert [r["executor"] for r in timed] == ["sequential-eager", "sequential", "batched-eager", "batched",
-                                              "batched+nhwc", "one-model"]
+    assert [r["executor"] for r in timed] == ["sequential", "batched", "sequential-eager", "batched-eager",
+                                              "batched+nhwc", "batched+per-client", "one-model"]
     assert all(r["speedup_vs_sequential"] > 0 for r in timed)
     sequential = next(r for r in timed if r["executor"] == "sequential")
     assert sequential["speedup_vs_sequential"] == 1.0 and sequential["target"] is None
