@@ -63,13 +63,15 @@ log="$log_dir/gpu_check_$stage.log"
 KERNEL_BENCHMARKS=(gpu_factorized gpu_branch gpu_similarity gpu_aggregate gpu_branch_aggregate)
 # The test files with CUDA tests (quick; `tests` runs the whole suite): the Triton kernels'
 # (on the GPU, not the interpreter), the executors, captured steps, GEMM convolutions and augmentation on
-# CUDA, the package.
+# CUDA, background checkpoints of CUDA state, the package.
 # The C++ CPU kernels' test files that crashed on the H100 image (gpu-tests' crash check).
 CPU_CRASH_TESTS=(tests/kernels/test_similarity.py tests/kernels/test_error_types.py)
 GPU_TESTS=(tests/kernels/*_triton.py tests/algorithms/engine/test_executors.py
            tests/algorithms/engine/test_step_graphs.py tests/algorithms/engine/test_batched_eval.py
-           tests/algorithms/engine/test_conv_gemm.py tests/algorithms/engine/test_conv_nhwc.py tests/algorithms/engine/test_conv_per_client.py
+           tests/algorithms/engine/test_conv_gemm.py tests/algorithms/engine/test_conv_nhwc.py
+           tests/algorithms/engine/test_conv_per_client.py
            tests/algorithms/engine/test_mixed_batch_norm.py tests/algorithms/engine/test_folded_channels.py
+           tests/algorithms/engine/test_checkpoint_writer.py
            tests/algorithms/test_augment.py tests/test_package.py)
 # Stage caps and floors in seconds (quick).  A stage runs for at most its cap, and never into
 # the floors of the stages after it: their sum is held back from the budget until they run.

@@ -98,8 +98,10 @@ WORKERS=${PFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 FLOOR_TESTS=(tests/kernels tests/nn
              tests/algorithms/engine/test_executors.py tests/algorithms/engine/test_step_graphs.py
              tests/algorithms/engine/test_batched_eval.py tests/algorithms/engine/test_conv_gemm.py
-             tests/algorithms/engine/test_conv_nhwc.py tests/algorithms/engine/test_conv_per_client.py
+             tests/algorithms/engine/test_conv_nhwc.py
+             tests/algorithms/engine/test_conv_per_client.py
              tests/algorithms/engine/test_mixed_batch_norm.py tests/algorithms/engine/test_folded_channels.py
+             tests/algorithms/engine/test_checkpoint_writer.py
              tests/algorithms/engine/test_autocast_convolutions.py
              tests/algorithms/test_augment.py tests/test_package.py)
 exec "$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile "${FLOOR_TESTS[@]}" "$@"

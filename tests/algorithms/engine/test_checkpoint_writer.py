@@ -70,6 +70,21 @@ def test_the_host_copy_copies_other_objects_too():
     assert copy["box"].items[0].tolist() == [1.0, 1.0] and copy["marks"] == {"seen": [1, 2]}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_host_copy_of_cuda_tensors_is_on_the_host_with_their_values_and_views():
+    state = mixed_state()
+    state.pop("sparse")  # kept on the CPU: the strided tensors' storages are what moves
+    on_gpu = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+    on_gpu["rows"] = [on_gpu["whole"][1], on_gpu["whole"][2:5]]
+    copy = host_copy(on_gpu)
+    assert copy["whole"].device.type == "cpu" and copy["rows"][1].device.type == "cpu"
+    assert copy["rows"][0].untyped_storage().data_ptr() == copy["whole"].untyped_storage().data_ptr()
+    torch.testing.assert_close(copy["rows"][1], state["whole"][2:5], rtol=0, atol=0)
+    torch.testing.assert_close(copy["t"], state["t"], rtol=0, atol=0)
+    on_gpu["whole"].add_(1)
+    torch.testing.assert_close(copy["whole"], state["whole"], rtol=0, atol=0)
+
+
 def test_a_streamed_checkpoint_has_a_fixed_header_and_reads_back(tmp_path):
     state = mixed_state()
     write_checkpoint(tmp_path / "c.pt", state)
