@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -24,6 +25,14 @@ def _create_temporary(folder: Path, name: str) -> tuple[int, str]:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _NEW_FILE_MODE), tmp
         except FileExistsError:  # another writer drew the same name: draw again
             continue
+
+
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary file's of :func:`atomic_file` (``.<name>.<12 hex>.tmp``)."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@
 A directory is one of our runs when it holds a valid ``run.json``; any other non-empty
 directory is refused, so a run never writes over a user's files.  JSON and checkpoints are
 written to a temporary file in the same folder and moved over the old one with
-``os.replace`` (atomic on POSIX), so a killed run leaves the previous version.
+``os.replace`` (atomic on POSIX), so a killed run leaves the previous version; the temporary
+file a kill left is removed by the next run that holds the directory's lock.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from ..atomic_io import atomic_write_bytes, atomic_write_json, json_text
+from ..atomic_io import atomic_write_bytes, atomic_write_json, is_temporary, json_text
 from .checkpoint import read_checkpoint
 from .checkpoint_writer import CheckpointWriter
 
@@ -137,6 +138,8 @@ class RunDirectory:
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise ValueError(f"run directory {self.root} cannot be written (permission denied); choose "
                                  f"another --out")
+            if self.marker.exists():
+                self._remove_temporaries()
             yield self
         finally:
             if held and not self.marker.exists():
@@ -157,9 +160,16 @@ class RunDirectory:
             with contextlib.suppress(FileNotFoundError):
                 (self.root / name).unlink()
         shutil.rmtree(self.plots, ignore_errors=True)
-        for tmp in self.root.glob(".*.tmp"):  # temporary files of writes a kill cut short
-            tmp.unlink(missing_ok=True)
+        self._remove_temporaries()
         return identity["run_id"]
+
+    def _remove_temporaries(self) -> None:
+        """Remove the temporary files of atomic writes a kill cut short (a checkpoint's is as
+        large as the checkpoint): with the lock held, no writer of ours is alive to finish one.
+        Only files named as ``atomic_file`` names them are touched."""
+        for tmp in self.root.glob(".*.tmp"):
+            if is_temporary(tmp.name):
+                tmp.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ metrics
 

@@ -177,3 +177,31 @@ def test_run_files_follow_the_umask(tmp_path, umask):
     for path in paths:
         expected = (0o777 if path.is_dir() else 0o666) & ~umask
         assert stat.S_IMODE(path.stat().st_mode) == expected, (path, oct(path.stat().st_mode))
+
+
+def test_a_resume_removes_the_temporary_files_a_kill_left_and_nothing_else(tmp_path):
+    """A kill during an atomic write leaves its temporary file (a checkpoint's is as large as
+    the checkpoint); the next run holding the lock removes it, and only files so named."""
+    out = tmp_path / "r"
+    run(tiny_config(), out, progress=False, stop_after=1)
+    stale = out / ".checkpoint.pt.0123456789ab.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    kept = [out / ".notes.tmp", out / ".checkpoint.pt.tmp", out / "x.0123456789ab.tmp"]
+    for path in kept:
+        path.write_text("the user's")
+    run(tiny_config(), out, resume=True, progress=False)
+    assert not stale.exists() and all(path.read_text() == "the user's" for path in kept)
+
+
+def test_a_refused_second_run_leaves_the_running_ones_temporary_files(tmp_path, capsys):
+    out = tmp_path / "r"
+    planted, outcome = out / ".metrics.jsonl.0123456789ab.tmp", []
+
+    def second_run(record):
+        if record["round"] == 0:
+            planted.write_bytes(b"being written")
+            outcome.append(main(["run", "fedavg", *TINY, "--out", str(out), "--resume"]))
+            outcome.append(planted.exists())
+
+    run(tiny_config(), out, progress=False, on_round=second_run)
+    assert outcome == [2, True]
