@@ -12,10 +12,11 @@ step the clients' launches cost no host time at replay; the other ops of the ste
 pools folded by ``folded_channels``, the optimizer) still run once for all clients.
 
 The values are each client's dense convolution's (the grouped one sums the same products,
-perhaps in another order).  On 2 CPU cores a batched LeNet-5 round (10 clients x 128, batch 64)
-took 86 ms with it against 142 ms grouped, a factorized ResNet-9 round (4 x 64, batch 32) 2151
-against 2003 ms; on a GPU it is untimed (``benchmarks/gpu_executor.py`` times it), so the
-default stays ``'grouped'``.
+perhaps in another order).  On 2 CPU cores (one process, 7 interleaved rounds, medians) a
+batched LeNet-5 round (10 clients x 128, batch 64) took 94 ms with it against 156 ms grouped
+(85 ms ``'grouped-nhwc'``), a factorized ResNet-9 round (4 x 64, batch 32) 2076 against 2166 ms
+(2433 ms); on a GPU it is untimed (``benchmarks/gpu_executor.py`` times it), so the default
+stays ``'grouped'``.
 
 Used for: ``F.conv2d`` with a batched input [N, C, H, W] and a batched weight at the innermost
 vmap level (no other transform), bias batched, shared or None, any stride, padding, dilation and
@@ -41,10 +42,12 @@ def conv2d_per_client(input, weight, bias=None, stride=1, padding=0, dilation=1,
     if operands is None:
         return None
     moved, level, weights, biases = operands  # [N, clients, C, H, W], [clients, O, C / groups, kh, kw], [clients, O]
-    clients = weights.shape[0]
-    biases = [None] * clients if biases is None else biases.unbind(0)
-    outputs = [F.conv2d(moved[:, c], weights[c], biases[c], stride, padding, dilation, groups)
-               for c in range(clients)]
+    # unbind, not an index per client: each index's backward writes a zero gradient of the whole
+    # stacked tensor and autograd sums them (traffic quadratic in the clients: 614 against 118 MB
+    # for 16 clients' 3x3 convolution, forward and backward); unbind's backward is one stack.
+    inputs, client_weights = moved.unbind(1), weights.unbind(0)
+    biases = [None] * len(inputs) if biases is None else biases.unbind(0)
+    outputs = [F.conv2d(x, w, b, stride, padding, dilation, groups) for x, w, b in zip(inputs, client_weights, biases)]
     return _functorch._add_batch_dim(torch.stack(outputs, 1), 1, level)
 
 
