@@ -137,10 +137,12 @@ class FedParaConv2d(nn.Module):
                     _normal_((t, x, y), weight_var, 3)
 
     def full_weight(self) -> torch.Tensor:
-        """W1 ⊙ (W2 + 1): [out, in, kh, kw]."""
+        """W1 ⊙ (W2 + 1): [out, in, kh, kw], contiguous.  (einsum lays it out channels-last,
+        which makes the convolution's output channels-last: under vmap, GroupNorm's rule then
+        fails with "NYI: querying is_contiguous inside of vmap".)"""
         w1 = torch.einsum("abhw,oa,ib->oihw", self.t1, self.x1, self.y1)
         w2 = torch.einsum("abhw,oa,ib->oihw", self.t2, self.x2, self.y2)
-        return w1 * (w2 + 1)
+        return (w1 * (w2 + 1)).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.full_weight(), self.bias, self.stride, self.padding, self.dilation)
