@@ -22,7 +22,7 @@ K = 3
 
 @pytest.fixture
 def folds(monkeypatch):
-    """[whether each folded_batch_norm or folded_pooling call folded]."""
+    """[whether each folded_batch_norm, folded_group_norm or folded_pooling call folded]."""
     seen = []
 
     def spy(real):
@@ -32,7 +32,7 @@ def folds(monkeypatch):
             return out
         return call
 
-    for name in ("folded_batch_norm", "folded_pooling"):
+    for name in ("folded_batch_norm", "folded_group_norm", "folded_pooling"):
         monkeypatch.setattr(folding, name, spy(getattr(folding, name)))
     return seen
 
@@ -241,4 +241,70 @@ def test_pooling_that_does_not_fold_runs_the_batching_rule(folds):
         shared = vmap(lambda w: F.max_pool2d(x[0][None], 2) * w)(torch.ones(K))
     torch.testing.assert_close(got, F.max_pool2d(x, 2))
     torch.testing.assert_close(shared[1], F.max_pool2d(x[0][None], 2))
+    assert folds == [False, False]
+
+
+def _group_norm_values_and_gradients(mode, x, w, b, in_dims, groups):
+    leaves = [None if t is None else t.clone().detach().requires_grad_() for t in (x, w, b)]
+
+    def norm(x, w, b):
+        return F.group_norm(x, groups, w, b, 1e-3)
+
+    with mode:
+        out = vmap(norm, in_dims=in_dims)(*leaves)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+    return out.detach(), [None if t is None else t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("affine", ["clients", "shared", None])
+@pytest.mark.parametrize("shape", [(5, 6), (5, 6, 7), (4, 6, 5, 3)], ids=["2d", "3d", "4d"])
+@pytest.mark.parametrize("groups", [1, 3, 6])
+def test_folded_group_norm_equals_the_batching_rule_in_float64(folds, affine, shape, groups):
+    """K clients' GroupNorm (groups within each client's 6 channels; per-client, shared or no
+    affine) as one GroupNorm over the clients' channels: the rule's values and gradients."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(K, *shape, generator=g, dtype=F64) * 3 + 1
+    w, b = torch.randn(K, 6, generator=g, dtype=F64), torch.randn(K, 6, generator=g, dtype=F64)
+    w, b = {"clients": (w, b), "shared": (w[0], b[0]), None: (None, None)}[affine]
+    in_dims = (0, 0 if affine == "clients" else None, 0 if affine == "clients" else None)
+    got = _group_norm_values_and_gradients(FoldedChannels(), x, w, b, in_dims, groups)
+    want = _group_norm_values_and_gradients(_Plain(), x, w, b, in_dims, groups)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    for a, c in zip(got[1], want[1]):
+        assert (a is None) == (c is None)
+        if a is not None:
+            torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    assert folds == [True]
+
+
+def test_folded_group_norm_takes_a_channels_last_input(folds):
+    """A channels-last activation (a convolution with a channels-last weight gives one), which
+    vmap's rule refuses: each client's own GroupNorm's values, in the standard layout."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(K, 4, 6, 5, 3, generator=g, dtype=F64)
+    w, b = torch.randn(K, 6, generator=g, dtype=F64), torch.randn(K, 6, generator=g, dtype=F64)
+    channels_last = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)  # each client's channels-last
+    assert channels_last[0].is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="is_contiguous inside of vmap"):
+        _group_norm_values_and_gradients(_Plain(), channels_last, w, b, (0, 0, 0), 3)
+    out, grads = _group_norm_values_and_gradients(FoldedChannels(), channels_last, w, b, (0, 0, 0), 3)
+    want = torch.stack([F.group_norm(x[k], 3, w[k], b[k], 1e-3) for k in range(K)])
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert all(t is not None and torch.isfinite(t).all() for t in grads)
+    assert folds == [True]
+
+
+def test_group_norm_that_does_not_fold_runs_the_batching_rule(folds):
+    """Channels that the groups do not divide (F.group_norm's own error) and an unbatched input
+    with a batched weight."""
+    x = torch.randn(K, 4, 6, dtype=F64)
+    with FoldedChannels(), pytest.raises(RuntimeError) as folded_error:
+        vmap(lambda x: F.group_norm(x, 4))(x)
+    with pytest.raises(RuntimeError) as plain_error:
+        vmap(lambda x: F.group_norm(x, 4))(x)
+    assert str(folded_error.value) == str(plain_error.value)
+    w = torch.randn(K, 6, dtype=F64)
+    with FoldedChannels():
+        got = vmap(lambda w: F.group_norm(x[0], 3, w), in_dims=0)(w)
+    torch.testing.assert_close(got, vmap(lambda w: F.group_norm(x[0], 3, w))(w), rtol=0, atol=0)
     assert folds == [False, False]
