@@ -130,8 +130,9 @@ def _metrics(out):
 
 
 # The digits CNN without normalization, as these tolerances were measured: GroupNorm (its default
-# since issue 33) runs under vmap through a batching rule that reassociates its reductions, and
-# three rounds amplify that to 8e-4 in a train loss (measured), which a looser bound would hide.
+# since issue 33) ran under vmap through a batching rule that reassociated its reductions, and
+# three rounds amplified that to 8e-4 in a train loss (measured), which a looser bound would hide.
+# (GroupNorm now runs folded, one native op over the clients' channels: engine/folded_channels.py.)
 PLAIN = ["--set", "norm=None"]
 
 
