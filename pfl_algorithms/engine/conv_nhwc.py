@@ -13,7 +13,8 @@ H, W], a view where the input comes from such a convolution or from the folded B
 pools of ``folded_channels``) copied to channels-last memory, with the bias folded into the
 call, so the kernels that take that layout run without converting it themselves; the output is
 copied back to vmap's own layout, [N, clients, O, H', W'] contiguous, since a batched tensor in
-channels-last fails every op whose rule asks for its memory format under vmap (GroupNorm's).
+channels-last fails every op whose rule asks for its memory format under vmap (GroupNorm's did,
+before ``folded_channels`` folded it; other rules still ask).
 The values are the grouped convolution's (the same sums; a kernel of another layout may order
 them differently).  On 2 CPU cores a batched LeNet-5 round took 77 ms with it against 149 ms,
 a factorized ResNet-9 round 2253 against 2078 ms (README); on a GPU it is untimed
@@ -45,13 +46,12 @@ def conv2d_nhwc(input, weight, bias=None, stride=1, padding=0, dilation=1, group
     moved, level, weights, biases = operands
     clients, out_channels = weights.shape[:2]
     folded_bias = None if biases is None else biases.reshape(-1)
-    samples = moved.shape[0]
-    x_nhwc = moved.reshape(samples, -1, *moved.shape[3:]).contiguous(memory_format=torch.channels_last)
+    x_nhwc = moved.flatten(1, 2).contiguous(memory_format=torch.channels_last)
     w_nhwc = weights.reshape(-1, *weights.shape[2:]).contiguous(memory_format=torch.channels_last)
     out = F.conv2d(x_nhwc, w_nhwc, folded_bias, stride, padding, dilation, groups * clients)
     # Back to vmap's own layout (a copy): a batched tensor in channels-last memory fails every op
-    # whose rule asks for its memory format under vmap (GroupNorm: "NYI: querying is_contiguous
-    # inside of vmap for memory_format other than torch.contiguous_format").
+    # whose rule asks for its memory format under vmap ("NYI: querying is_contiguous inside of
+    # vmap for memory_format other than torch.contiguous_format"; GroupNorm's did before it folded).
     return _functorch._add_batch_dim(out.contiguous().unflatten(1, (clients, out_channels)), 1, level)
 
 

@@ -137,7 +137,7 @@ def folded_pooling(func, x, *args, **kwargs):
     if batched is None or x.dim() != 4:
         return None
     moved, level = batched
-    out = func(moved.reshape(moved.shape[0], -1, *moved.shape[3:]), *args, **kwargs)
+    out = func(moved.flatten(1, 2), *args, **kwargs)
     if isinstance(out, tuple):
         return tuple(_unfold(t, moved, level) for t in out)
     return _unfold(out, moved, level)
@@ -162,8 +162,8 @@ def folded_batch_norm(input, running_mean, running_var, weight=None, bias=None, 
     # torch.batch_norm, the op F.batch_norm calls: its mixed kernels take a bfloat16 input with
     # float32 statistics, and MixedBatchNorm (which intercepts F.batch_norm) leaves it alone.
     running_mean, running_var, weight, bias = folded
-    out = torch.batch_norm(moved.reshape(samples, clients * channels, *moved.shape[3:]), weight, bias, running_mean,
-                           running_var, training, momentum, eps, torch.backends.cudnn.enabled)
+    out = torch.batch_norm(moved.flatten(1, 2), weight, bias, running_mean, running_var, training, momentum, eps,
+                           torch.backends.cudnn.enabled)
     return _unfold(out, moved, level)
 
 
@@ -178,14 +178,13 @@ def folded_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Op
     if batched is None or not isinstance(num_groups, int) or num_groups < 1:
         return None
     moved, level = batched
-    samples, clients, channels = moved.shape[:3]
+    clients, channels = moved.shape[1:3]
     if channels % num_groups:
         return None  # vmap's rule raises F.group_norm's own error
     folded = [_per_channel(t, level, clients, channels, in_place=False) for t in (weight, bias)]
     if any(f is False for f in folded):
         return None
-    out = F.group_norm(moved.reshape(samples, clients * channels, *moved.shape[3:]), clients * num_groups, *folded,
-                       eps)
+    out = F.group_norm(moved.flatten(1, 2), clients * num_groups, *folded, eps)
     return _unfold(out.contiguous(), moved, level)
 
 

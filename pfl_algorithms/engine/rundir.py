@@ -152,7 +152,8 @@ class RunDirectory:
     def begin(self) -> str:
         """Make the directory a new run: a new ``run.json`` (written first, so that a kill
         from here on leaves a directory recognized as ours), then the files of a run it
-        replaces removed.  Returns the new run id."""
+        replaces removed (its temporary files went when the lock was taken: :meth:`claimed`,
+        under which every run begins).  Returns the new run id."""
         identity = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "run_id": uuid.uuid4().hex,
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         atomic_write_json(self.marker, identity)
@@ -160,7 +161,6 @@ class RunDirectory:
             with contextlib.suppress(FileNotFoundError):
                 (self.root / name).unlink()
         shutil.rmtree(self.plots, ignore_errors=True)
-        self._remove_temporaries()
         return identity["run_id"]
 
     def _remove_temporaries(self) -> None:
