@@ -146,6 +146,12 @@ run_benchmarks() {  # extra flags for every script
 GPU_TEST_STAGE=("${GPU_TESTS[@]}" tests/kernels/test_direct_launch.py -q -p no:cacheprovider -rfEs -m "not slow"
                 --durations=15)
 
+# The test stage's environment: one CPU thread per xdist worker.  The stage runs one worker per
+# core, and with torch's default of a thread per core as well, the CPU tests among the GPU files
+# (float64 runs of a small CNN that take 0.7 s on a 2-core CPU) ran past their 60 s timeout on
+# the H200's 16 cores: six of them failed so.
+TEST_ENV=(env OMP_NUM_THREADS="${GPU_CHECK_TEST_THREADS:-1}")
+
 # parallel_pytest_args: xdist (one worker per core) and a per-test timeout, where installed, into
 # the array xdist.  worksteal, not loadfile: twice on the H200 the stage stopped at 94% with one
 # long file left on one worker (8 and then 16 workers, 120 s).  A test that runs past 60 s fails
@@ -242,7 +248,7 @@ if [ "$stage" = quick ]; then
   done
   run_stage gpu_executor "$CAP_EXECUTOR" "$FLOOR_EXECUTOR" "$PY" benchmarks/gpu_executor.py --quick --profile
   export PFL_KERNELS_DIRECT_LAUNCH=1  # the tests check them whatever gpu_launch said
-  run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "$PY" -m pytest "${GPU_TEST_STAGE[@]}" "${xdist[@]}"
+  run_stage tests "$CAP_TESTS" "$FLOOR_TESTS" "${TEST_ENV[@]}" "$PY" -m pytest "${GPU_TEST_STAGE[@]}" "${xdist[@]}"
   targets --newer-than "$stamp" --log "$log"
   finish
   if [ -n "${OUT:-}" ]; then
@@ -294,7 +300,7 @@ if [ "$stage" = gpu-tests ]; then
       "avx512f: $(grep -c -m1 avx512f /proc/cpuinfo)"; } 2>&1 | tee -a "$log" || true
   run_stage cpu_kernels "$CAP_CPU_CRASH" "$FLOOR_CPU_CRASH" "$PY" -X faulthandler -m pytest "${CPU_CRASH_TESTS[@]}" \
     -q -p no:cacheprovider -p no:xdist -x -rfE
-  run_stage tests "$BUDGET_S" "$FLOOR_TESTS" env PFL_KERNELS_DIRECT_LAUNCH=1 "$PY" -m pytest "${GPU_TEST_STAGE[@]}" \
+  run_stage tests "$BUDGET_S" "$FLOOR_TESTS" "${TEST_ENV[@]}" PFL_KERNELS_DIRECT_LAUNCH=1 "$PY" -m pytest "${GPU_TEST_STAGE[@]}" \
     "${xdist[@]}"
   finish  # the log is in $OUT where it is set
   exit $failed
