@@ -63,6 +63,20 @@ def _reference(bn, params, buffers, x, grad_out):
     return stack(outs), stack(x_grads), {k: stack(v) for k, v in p_grads.items()}, {k: stack(v) for k, v in stats.items()}
 
 
+def _affine_gradient_scales(bn, buffers, x, grad_out):
+    """Per client and channel, the magnitudes the weight and bias gradients add up: Σ|dy·x̂|
+    and Σ|dy| (float64, on the CPU), x̂ normalized by the batch's statistics when training, by
+    the running ones in eval."""
+    xs, dy = x.double().cpu(), grad_out.double().cpu()
+    dims = (1, 3, 4)
+    if bn.training:
+        mean, var = xs.mean(dims, keepdim=True), xs.var(dims, unbiased=False, keepdim=True)
+    else:
+        mean, var = (buffers[k].double().cpu()[:, None, :, None, None] for k in ("running_mean", "running_var"))
+    x_hat = (xs - mean) / torch.sqrt(var + bn.eps)
+    return {"weight": (dy * x_hat).abs().sum(dims), "bias": dy.abs().sum(dims)}
+
+
 def _check(training: bool, device: str, mode=None):
     """``mode`` (default ``MixedBatchNorm()``) runs the vmapped bf16 BatchNorm as the unbatched
     mixed one computes it (``test_folded_channels`` passes its own)."""
@@ -74,9 +88,18 @@ def _check(training: bool, device: str, mode=None):
     torch.testing.assert_close(out.double().cpu(), want_out, rtol=2 ** -7, atol=2 ** -7)
     torch.testing.assert_close(x_grad.double().cpu(), want_x_grad, rtol=2 ** -7, atol=2 ** -9)
     # float32 results (the affine gradients sum bf16 products: bfloat16's precision)
+    scales = _affine_gradient_scales(bn, buffers, x, grad_out)
     for name in ("weight", "bias"):
         assert p_grads[name].dtype == torch.float32
-        torch.testing.assert_close(p_grads[name].double().cpu(), want_p_grads[name], rtol=2 ** -7, atol=2 ** -7)
+        got = p_grads[name].double().cpu()
+        if device == "cuda":
+            # ATen's native mixed kernel on CUDA (unbatched and folded alike) rounds these sums
+            # at bfloat16's precision: on an H200 off by up to 1.2e-3 of the magnitudes they add
+            # up, 3% of a gradient whose terms cancel (benchmarks/bf16_batch_norm_error.py;
+            # pytorch#156513).  The bound for such a sum is relative to those magnitudes.
+            assert ((got - want_p_grads[name]).abs() <= 2 ** -7 * (want_p_grads[name].abs() + scales[name])).all(), name
+        else:
+            torch.testing.assert_close(got, want_p_grads[name], rtol=2 ** -7, atol=2 ** -7)
     for name in ("running_mean", "running_var"):
         assert parts[name].dtype == torch.float32
         torch.testing.assert_close(parts[name].double().cpu(), want_stats[name], rtol=1e-5, atol=1e-6)
