@@ -13,7 +13,7 @@ evaluation unless said, SGD lr 0.01, both executors from the same initial state)
    ``--batched-conv gemm``) instead of vmap's grouped convolutions (on an H100: 6x slower).
    Each job times the grouped convolutions in channels-last memory ("+nhwc", ``--batched-conv
    grouped-nhwc``), in float32 and under bf16, and each client's convolution as its own dense
-   one ("+per-client", ``--batched-conv per-client``), in float32.
+   one ("+per-client", ``--batched-conv per-client``), in float32 and under bf16.
    Each job also times the bound of batching with these kernels ("one-model", and under bf16):
    one model trained on all the clients' samples at batch 20 x the job's, the same samples and
    FLOPs as a round, in dense convolutions.  A target it does not reach is out of reach of any
@@ -157,6 +157,11 @@ def reported_variants(*, bf16: bool, gemm: bool) -> list[Variant]:
     # Each client's convolution as its own dense one (``--batched-conv per-client``): the
     # sequential executor's convolution kernels, everything else of the step batched.
     variants.append(("batched", None, True, "per-client"))
+    if bf16:
+        # On the H200 (b05605a) cuDNN's bf16 weight gradient of the grouped convolutions
+        # (wgrad_alg1_engine) took 278 of the 480 ms of kernels of a bf16 ResNet-9 round, where
+        # its dense bf16 kernels are the sequential executor's.
+        variants.append(("batched", "bf16", True, "per-client"))
     # The bound of batching with these kernels: one model trained on every client's samples at
     # once, batch clients x batch (the same samples and FLOPs as a round of either executor, in
     # dense convolutions, which grouped ones do not beat).  Where it is not 'target' times the

@@ -17,7 +17,7 @@ def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
     assert gpu_executor.main(["--dry-run", "--profile", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     common = ("sequential", "sequential-eager", "batched", "batched-eager", "batched+bf16", "batched+nhwc",
-              "batched+bf16+nhwc", "batched+per-client", "one-model", "one-model+bf16")
+              "batched+bf16+nhwc", "batched+per-client", "batched+bf16+per-client", "one-model", "one-model+bf16")
     assert {(r["job"], r["executor"]) for r in result["rows"]} == {
         *(("lenet5", executor) for executor in (*common, "batched+gemm-conv")),
         *(("resnet9-factorized", executor) for executor in common)}
@@ -88,9 +88,10 @@ def test_a_failing_variant_leaves_its_error_and_the_others_run(monkeypatch):
     variants = gpu_executor.target_variants() + gpu_executor.reported_variants(bf16=True, gemm=False)
     gpu_executor.speed_job("lenet5", "lenet5", False, 8, 4, 10.0, gpu_executor.DRY, "cpu", variants=variants,
                            seconds={}, rows=rows, on_row=lambda: saved.append(len(rows)))
-    assert saved == list(range(1, 11)) and made.count("bf16") == 3
+    assert saved == list(range(1, 12)) and made.count("bf16") == 4
     failed = [r for r in rows if "error" in r]
-    assert [r["executor"] for r in failed] == ["batched+bf16", "batched+bf16+nhwc", "one-model+bf16"]
+    assert [r["executor"] for r in failed] == ["batched+bf16", "batched+bf16+nhwc", "batched+bf16+per-client",
+                                               "one-model+bf16"]
     assert "BFloat16" in failed[0]["error"]
     timed = [r for r in rows if "error" not in r]
     assert [r["executor"] for r in timed] == ["sequential", "batched", "sequential-eager", "batched-eager",
