@@ -72,8 +72,9 @@ def _grads(way, weight, bias, x, dy):
     return w.grad.double(), b.grad.double(), xs.grad.double()
 
 
-def _errors(weight, bias, x, dy, got):
-    """Each gradient's largest error against float64, scaled by what it sums (module docstring)."""
+def _reference(weight, bias, x, dy):
+    """The float64 gradients (weight, bias, input) and what each sums (module docstring): one
+    computation per shape, which every way is compared with."""
     w, b, xs = (t.double().requires_grad_() for t in (weight, bias, x))
     dims = (1, 3, 4)
     mean = xs.mean(dims, keepdim=True)
@@ -81,12 +82,16 @@ def _errors(weight, bias, x, dy, got):
     x_hat = (xs - mean) / torch.sqrt(var + 1e-5)
     out = x_hat * w[:, None, :, None, None] + b[:, None, :, None, None]
     out.backward(dy.double())
-    scale_w = (dy.double() * x_hat.detach()).abs().sum(dims)
-    scale_b = dy.double().abs().sum(dims)
-    scale_x = xs.grad.abs().amax()
-    return {"weight": float(((got[0] - w.grad).abs() / scale_w).max()),
-            "bias": float(((got[1] - b.grad).abs() / scale_b).max()),
-            "input": float((got[2] - xs.grad).abs().max() / scale_x)}
+    scales = ((dy.double() * x_hat.detach()).abs().sum(dims), dy.double().abs().sum(dims), xs.grad.abs().amax())
+    return (w.grad, b.grad, xs.grad), scales
+
+
+def _errors(reference, got):
+    """Each gradient's largest error against float64, scaled by what it sums (module docstring)."""
+    (want_w, want_b, want_x), (scale_w, scale_b, scale_x) = reference
+    return {"weight": float(((got[0] - want_w).abs() / scale_w).max()),
+            "bias": float(((got[1] - want_b).abs() / scale_b).max()),
+            "input": float((got[2] - want_x).abs().max() / scale_x)}
 
 
 def main(argv=None) -> int:
@@ -99,8 +104,9 @@ def main(argv=None) -> int:
     print(f"{'shape':38s} {'way':14s} {'weight':>9s} {'bias':>9s} {'input':>9s}")
     for name, shape in SHAPES.items():
         inputs = _inputs(shape, device)
+        reference = _reference(*inputs)
         for way in ("unbatched", "folded", "float32"):
-            errors = _errors(*inputs, _grads(way, *inputs))
+            errors = _errors(reference, _grads(way, *inputs))
             rows.append({"shape": name, "way": way, **errors})
             print(f"{name:38s} {way:14s} {errors['weight']:9.2e} {errors['bias']:9.2e} {errors['input']:9.2e}")
     slug = (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu").lower().replace(" ", "_")

@@ -17,8 +17,9 @@ channels-last fails every op whose rule asks for its memory format under vmap (G
 before ``folded_channels`` folded it; other rules still ask).
 The values are the grouped convolution's (the same sums; a kernel of another layout may order
 them differently).  On 2 CPU cores a batched LeNet-5 round took 77 ms with it against 149 ms,
-a factorized ResNet-9 round 2253 against 2078 ms (README); on a GPU it is untimed
-(``benchmarks/gpu_executor.py`` times it), so the default stays ``'grouped'``.
+a factorized ResNet-9 round 2253 against 2078 ms (README).  On an H200 (``benchmarks/gpu_executor.py``,
+20 clients, captured) it was slower than grouped: LeNet-5 30.0 against 27.1 ms, ResNet-9 290.9
+against 237.2 ms, so the default stays ``'grouped'``.
 
 Folded: ``F.conv2d`` with a batched input [N, C, H, W] and a batched weight at the innermost vmap
 level (no other transform), bias batched, shared or None, any stride, padding (numbers or a

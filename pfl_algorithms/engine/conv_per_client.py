@@ -15,8 +15,9 @@ The values are each client's dense convolution's (the grouped one sums the same 
 perhaps in another order).  On 2 CPU cores (one process, 7 interleaved rounds, medians) a
 batched LeNet-5 round (10 clients x 128, batch 64) took 94 ms with it against 156 ms grouped
 (85 ms ``'grouped-nhwc'``), a factorized ResNet-9 round (4 x 64, batch 32) 2076 against 2166 ms
-(2433 ms); on a GPU it is untimed (``benchmarks/gpu_executor.py`` times it), so the default
-stays ``'grouped'``.
+(2433 ms).  On an H200 (``benchmarks/gpu_executor.py``, 20 clients, captured, float32) it was
+slower than grouped: LeNet-5 37.8 against 27.1 ms, ResNet-9 254.3 against 237.2 ms, so the
+default stays ``'grouped'`` (under bf16 it is untimed: the ``batched+bf16+per-client`` row).
 
 Used for: ``F.conv2d`` with a batched input [N, C, H, W] and a batched weight at the innermost
 vmap level (no other transform), bias batched, shared or None, any stride, padding, dilation and

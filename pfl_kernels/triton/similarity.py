@@ -316,10 +316,10 @@ def _gemm_epilogue_kernel(
         v = _pairwise_values(acc, sx, sy, sig_x, sig_y, fin_x, fin_y, ia, jb, eps, MODE, SYMMETRIC)
         if SYMMETRIC:
             # A diagonal tile keeps its upper triangle's values for both halves (off the
-            # diagonal ia <= jb everywhere).  Mirroring the dot alone was not enough on an H200:
-            # sx and sy, the same rows' squared norms, are reduced in the two operands' register
-            # layouts, in different orders, and the distance's sums contract into FMAs in an
-            # order that is not symmetric in i and j.
+            # diagonal ia <= jb everywhere).  Mirroring the dot alone was not enough on an H200,
+            # likely because sx and sy, the same rows' squared norms, are reduced in the two
+            # operands' register layouts (possibly in different orders), and the distance's sums
+            # may contract into FMAs in an order that is not symmetric in i and j.
             v = tl.where(ia <= jb, v, tl.trans(v))
         tl.store(out_ptr + tl.where(swap, jb * M + ia, ia * M + jb), v, mask=ma[:, None] & mb[None, :])
 
