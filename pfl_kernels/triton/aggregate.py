@@ -39,9 +39,18 @@ launch that lays out the sparse kernel's input, so the sparse path makes two lau
 no other (the PyTorch reductions and the CSR build it replaces were 16, then 8 launches,
 each a host round trip on a GPU); the GEMM product's row-0 check, and the weights' stats
 where the GEMM runs speculatively, come from ``_count_kernel``, one launch each into a
-zeroed int64 buffer.  Syncs per call: one for the stats, a second for the GEMM's check of
-row 0 or for nothing on the sparse path; a new result whose signature took the GEMM last
-time runs it first and reads stats and check in one sync.
+zeroed int64 buffer.  With every weight nonzero (FedAvg's and softmax weights) the product
+is the contract's result as it is, so only weights with zeros pay for the row-0 check.
+
+Syncs: the stats are read with ``read_early`` (an event behind their copy to the host), so
+the host waits for the small kernel that made them, not for the big one queued after it,
+and the GPU is not left idle while the host finishes the call.  The path a signature took
+last is launched before the stats are read: the GEMM into a new result (the op's own
+tensor), the sparse kernel into any out, guarded on the device by the compaction's NaN/Inf
+total (it writes nothing where a weight is NaN/Inf, so a caller's out stays as it was when
+the op raises).  A wrong guess is rerun on the right path, so a call's numbers never depend
+on the calls before it.  ``.out`` with dense weights reads the stats before its GEMM (which
+cannot be guarded) writes out: one sync, for the counting alone.
 
 ``out=``: out may overlap params.  The dense kernel with a single K-block reads the whole
 params block of its columns before it writes the same columns of out, so an overlap in
@@ -62,6 +71,7 @@ from . import register_cuda
 from ..ops._checks import may_overlap
 from ..ops.aggregate import _check_op_args
 from ..ops._memo import cdiv, next_power_of_2
+from ._early_read import EarlyRead, read_early
 from .factorized import _check_devices, _device_guard, _launch
 
 
@@ -130,10 +140,12 @@ def _dense_kernel(
 
 
 @triton.jit
-def _compact_kernel(w_ptr, col_ptr, val_ptr, stats_ptr, K, M, BLOCK: tl.constexpr):
+def _compact_kernel(w_ptr, col_ptr, val_ptr, stats_ptr, flag_ptr, K, M, BLOCK: tl.constexpr,
+                    HAS_FLAG: tl.constexpr):
     # Row k of w [K, M] (contiguous): its nonzero weights, in column order, at the front of
     # row k of col [K, M] (their columns, int32) and val [K, M] (their values); stats[0, k]
-    # = their number, stats[1, k] = the row's NaN/Inf (NaN != 0: kept, and then refused).
+    # = their number, stats[1, k] = the row's NaN/Inf (NaN != 0: kept, and then refused);
+    # with HAS_FLAG, flag[0] (zeroed) += the row's NaN/Inf, for a guarded sparse kernel.
     k = tl.program_id(0).to(tl.int64)
     kept = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
     bad = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
@@ -149,9 +161,11 @@ def _compact_kernel(w_ptr, col_ptr, val_ptr, stats_ptr, K, M, BLOCK: tl.constexp
         bad += tl.sum((((tl.abs(v) < float("inf")) == 0) & mm).to(tl.int32), axis=0)  # NaN and ±Inf
     tl.store(stats_ptr + k, kept)
     tl.store(stats_ptr + K + k, bad)
+    if HAS_FLAG:
+        tl.atomic_add(flag_ptr, bad, sem="relaxed")
 
 
-def _compact_emulated(w_ptr, col_ptr, val_ptr, stats_ptr, K, M, **meta):
+def _compact_emulated(w_ptr, col_ptr, val_ptr, stats_ptr, flag_ptr, K, M, **meta):
     """``_compact_kernel``'s effect in plain PyTorch, for tools that record launches instead of
     making them (the compile test, ``gpu_launch.py --host``): its stats are read on the host."""
     w = w_ptr[:K * M].view(K, M)
@@ -159,7 +173,10 @@ def _compact_emulated(w_ptr, col_ptr, val_ptr, stats_ptr, K, M, **meta):
     order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept columns first, in order
     col_ptr[:K * M].view(K, M).copy_(order)
     val_ptr[:K * M].view(K, M).copy_(w.gather(1, order))
-    stats_ptr.view(2, K).copy_(torch.stack([keep.sum(1), (~torch.isfinite(w)).sum(1)]))
+    bad = (~torch.isfinite(w)).sum(1)
+    stats_ptr.view(2, K).copy_(torch.stack([keep.sum(1), bad]))
+    if meta.get("HAS_FLAG"):
+        flag_ptr[:1] += bad.sum()
 
 
 _compact_kernel.emulate = _compact_emulated
@@ -167,22 +184,32 @@ _compact_kernel.emulate = _compact_emulated
 
 @triton.jit
 def _sparse_kernel(
-    col_ptr, val_ptr, stats_ptr, p_ptr, out_ptr,
+    col_ptr, val_ptr, stats_ptr, flag_ptr, p_ptr, out_ptr,
     K, M, P,
     sp_m, so_k,
-    ACC_F64: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+    ACC_F64: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, GUARDED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     k = (pid % K).to(tl.int64)
     pb = (pid // K).to(tl.int64)
     rp = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    mp = rp < P
     if ACC_F64:
         acc = tl.zeros([BLOCK_P], dtype=tl.float64)
     else:
         acc = tl.zeros([BLOCK_P], dtype=tl.float32)
     e0 = k * M  # row k's kept weights: the first stats[0, k] of its row of col and val
-    e1 = e0 + tl.load(stats_ptr + k)
+    kept = tl.load(stats_ptr + k)
+    if GUARDED:
+        # Launched before the host has read the weights' stats: where any weight is NaN/Inf
+        # (flag[0], summed by the compaction) nothing is read or written, so out is left as it
+        # was when the op then raises.  (Limits, not a scalar mask: the interpreter refuses
+        # a scalar & a block as a mask.)
+        ok = tl.load(flag_ptr) == 0
+        kept = tl.where(ok, kept, 0)
+        mp = rp < tl.where(ok, P, 0)
+    else:
+        mp = rp < P
+    e1 = e0 + kept
     # BLOCK_E kept rows per step, their loads issued together (one row at a time left each
     # program waiting on a column index, then on its row, nnz times over).  Masked entries
     # read 0 for both weight and row: 0·0, so no NaN comes from a padded entry.
@@ -265,75 +292,126 @@ def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
 
 class Compact(NamedTuple):
     """``_compact``'s result: each row's nonzero weights at the front of its row of ``cols``
-    [K, M] int32 and ``vals`` [K, M], and ``stats`` [2, K] int32 on the device (each row's
-    nonzeros, then its NaN/Inf)."""
+    [K, M] int32 and ``vals`` [K, M], ``stats`` [2, K] int32 on the device (each row's
+    nonzeros, then its NaN/Inf), and ``flag`` (their total NaN/Inf, [1] int32, for a guarded
+    sparse kernel) or None."""
     cols: torch.Tensor
     vals: torch.Tensor
     stats: torch.Tensor
+    flag: Optional[torch.Tensor] = None
 
 
-def _compact(w: torch.Tensor) -> Compact:
+def _compact(w: torch.Tensor, flag: bool = False) -> Compact:
     """The sparse kernel's input and the weights' stats from contiguous [K, M] weights: one
-    launch, no sync."""
+    launch (and a zeroed flag with ``flag``), no sync."""
     k, m = w.shape
     cols = torch.empty((k, m), dtype=torch.int32, device=w.device)
     vals = torch.empty_like(w)
     stats = torch.empty((2, k), dtype=torch.int32, device=w.device)
+    total = torch.zeros(1, dtype=torch.int32, device=w.device) if flag else None
     if k and m:
         with _device_guard(w):
-            _launch(_compact_kernel)[(k,)](w, cols, vals, stats, k, m,
-                                           BLOCK=min(_COMPACT_BLOCK, next_power_of_2(m)), num_warps=4)
+            _launch(_compact_kernel)[(k,)](w, cols, vals, stats, stats if total is None else total, k, m,
+                                           BLOCK=min(_COMPACT_BLOCK, next_power_of_2(m)), HAS_FLAG=flag,
+                                           num_warps=4)
     elif k:
         stats.zero_()
-    return Compact(cols, vals, stats)
+    return Compact(cols, vals, stats, total)
+
+
+def _stats_of(read: EarlyRead) -> int:
+    """The weights' nonzero count from a read of ``Compact.stats``; ValueError on NaN/Inf."""
+    nonzeros, bad = read.tolist()
+    if any(bad):
+        raise ValueError("weights must be finite (they hold NaN or Inf)")
+    return sum(nonzeros)
 
 
 def _weights_stats(w: torch.Tensor) -> tuple[int, Compact]:
     """(nonzeros of w, ``_compact(w)``); raises ValueError on NaN/Inf (one device sync for both)."""
     compact = _compact(w)
-    nonzeros, bad = compact.stats.tolist()
-    if any(bad):
-        raise ValueError("weights must be finite (they hold NaN or Inf)")
-    return sum(nonzeros), compact
+    return _stats_of(read_early(compact.stats)), compact
 
 
-# The path each signature of (weights, params) took last: a new result whose signature took
-# the GEMM last time runs it before the weights' stats are read (``_speculative_gemm``).
+def _sparse_into(compact: Compact, params: torch.Tensor, out: torch.Tensor) -> None:
+    """The sparse kernel into ``out`` (sharing no memory with params), guarded by
+    ``compact.flag`` where the compaction made one (launched before the stats are read)."""
+    k, p = out.shape
+    m = params.shape[0]
+    with _device_guard(params):
+        _launch(_sparse_kernel)[(k * cdiv(p, _SPARSE_BLOCK_P),)](
+            compact.cols, compact.vals, compact.stats,
+            compact.stats if compact.flag is None else compact.flag, params, out,
+            k, m, p, params.stride(0), out.stride(0),
+            ACC_F64=params.dtype == torch.float64, BLOCK_E=_SPARSE_BLOCK_E,
+            BLOCK_P=_SPARSE_BLOCK_P, GUARDED=compact.flag is not None,
+            num_warps=max(1, min(8, _SPARSE_BLOCK_P // 128)),
+        )
+
+
+# The path each signature of (weights, params) took last: the next call of a signature that
+# took the GEMM or the sparse kernel launches it before the weights' stats are read.
 _LAST_PATH: dict = {}
 _LAST_PATH_ENTRIES = 1024
 
 
+def _remember(key, path: str) -> None:
+    if len(_LAST_PATH) >= _LAST_PATH_ENTRIES:
+        _LAST_PATH.clear()
+    _LAST_PATH[key] = path
+
+
+def _row0_finite(product: "_ops.GemmProduct") -> bool:
+    """Whether the GEMM product's row 0 is finite (one launch, one device sync)."""
+    if not product.checkable:
+        return True
+    counts = _new_counts(2, product.result)
+    _count_values(product.result[0], counts)
+    return counts.tolist()[1] == 0
+
+
+def _gemm_finish(product: "_ops.GemmProduct", all_nonzero: bool, out: torch.Tensor) -> None:
+    """``ops.aggregate.gemm_finish`` into out.  With every weight nonzero the plain product
+    is the contract's result (no zero weight is there to skip a NaN/Inf row), so only weights
+    with zeros pay for the check of row 0 and its sync."""
+    _ops.gemm_finish(product, all_nonzero or _row0_finite(product), out)
+
+
 def _speculative_gemm(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> Optional[int]:
-    """The GEMM form into ``out`` (a new tensor of the op's, so writing it early loses nothing)
-    with one device sync for both the weights' stats and the product's check, where the path
-    is known only after the first: returns None when the GEMM served (out holds the result),
-    else the weights' nonzero count for the path that serves instead (out is then rewritten).
-    Raises ValueError on NaN/Inf weights, as ``_weights_stats``."""
+    """The GEMM form into ``out`` (a new tensor of the op's, so writing it early loses nothing),
+    where the path is known only from the weights' stats: those are counted first and read
+    early (``read_early``), so the host waits for the counting and not for the GEMM.  Returns
+    None when the GEMM served (out holds the result), else the weights' nonzero count for the
+    path that serves instead (out is then rewritten).  Raises ValueError on NaN/Inf weights,
+    as ``_weights_stats``."""
+    counts = _new_counts(2, w)
+    _count_values(w, counts)
+    stats = read_early(counts)
     product = _ops.gemm_product(w, params, out)
-    counts = _new_counts(4, w)  # the weights' nonzeros and NaN/Inf, then row 0's
-    _count_values(w, counts[:2])
-    if product.checkable:
-        _count_values(product.result[0], counts[2:])
-    nnz, bad, _, row0_bad = counts.tolist()
+    nnz, bad = stats.tolist()
     if bad:
         raise ValueError("weights must be finite (they hold NaN or Inf)")
     k, m = w.shape
     if _ops.cuda_path(k, m, int(nnz), params.dtype, torch.backends.cuda.matmul.allow_tf32, _SPARSE_DENSITY) != "gemm":
         return int(nnz)
-    _ops.gemm_finish(product, not row0_bad, out)
+    _gemm_finish(product, nnz == k * m, out)
     return None
 
 
-def _gemm_into(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
-    """``ops.aggregate.gemm_weighted_average`` into out (which may overlap params), its check of
-    the product's row 0 counted by one launch."""
-    product = _ops.gemm_product(w, params, out)
-    row0_finite = True
-    if product.checkable:
-        counts = _new_counts(2, w)
-        _count_values(product.result[0], counts)
-        row0_finite = counts.tolist()[1] == 0
-    _ops.gemm_finish(product, row0_finite, out)
+def _speculative_sparse(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> tuple[int, Compact]:
+    """The sparse kernel into ``out`` before the weights' stats are read, guarded (it writes
+    nothing where a weight is NaN/Inf, so even the caller's out is safe); returns (nonzeros,
+    the compaction) as ``_weights_stats`` does, raising the same ValueError.  The caller
+    reruns another path where the stats say it serves (out is then rewritten)."""
+    compact = _compact(w, flag=True)
+    stats = read_early(compact.stats)
+    _sparse_into(compact, params, out)
+    return _stats_of(stats), compact
+
+
+def _gemm_into(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor, all_nonzero: bool) -> None:
+    """``ops.aggregate.gemm_weighted_average`` into out (which may overlap params)."""
+    _gemm_finish(_ops.gemm_product(w, params, out), all_nonzero, out)
 
 
 def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: torch.Tensor,
@@ -350,12 +428,18 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         params = params.contiguous()
     key = (weights.shape, weights.dtype, params.shape, params.dtype, params.device)
     gemm_device = acc == torch.float64 or out.device.type in _GEMM_DEVICES
+    guess = _LAST_PATH.get(key) if k and p and m else None
+    # The sparse kernel reads params after writing out: an out that overlaps them gets a copy.
+    copied = False
+    if guess == "sparse" and not fresh and may_overlap(out, params):
+        params, copied = params.clone(), True
     nnz = compact = None
-    if fresh and k and p and m and gemm_device and _LAST_PATH.get(key) == "gemm":
-        # One device sync instead of two (stats, then the product's check) when the path holds.
+    if guess == "gemm" and fresh and gemm_device:
         nnz = _speculative_gemm(w, params, out)
         if nnz is None:
             return
+    elif guess == "sparse":
+        nnz, compact = _speculative_sparse(w, params, out)
     if nnz is None:
         nnz, compact = _weights_stats(w)
     if k == 0 or p == 0:
@@ -364,28 +448,22 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         out.zero_()
         return
     path = _ops.cuda_path(k, m, nnz, params.dtype, torch.backends.cuda.matmul.allow_tf32, _SPARSE_DENSITY)
-    if len(_LAST_PATH) >= _LAST_PATH_ENTRIES:
-        _LAST_PATH.clear()
-    _LAST_PATH[key] = path
-    sparse = path == "sparse"
-    if not sparse and (acc == torch.float64 or (path == "gemm" and out.device.type in _GEMM_DEVICES)):
-        _gemm_into(w, params, out)
+    _remember(key, path)
+    if path == guess == "sparse":
+        return  # the speculative launch served
+    if path != "sparse" and (acc == torch.float64 or (path == "gemm" and out.device.type in _GEMM_DEVICES)):
+        _gemm_into(w, params, out, nnz == k * m)
         return
     block_k = _block_k(k)
     # A fresh out (the op's own new tensor) shares no memory with params: no check to pay for.
-    if not fresh and may_overlap(out, params) and (sparse or cdiv(k, block_k) > 1 or not _rows_of(out, params)):
+    if (not fresh and not copied and may_overlap(out, params)
+            and (path == "sparse" or cdiv(k, block_k) > 1 or not _rows_of(out, params))):
         params = params.clone()
+    if path == "sparse":
+        _sparse_into(_compact(w) if compact is None else compact, params, out)  # None: the GEMM was guessed
+        return
+    n_kb = cdiv(k, block_k)
     with _device_guard(params):
-        if sparse:
-            cols, vals, stats = _compact(w) if compact is None else compact
-            grid = (k * cdiv(p, _SPARSE_BLOCK_P),)
-            _launch(_sparse_kernel)[grid](
-                cols, vals, stats, params, out, k, m, p, params.stride(0), out.stride(0),
-                ACC_F64=acc == torch.float64, BLOCK_E=_SPARSE_BLOCK_E, BLOCK_P=_SPARSE_BLOCK_P,
-                num_warps=max(1, min(8, _SPARSE_BLOCK_P // 128)),
-            )
-            return
-        n_kb = cdiv(k, block_k)
         _launch(_dense_kernel)[(n_kb * cdiv(p, _BLOCK_P),)](
             w, params, out, k, m, p, n_kb, params.stride(0), out.stride(0),
             BLOCK_K=block_k, BLOCK_M=_BLOCK_M, BLOCK_P=_BLOCK_P, num_warps=4,

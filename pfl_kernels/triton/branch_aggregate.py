@@ -13,9 +13,10 @@ c = ``reference.branch_aggregate.coefficients`` (K·B numbers).  Two launches an
   client is not read, so its NaN/Inf row does not reach W), accumulates in float32 (float64
   for float64) registers and stores the block of W once.  Deterministic, no atomics.
 
-The flags are read (the sync) after both launches for a new W, and before the second for
-``.out``, which writes nothing of the caller's before its checks; bad data raises
-``check_branch_values``' ValueError.
+The flags are copied to the host right after the first launch and read (``read_early``:
+the host waits for the coefficient kernel, not for the aggregation) after the second.  For
+``.out`` the aggregation is guarded on the device by the same flags, so it writes nothing of
+the caller's where the data is bad; bad data raises ``check_branch_values``' ValueError.
 
 Addressing: branch_params is read as [K, B, P] through its strides when its trailing dims
 are one strided run, else through a contiguous copy.  Offsets are int64.
@@ -25,6 +26,8 @@ stride in P and shares no memory with branch_params; otherwise (another layout, 
 overlap such as out = branch_params[0]) into a fresh W that is then copied into out.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -37,6 +40,7 @@ from ..ops.branch_aggregate import _check_op_args
 from ..ops._memo import cdiv, next_power_of_2
 from ..ops.branch_aggregate import check_branch_values
 from ..reference import branch_aggregate as _ref
+from ._early_read import EarlyRead, read_early
 from .factorized import _check_devices, _device_guard, _launch
 
 
@@ -110,16 +114,22 @@ emulate_good_flags(_coefficients_kernel)  # the coefficients are left unwritten 
 
 @triton.jit
 def _branch_aggregate_kernel(
-    w_ptr, c_ptr, out_ptr,
+    w_ptr, c_ptr, flags_ptr, out_ptr,
     K, B, P,
     sw_k, sw_b, sw_p, so_b,
-    ACC_F64: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr,
+    ACC_F64: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_P: tl.constexpr, GUARDED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid % B).to(tl.int64)
     pb = (pid // B).to(tl.int64)
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    pm = p < P
+    if GUARDED:
+        # Launched into the caller's out before the host has read the flags: where the data
+        # is bad nothing is read or written, so out stays as it was when the op raises.
+        ok = (tl.load(flags_ptr) | tl.load(flags_ptr + 1)) == 0
+        pm = p < tl.where(ok, P, 0)
+    else:
+        pm = p < P
     if ACC_F64:
         acc = tl.zeros([BLOCK_P], dtype=tl.float64)
     else:
@@ -152,15 +162,18 @@ def _coefficients_and_checks(branch_params: torch.Tensor, alpha: torch.Tensor, c
     return coef, flags
 
 
-def _raise_on_bad_values(flags: torch.Tensor, alpha: torch.Tensor, counts: torch.Tensor) -> None:
-    """The op's ValueError where the flags say the data is bad (one device sync); the message,
-    with the first bad entry, comes from ``check_branch_values``."""
+def _raise_on_bad_values(flags: EarlyRead, alpha: torch.Tensor, counts: torch.Tensor) -> None:
+    """The op's ValueError where the flags (read early: the wait is for the coefficient
+    kernel only) say the data is bad; the message, with the first bad entry, comes from
+    ``check_branch_values``."""
     if any(flags.tolist()):
         raise_flagged(check_branch_values, alpha, counts)
 
 
-def _aggregate_into(branch_params: torch.Tensor, coef: torch.Tensor, out: torch.Tensor) -> None:
-    """W into ``out`` [B, P] (unit stride in P, any row stride), which must not overlap branch_params."""
+def _aggregate_into(branch_params: torch.Tensor, coef: torch.Tensor, out: torch.Tensor,
+                    guard: Optional[torch.Tensor] = None) -> None:
+    """W into ``out`` [B, P] (unit stride in P, any row stride), which must not overlap
+    branch_params; with ``guard`` (the flags), nothing is written where they are set."""
     k, b = coef.shape
     p = out.shape[1]
     if p == 0:
@@ -173,8 +186,8 @@ def _aggregate_into(branch_params: torch.Tensor, coef: torch.Tensor, out: torch.
     block = _block_p(b, p)
     with _device_guard(branch_params):
         _launch(_branch_aggregate_kernel)[(b * cdiv(p, block),)](
-            w3, coef, out, k, b, p, *w3.stride(), out.stride(0),
-            ACC_F64=f64, BLOCK_I=_BLOCK_I // 2 if f64 else _BLOCK_I, BLOCK_P=block,
+            w3, coef, coef if guard is None else guard, out, k, b, p, *w3.stride(), out.stride(0),
+            ACC_F64=f64, BLOCK_I=_BLOCK_I // 2 if f64 else _BLOCK_I, BLOCK_P=block, GUARDED=guard is not None,
             num_warps=max(1, min(8, block // 512)),
         )
 
@@ -183,15 +196,17 @@ def branch_aggregate_triton(branch_params: torch.Tensor, alpha: torch.Tensor, co
     """Triton ``pfl::branch_aggregate``: W [B, *shape] in branch_params' dtype.
 
     Same contract as ``pfl_kernels.reference.branch_aggregate.branch_aggregate``, with the
-    op's data checks (counts >= 0, α >= 0, both finite: one device sync).
+    op's data checks (counts >= 0, α >= 0, both finite: one device sync, for the
+    coefficient kernel alone).
     """
     out_shape = _check_op_args(branch_params, alpha, counts)
     _check_devices(branch_params, alpha, counts)
     coef, flags = _coefficients_and_checks(branch_params, alpha, counts)
+    checks = read_early(flags)
     out = branch_params.new_empty(out_shape)
-    # A new W may be written before the checks are read: one sync, after both launches.
+    # A new W may be written before the checks are read.
     _aggregate_into(branch_params, coef, out.view(alpha.shape[1], -1))
-    _raise_on_bad_values(flags, alpha, counts)
+    _raise_on_bad_values(checks, alpha, counts)
     return out
 
 
@@ -201,10 +216,12 @@ def branch_aggregate_out_triton(branch_params: torch.Tensor, alpha: torch.Tensor
     overlap any input; its own elements must not share memory)."""
     _check_op_args(branch_params, alpha, counts, out)
     _check_devices(branch_params, alpha, counts, out)
-    # out is the caller's: the checks are read before anything is written into it (and the
-    # coefficients are formed before, should out overlap alpha or counts).
+    # out is the caller's: nothing is written into it where the checks fail.  The
+    # coefficients are formed first (should out overlap alpha or counts); the kernel that
+    # writes out straight is guarded by the flags on the device, so it is launched before
+    # they are read; the copy of the other layouts waits for them.
     coef, flags = _coefficients_and_checks(branch_params, alpha, counts)
-    _raise_on_bad_values(flags, alpha, counts)
+    checks = read_early(flags)
     b = alpha.shape[1]
     p = out.numel() // b
     try:
@@ -213,10 +230,12 @@ def branch_aggregate_out_triton(branch_params: torch.Tensor, alpha: torch.Tensor
         out2 = None
     if (out2 is not None and (p <= 1 or out2.stride(1) == 1) and (b == 1 or abs(out2.stride(0)) >= p)
             and not may_overlap(out2, branch_params)):
-        _aggregate_into(branch_params, coef, out2)
+        _aggregate_into(branch_params, coef, out2, guard=flags)
+        _raise_on_bad_values(checks, alpha, counts)
     else:
         w = branch_params.new_empty(out.shape)
         _aggregate_into(branch_params, coef, w.view(b, p))
+        _raise_on_bad_values(checks, alpha, counts)
         out.copy_(w)
     return out
 

@@ -178,9 +178,11 @@ def test_compact_puts_each_rows_nonzeros_first_with_the_stats(block, monkeypatch
     w[1] = 0.0
     w[2, 3], w[3, 0], w[3, 10], w[4, 5] = -0.0, float("nan"), float("inf"), -float("inf")
     w[4, 6] = 1.0
-    cols, vals, stats = ta._compact(w.to(DEVICE))
+    cols, vals, stats, flag = ta._compact(w.to(DEVICE), flag=True)
     nonzero = w != 0
     assert stats.dtype == torch.int32 and stats.tolist() == [nonzero.sum(1).tolist(), (~w.isfinite()).sum(1).tolist()]
+    assert flag.dtype == torch.int32 and flag.tolist() == [int((~w.isfinite()).sum())]
+    assert ta._compact(w.to(DEVICE)).flag is None
     for k in range(5):
         n = int(nonzero[k].sum())
         want = nonzero[k].nonzero().flatten()
@@ -191,9 +193,9 @@ def test_compact_puts_each_rows_nonzeros_first_with_the_stats(block, monkeypatch
 
 def test_compact_of_empty_weights():
     for shape in [(0, 4), (3, 0), (0, 0)]:
-        cols, vals, stats = ta._compact(torch.empty(shape, device=DEVICE))
+        cols, vals, stats, flag = ta._compact(torch.empty(shape, device=DEVICE), flag=True)
         assert cols.shape == vals.shape == shape and stats.shape == (2, shape[0])
-        assert stats.tolist() == [[0] * shape[0]] * 2
+        assert stats.tolist() == [[0] * shape[0]] * 2 and flag.tolist() == [0]
 
 
 @interpreter_only

@@ -123,18 +123,24 @@ def test_counts_of_nonzeros_and_non_finite_values(size, block, programs, dtype, 
 
 
 def test_counts_replace_the_reductions_before_each_sync(routed, counted, fresh_paths):
-    """One launch per read: the weights' stats (from their compaction, or counted beside a
-    speculative GEMM), the GEMM's row 0."""
+    """One launch per read: the weights' stats (from their compaction, or counted before a
+    speculative GEMM), and the GEMM's row 0 only where a weight is zero: with every weight
+    nonzero the plain product is the contract's result."""
     params = torch.randn(6, 40, device=DEVICE)
-    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # stats (compaction), the GEMM and its row 0
-    assert [x.shape for x, _ in counted] == [(40,)]
+    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # stats (compaction), the GEMM
+    assert counted == []
+    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # the speculative GEMM: the weights counted
+    assert [x.shape for x, _ in counted] == [(30,)]
     counted.clear()
-    ta.weighted_average_triton(weights(5, 6, 1.0), params)  # the speculative GEMM: both counted, one sync
+    holes = weights(5, 6, 1.0)
+    holes[1, 2] = 0.0  # dense, but one weight is zero: the product's row 0 is checked too
+    out = ta.weighted_average_triton(holes, params)
     assert [x.shape for x, _ in counted] == [(30,), (40,)]
+    assert_close(out, ref_agg.weighted_average(holes.double(), params.double()), torch.float32)
     counted.clear()
     sparse = weights(5, 6, 0.1)
     ta.weighted_average_triton(sparse, params)  # the GEMM was speculated, the counts say sparse
-    assert [x.shape for x, _ in counted] == [(30,), (40,)]
+    assert [x.shape for x, _ in counted] == [(30,)]
     counted.clear()
     out = ta.weighted_average_triton(sparse, params)  # the signature now takes sparse: the compaction alone
     assert counted == []
@@ -161,8 +167,9 @@ class _KernelOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_host_launches_per_call(routed, fresh_paths):
     """The PyTorch launches around the kernels (each a host round trip on a GPU): the dense
-    GEMM and a zeroed count buffer per sync (the reductions they replace were 15 launches);
-    none on the sparse path, whose weights are compacted by a Triton launch (its CSR was 8)."""
+    GEMM, after a zeroed count buffer where it is speculated (the reductions they replace were
+    15 launches); on the sparse path, whose weights are compacted by a Triton launch (its CSR
+    was 8), the zeroed flag that guards its speculative launch."""
     from pfl_kernels.triton import branch_aggregate as tba
 
     params, out = torch.randn(6, 40, device=DEVICE), torch.empty(5, 40, device=DEVICE)
@@ -170,7 +177,7 @@ def test_host_launches_per_call(routed, fresh_paths):
     calls = {"dense": lambda: ta.weighted_average_triton(dense, params),
              "dense out": lambda: ta.weighted_average_out_triton(dense, params, out=out),
              "sparse": lambda: ta.weighted_average_triton(sparse, params)}
-    want = {"dense": ["mm", "zeros"], "dense out": ["mm", "zeros"], "sparse": []}
+    want = {"dense": ["zeros", "mm"], "dense out": ["mm"], "sparse": ["zeros"]}
     for name, call in calls.items():
         call()  # the signature's path is known from here on
         with _KernelOps() as log:
@@ -357,14 +364,52 @@ def test_non_finite_weights_fail_on_the_speculative_path_too(routed, fresh_paths
         ta.weighted_average_triton(w, params)
 
 
-def test_the_out_overload_never_writes_out_before_the_checks(routed, fresh_paths):
-    """``out=`` is the caller's: nothing speculative is written into it."""
+@pytest.mark.parametrize("density", [1.0, 0.1], ids=["gemm", "sparse"])
+@pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
+def test_the_out_overload_never_writes_out_before_the_checks(routed, fresh_paths, density, bad):
+    """``out=`` is the caller's: nothing is written into it when the weights are refused.  The
+    GEMM waits for the check; the sparse kernel, launched before the check is read once its
+    signature took it, is guarded on the device (it writes nothing where a weight is NaN/Inf)."""
     params = torch.randn(6, 40, device=DEVICE)
     out = torch.full((5, 40), 7.0, device=DEVICE)
-    ta.weighted_average_out_triton(weights(5, 6, 1.0), params, out=out)
+    ta.weighted_average_out_triton(weights(5, 6, density), params, out=out)
+    assert ta._LAST_PATH and set(ta._LAST_PATH.values()) == {"gemm" if density == 1.0 else "sparse"}
     out.fill_(7.0)
-    w = weights(5, 6, 1.0)
-    w[0, 0] = math.inf
+    w = weights(5, 6, density)
+    w[tuple(w.nonzero()[-1])] = bad  # one row's kept weight: every row of out must stay as it was
     with pytest.raises(ValueError, match="weights must be finite"):
         ta.weighted_average_out_triton(w, params, out=out)
     assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["new", "out="])
+@pytest.mark.parametrize("first, then", [(1.0, 0.1), (0.1, 1.0), (0.1, 0.1), (1.0, 1.0)],
+                         ids=["gemm-then-sparse", "sparse-then-gemm", "sparse-twice", "gemm-twice"])
+def test_a_speculated_path_gives_the_numbers_of_a_first_call(routed, fresh_paths, monkeypatch, first, then, fresh):
+    """Whatever a signature took last, a call's numbers are those of the path its own weights
+    choose (bitwise the same as a call with no history): a wrong guess is rerun, never kept."""
+    params = torch.randn(20, 33, device=DEVICE)
+    w = weights(10, 20, then)
+
+    def call():
+        if fresh:
+            return ta.weighted_average_triton(w, params)
+        return ta.weighted_average_out_triton(w, params, out=torch.full((10, 33), 7.0, device=DEVICE))
+
+    without_history = call()
+    monkeypatch.setattr(ta, "_LAST_PATH", {})
+    ta.weighted_average_triton(weights(10, 20, first), params)  # the signature takes `first`'s path
+    assert torch.equal(call(), without_history)
+    assert_close(without_history, ref_agg.weighted_average(w.double(), params.double()), torch.float32)
+
+
+def test_a_speculative_sparse_call_into_its_own_params(routed, fresh_paths):
+    """The in-place ``bank <- W @ bank`` after the signature took the sparse kernel: params are
+    copied before the speculative launch writes the bank, so every row reads the old bank."""
+    bank = torch.randn(8, 24, device=DEVICE)
+    w = weights(8, 8, 0.2)
+    ta.weighted_average_out_triton(w, bank.clone(), out=torch.empty_like(bank))
+    assert set(ta._LAST_PATH.values()) == {"sparse"}
+    expected = ref_agg.weighted_average(w.double(), bank.double())
+    assert ta.weighted_average_out_triton(w, bank, out=bank) is bank
+    assert_close(bank, expected, torch.float32)
