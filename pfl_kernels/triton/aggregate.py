@@ -18,7 +18,7 @@ device:
 * sparse: each row's nonzero weights compacted to the front of its row of a [K, M] pair (int32
   columns, values in the accumulation dtype) with the row's count, by ``_compact_kernel``;
   one program per (row, P-block) gathers only the kept rows of params, ``_SPARSE_BLOCK_E``
-  of them per step with their loads in flight together.  Cost ∝ nnz · P.  Rows are the
+  of them per step (one: see there).  Cost ∝ nnz · P.  Rows are the
   fastest grid axis, so rows sharing kept clients read them from L2 (loaded evict-last; out
   is stored evict-first).
 
@@ -81,10 +81,14 @@ _MAX_BLOCK_K = 64
 _BLOCK_M = 32
 _BLOCK_P = 128
 # Sparse: columns per program, kept rows gathered per step (8 warps: per thread 4 columns of
-# each of the BLOCK_E rows).  BLOCK_E = 1 is the one-row-at-a-time loop of before, which
-# benchmarks/gpu_aggregate.py times beside it.
+# each of the BLOCK_E rows).  One row per step: on both GPUs of issue 30 (gpu_aggregate.py
+# --quick, density 0.05) 8 rows per step were slower at three of four shapes and no faster at
+# the fourth: K = 100, P = 10^7 took 4.02 ms against 3.01 (H200) and 4.42 against 3.54
+# (H100); K = 20, P = 10^7 0.70 against 0.43 (H200).  With a few kept rows per out row, the
+# [8, BLOCK_P] tile's registers cost more occupancy than its loads in flight gain.
+# benchmarks/gpu_aggregate.py times 8 rows per step beside the default.
 _SPARSE_BLOCK_P = 1024
-_SPARSE_BLOCK_E = 8
+_SPARSE_BLOCK_E = 1
 # The compaction of the weights: columns of a row per step (a row of M weights takes
 # cdiv(M, this) steps of one program).  Tests shrink it.
 _COMPACT_BLOCK = 1024
@@ -210,9 +214,9 @@ def _sparse_kernel(
     else:
         mp = rp < P
     e1 = e0 + kept
-    # BLOCK_E kept rows per step, their loads issued together (one row at a time left each
-    # program waiting on a column index, then on its row, nnz times over).  Masked entries
-    # read 0 for both weight and row: 0·0, so no NaN comes from a padded entry.
+    # BLOCK_E kept rows per step, their loads issued together (1 by default: see
+    # _SPARSE_BLOCK_E).  Masked entries read 0 for both weight and row: 0·0, so no NaN comes
+    # from a padded entry.
     for e in range(e0, e1, BLOCK_E):
         re = e + tl.arange(0, BLOCK_E)
         me = re < e1
