@@ -266,3 +266,51 @@ def test_gpu_opcheck_and_gradcheck():
                           {"out": torch.empty(4, 11, dtype=F64, device=DEVICE)},
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert torch.autograd.gradcheck(torch.ops.pfl.weighted_average, (w, params))
+
+
+@pytest.mark.parametrize("density", [1.0, 0.05], ids=["gemm", "sparse"])
+def test_repeated_signature_gives_first_call_numbers_and_keeps_a_refused_out(density, monkeypatch):
+    """A signature's later calls launch its last path before the weights' stats are read
+    (through ``read_early``; on a GPU the host does not wait for that launch): the numbers are
+    a first call's, and ``out=`` stays as it was when the weights are then refused (the sparse
+    kernel is guarded on the device, the GEMM waits for the check)."""
+    monkeypatch.setattr(ta, "_LAST_PATH", {})
+    monkeypatch.setattr(ta, "_GEMM_DEVICES", ("cuda", "cpu"))  # the interpreter's tensors take the GEMM too
+    w, params = make(40, 40, 1031, density=density, seed=8)
+    first = ta.weighted_average_triton(w, params)
+    again = [ta.weighted_average_triton(w, params) for _ in range(2)]
+    out = torch.full_like(first, 7.0)
+    again.append(ta.weighted_average_out_triton(w, params, out=out))
+    for result in again:  # cuBLAS on one stream, or the sparse kernel: the same bits
+        assert torch.equal(result, first)
+    assert_close(first, expected(w, params), torch.float32)
+    bad = w.clone()
+    bad[tuple(bad.nonzero()[-1])] = float("nan")
+    out.fill_(7.0)
+    with pytest.raises(ValueError, match="weights must be finite"):
+        ta.weighted_average_out_triton(bad, params, out=out)
+    assert bool((out == 7.0).all())
+
+
+def test_early_read_gives_the_values():
+    from pfl_kernels.triton._early_read import read_early
+
+    x = torch.arange(5, device=DEVICE, dtype=torch.int32)
+    read = read_early(x * 2)
+    x += 100  # later work on the device does not change what was read
+    assert read.tolist() == [0, 2, 4, 6, 8]
+    assert read_early(torch.empty(0, 2, dtype=torch.int64, device=DEVICE)).tolist() == []
+
+
+@gpu_only
+def test_gpu_early_read_does_not_wait_for_later_kernels():
+    """The host waits for the copy's event only: a long kernel queued after it is still
+    running when ``tolist`` returns."""
+    from pfl_kernels.triton._early_read import read_early
+
+    read = read_early(torch.arange(3, device=DEVICE) + 1)
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of one SM's cycles, queued behind the copy
+    assert read.tolist() == [1, 2, 3]
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running
