@@ -27,8 +27,6 @@ overlap such as out = branch_params[0]) into a fresh W that is then copied into 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -170,10 +168,10 @@ def _raise_on_bad_values(flags: EarlyRead, alpha: torch.Tensor, counts: torch.Te
         raise_flagged(check_branch_values, alpha, counts)
 
 
-def _aggregate_into(branch_params: torch.Tensor, coef: torch.Tensor, out: torch.Tensor,
-                    guard: Optional[torch.Tensor] = None) -> None:
+def _aggregate_into(branch_params: torch.Tensor, coef: torch.Tensor, flags: torch.Tensor, out: torch.Tensor,
+                    guarded: bool = False) -> None:
     """W into ``out`` [B, P] (unit stride in P, any row stride), which must not overlap
-    branch_params; with ``guard`` (the flags), nothing is written where they are set."""
+    branch_params; ``guarded``: nothing is written where ``flags`` are set."""
     k, b = coef.shape
     p = out.shape[1]
     if p == 0:
@@ -186,8 +184,8 @@ def _aggregate_into(branch_params: torch.Tensor, coef: torch.Tensor, out: torch.
     block = _block_p(b, p)
     with _device_guard(branch_params):
         _launch(_branch_aggregate_kernel)[(b * cdiv(p, block),)](
-            w3, coef, coef if guard is None else guard, out, k, b, p, *w3.stride(), out.stride(0),
-            ACC_F64=f64, BLOCK_I=_BLOCK_I // 2 if f64 else _BLOCK_I, BLOCK_P=block, GUARDED=guard is not None,
+            w3, coef, flags, out, k, b, p, *w3.stride(), out.stride(0),
+            ACC_F64=f64, BLOCK_I=_BLOCK_I // 2 if f64 else _BLOCK_I, BLOCK_P=block, GUARDED=guarded,
             num_warps=max(1, min(8, block // 512)),
         )
 
@@ -205,7 +203,7 @@ def branch_aggregate_triton(branch_params: torch.Tensor, alpha: torch.Tensor, co
     checks = read_early(flags)
     out = branch_params.new_empty(out_shape)
     # A new W may be written before the checks are read.
-    _aggregate_into(branch_params, coef, out.view(alpha.shape[1], -1))
+    _aggregate_into(branch_params, coef, flags, out.view(alpha.shape[1], -1))
     _raise_on_bad_values(checks, alpha, counts)
     return out
 
@@ -230,11 +228,11 @@ def branch_aggregate_out_triton(branch_params: torch.Tensor, alpha: torch.Tensor
         out2 = None
     if (out2 is not None and (p <= 1 or out2.stride(1) == 1) and (b == 1 or abs(out2.stride(0)) >= p)
             and not may_overlap(out2, branch_params)):
-        _aggregate_into(branch_params, coef, out2, guard=flags)
+        _aggregate_into(branch_params, coef, flags, out2, guarded=True)
         _raise_on_bad_values(checks, alpha, counts)
     else:
         w = branch_params.new_empty(out.shape)
-        _aggregate_into(branch_params, coef, w.view(b, p))
+        _aggregate_into(branch_params, coef, flags, w.view(b, p))
         _raise_on_bad_values(checks, alpha, counts)
         out.copy_(w)
     return out

@@ -118,6 +118,16 @@ def _launches() -> dict:
                 torch.backends.cuda.matmul.allow_tf32 = True  # the tl.dot kernel serves dense weights then
                 ops.weighted_average(torch.softmax(torch.randn(8, 8, generator=g), 1).to(dtype), params)
                 torch.backends.cuda.matmul.allow_tf32 = tf32
+                # The GEMM form (dense weights on CUDA): the weights counted before it once the
+                # signature took it, the product's row 0 counted where a weight is zero.
+                holes = torch.softmax(torch.randn(8, 8, generator=g), 1).to(dtype)
+                holes[0, 1] = 0
+                route, ta._GEMM_DEVICES = ta._GEMM_DEVICES, ("cpu",)
+                try:
+                    for _ in range(2):
+                        ops.weighted_average(holes, params)
+                finally:
+                    ta._GEMM_DEVICES = route
                 x, y = rand(5, 70), rand(3, 70)
                 for fn in (ops.pairwise_cosine, ops.pairwise_sqdist):
                     fn(x)
@@ -134,8 +144,9 @@ def _launches() -> dict:
                     finally:
                         sim_ops.GEMM_MIN_DIM, ts._GEMM_DEVICES = route
                 ops.similarity_weights(torch.rand(6, 6, generator=g).to(dtype), tau=0.5, scale=10.0, min_keep=2)
-                ops.branch_aggregate(rand(4, 3, 50), torch.rand(4, 3, generator=g).to(dtype) + 0.1,
-                                     torch.tensor([3, 1, 4, 2]))
+                for out in (None, rand(3, 50)):  # .out: the aggregation guarded by the flags
+                    ops.branch_aggregate(rand(4, 3, 50), torch.rand(4, 3, generator=g).to(dtype) + 0.1,
+                                         torch.tensor([3, 1, 4, 2]), out=out)
                 ops.class_means(rand(40, 3), torch.randint(0, 5, (40,), generator=g), 5)  # C > D: the kernel
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
