@@ -72,6 +72,9 @@ class Row(common.Measured):
     # sparse: the kernel gathering ALT_BLOCK_E kept rows per step (the default gathers
     # triton.aggregate._SPARSE_BLOCK_E), timed beside it for the next choice of that default
     blocked_ms: Optional[float] = None
+    # the 3xTF32 dense Triton kernel on the same call (triton.aggregate._PATH_OVERRIDE), every
+    # density, so that a run says where it beats the path that serves
+    dense_kernel_ms: Optional[float] = None
 
     JSON_EXTRA = (("fused_gbps", "fused_gbps"), ("floor_ms", "floor_ms"), ("floor_ratio", "floor_ratio"),
                   ("speedup_vs_mm", "speedup"), ("targeted", "targeted"))
@@ -100,7 +103,8 @@ def format_table(rows: Sequence[Row]) -> str:
             f"{r.clients:>5} {r.params:>9} {r.density:>5.2f} {r.bytes / 1e6:>9.1f} {r.fused_ms * 1e3:>10.1f} "
             f"{r.eager_ms * 1e3:>10.1f} {r.copy_ms * 1e3:>10.1f} {r.fused_gbps:>6.0f} {r.floor_ratio:>8.2f} "
             f"{r.speedup:>7.2f} {r.max_abs_err:>9.2e}{flag}"
-            + (f"  {ALT_BLOCK_E} rows per step: {r.blocked_ms * 1e3:.1f} us" if r.blocked_ms is not None else ""))
+            + (f"  {ALT_BLOCK_E} rows per step: {r.blocked_ms * 1e3:.1f} us" if r.blocked_ms is not None else "")
+            + (f"  dense kernel: {r.dense_kernel_ms * 1e3:.1f} us" if r.dense_kernel_ms is not None else ""))
     return "\n".join(lines)
 
 
@@ -156,12 +160,15 @@ def bench_case(rt: common.Runtime, k: int, p: int, density: float, dtype: torch.
     nnz = int((w != 0).sum()) if density < 1 else None
     nbytes = op_bytes(k, p, elem, nnz)
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
+    dense_kernel_ms = time_dense_kernel(rt, fused, lambda: common.check(
+        f"K={k} P={p} density={density}, the dense kernel", out[:, :cols],
+        ref.weighted_average(w.double(), params[:, :cols].double()), tol)) if dtype != torch.float64 else None
     blocked_ms = time_blocked(rt, fused, lambda: common.check(
         f"K={k} P={p} density={density}, {ALT_BLOCK_E} rows per step", out[:, :cols],
         ref.weighted_average(w.double(), params[:, :cols].double()), tol)) if density < 1 else None
     del params, out
     rt.empty_cache()
-    return rt.annotate(Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err, blocked_ms))
+    return rt.annotate(Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err, blocked_ms, dense_kernel_ms))
 
 
 def time_blocked(rt: common.Runtime, fused: Callable[[], object], check: Callable[[], object]) -> float:
@@ -176,6 +183,20 @@ def time_blocked(rt: common.Runtime, fused: Callable[[], object], check: Callabl
         return rt.time(fused)
     finally:
         ta._SPARSE_BLOCK_E = saved
+
+
+def time_dense_kernel(rt: common.Runtime, fused: Callable[[], object], check: Callable[[], object]) -> float:
+    """Median ms of ``fused`` with every call on the 3xTF32 dense kernel, after ``check`` of
+    its result."""
+    from pfl_kernels.triton import aggregate as ta
+
+    saved, ta._PATH_OVERRIDE = ta._PATH_OVERRIDE, "dense"
+    try:
+        fused()
+        check()
+        return rt.time(fused)
+    finally:
+        ta._PATH_OVERRIDE = saved
 
 
 def measure(rt: common.Runtime, args) -> list[Row]:

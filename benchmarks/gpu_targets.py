@@ -223,8 +223,10 @@ def _ratio(value) -> str:
 def reported(data: dict) -> list[str]:
     """What the issue asks to report besides its targets: each pairwise similarity shape's
     other CUDA path (the fused kernel or the GEMM form) against the one that served and eager,
-    which says where ``cuda_pairwise_path`` should route; bf16 autocast's speed and accuracy,
-    and each other batched variant against the plain batched executor."""
+    which says where ``cuda_pairwise_path`` should route; each weighted_average case's 3xTF32
+    dense kernel (and the sparse kernel's other step) against the path that served and
+    torch.mm, which says where ``ops.aggregate.cuda_path`` should route; bf16 autocast's speed
+    and accuracy, and each other batched variant against the plain batched executor."""
     lines = []
     for row in data.get("similarity", {}).get("rows", []):
         if row.get("alt_path") and row.get("alt_ms") == row.get("alt_ms"):  # NaN: not timed
@@ -233,6 +235,16 @@ def reported(data: dict) -> list[str]:
                          f"{row['fused_ms'] * 1e3:.1f} us, {row['alt_path']} {row['alt_ms'] * 1e3:.1f} us, eager "
                          f"{row['eager_ms'] * 1e3:.1f} us ({faster} faster; "
                          f"{row['eager_ms'] / min(row['fused_ms'], row['alt_ms']):.2f}x eager at best)")
+    for row in data.get("aggregate", {}).get("rows", []):
+        for key, name in (("dense_kernel_ms", "3xTF32 dense kernel"), ("blocked_ms", "sparse kernel, 8 rows a step")):
+            alt = row.get(key)
+            if alt is None or alt != alt:  # not timed (NaN or absent)
+                continue
+            faster = name if alt < row["fused_ms"] else "the path that served"
+            lines.append(f"aggregate K={row['clients']} P={row['params']} density={row['density']:g}: served "
+                         f"{row['fused_ms'] * 1e3:.1f} us, {name} {alt * 1e3:.1f} us, torch.mm "
+                         f"{row['eager_ms'] * 1e3:.1f} us ({faster} faster; "
+                         f"{row['eager_ms'] / min(row['fused_ms'], alt):.2f}x torch.mm at best)")
     if "executor" not in data:
         return lines
     rows = data["executor"]["rows"]

@@ -226,6 +226,21 @@ def test_reported_similarity_paths():
     assert lines[2].startswith("lenet5 batched+bf16")
 
 
+def test_reported_aggregate_paths():
+    """gpu_aggregate.py times the 3xTF32 dense kernel beside every case (and the sparse kernel's
+    other step beside sparse ones): which one wins is reported, untimed ones are not."""
+    data = suites(executor=None)
+    dense = {"clients": 20, "params": 10**7, "density": 1.0, "fused_ms": 0.9, "eager_ms": 0.8,
+             "dense_kernel_ms": 0.45, "blocked_ms": None}
+    sparse = dict(dense, density=0.05, fused_ms=3.0, eager_ms=7.0, dense_kernel_ms=float("nan"), blocked_ms=4.0)
+    data["aggregate"] = {"rows": [dense, sparse]}
+    assert gt.reported(data) == [
+        "aggregate K=20 P=10000000 density=1: served 900.0 us, 3xTF32 dense kernel 450.0 us, torch.mm 800.0 us "
+        "(3xTF32 dense kernel faster; 1.78x torch.mm at best)",
+        "aggregate K=20 P=10000000 density=0.05: served 3000.0 us, sparse kernel, 8 rows a step 4000.0 us, "
+        "torch.mm 7000.0 us (the path that served faster; 2.33x torch.mm at best)"]
+
+
 def write(folder, data, slug=SLUG):
     for suite, payload in data.items():
         (folder / f"{suite}_gpu_{slug}.json").write_text(json.dumps(payload))

@@ -7,14 +7,18 @@ device:
 
 * dense: one program per (K-block, P-block) tile of out walks M in BLOCK_M steps, ``tl.dot``
   of the weights tile [BLOCK_K, BLOCK_M] with the params tile [BLOCK_M, BLOCK_P], float32
-  accumulation with ``input_precision="ieee"`` (TF32 would lose three decimal digits of the
-  parameters; bfloat16/float16 params are widened to float32 in registers, so weights are
-  read in float32 as the contract says).  K-blocks are the fastest grid axis, so the
-  programs of one P-block run together and read its params from L2; at K <= BLOCK_K (the
-  memory-bound case, e.g. K = 20) params are read exactly once.  Zero weights never read
-  their row: each params tile is checked for NaN/Inf; its non-finite values are zeroed for
-  the ``tl.dot`` and added back, one row of the tile at a time, only where the weight is
-  nonzero (a slow path that only tiles holding NaN/Inf take).
+  accumulation with ``input_precision="tf32x3"`` (``_DENSE_PRECISION``: three tensor-core
+  products of two-part TF32 splits, each product to about 2^-21; plain TF32 would lose three
+  decimal digits of the parameters; bfloat16/float16 params are widened to float32 in
+  registers, where the split is exact, so weights are read in float32 as the contract says).
+  K-blocks are the fastest grid axis, so the programs of one P-block run together and read
+  its params from L2; at K <= BLOCK_K (the memory-bound case, e.g. K = 20) params are read
+  exactly once.  The main loop is loads and dots alone; a zero weight's NaN/Inf row still
+  makes its column of the tile non-finite (0·NaN), so after the loop the tile's non-finite
+  columns, and only in the tiles that have one, are summed again exactly with zero weights
+  skipped: each NaN/Inf reaches only the rows that weight it.  (The kernel of before, with
+  ``ieee`` dots and a reduction over every params tile for its NaN/Inf, took 39.5 ms against
+  torch.mm's 0.71 ms on an H200 at K = 100, P = 10^6; this one has not run on a GPU yet.)
 * sparse: each row's nonzero weights compacted to the front of its row of a [K, M] pair (int32
   columns, values in the accumulation dtype) with the row's count, by ``_compact_kernel``;
   one program per (row, P-block) gathers only the kept rows of params, ``_SPARSE_BLOCK_E``
@@ -25,8 +29,10 @@ device:
 Which one serves (issue 30, item 2; ``pfl_kernels.ops.aggregate.cuda_path``): sparse weights
 take the sparse kernel; dense weights on CUDA take ``gemm_weighted_average`` (one cuBLAS GEMM,
 a check of the product's first row for NaN/Inf, the reference's fix-up only when params hold
-NaN/Inf), since the dense kernel measured 39.5 ms against torch.mm's 0.71 ms on an H200
-(K = 100, P = 10^6).  The dense kernel serves only where torch's float32 matmuls may use TF32
+NaN/Inf), since the dense kernel of before measured 39.5 ms against torch.mm's 0.71 ms on an
+H200 (K = 100, P = 10^6); ``benchmarks/gpu_aggregate.py`` times the 3xTF32 dense kernel
+beside the path that serves (``_PATH_OVERRIDE``), for every density, so that the next GPU run
+says where it wins.  The dense kernel serves only where torch's float32 matmuls may use TF32
 (``torch.backends.cuda.matmul.allow_tf32``), which the op's float32 accumulation forbids, and
 in the Triton interpreter (CPU tensors), where its tests run it.
 
@@ -80,6 +86,15 @@ from .factorized import _check_devices, _device_guard, _launch
 _MAX_BLOCK_K = 64
 _BLOCK_M = 32
 _BLOCK_P = 128
+# The dense kernel's tl.dot: 3xTF32 (each float32 operand split into two TF32 parts, three
+# tensor-core products, float32 sums) keeps each product to about 2^-21 of its value, where
+# plain TF32 loses three decimal digits; "ieee" is the tensor-core-free float32 dot (on the
+# H200 of issue 30 that kernel took 39.5 ms against torch.mm's 0.71 ms at K = 100, P = 10^6).
+_DENSE_PRECISION = "tf32x3"
+# The path every call takes whatever its weights' density ("dense", "sparse" or "gemm"), or
+# None: ``ops.aggregate.cuda_path`` chooses.  benchmarks/gpu_aggregate.py times the paths
+# against each other with it; float64 params never take the dense kernel.
+_PATH_OVERRIDE: Optional[str] = None
 # Sparse: columns per program, kept rows gathered per step (8 warps: per thread 4 columns of
 # each of the BLOCK_E rows).  One row per step: on both GPUs of issue 30 (gpu_aggregate.py
 # --quick, density 0.05) 8 rows per step were slower at three of four shapes and no faster at
@@ -108,7 +123,7 @@ def _dense_kernel(
     w_ptr, p_ptr, out_ptr,
     K, M, P, n_kb,
     sp_m, so_k,
-    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kb = pid % n_kb
@@ -119,26 +134,30 @@ def _dense_kernel(
     mp = rp < P
     w_rows = w_ptr + rk.to(tl.int64)[:, None] * M  # weights: contiguous [K, M], float32
     acc = tl.zeros([BLOCK_K, BLOCK_P], dtype=tl.float32)
+    # The main loop is loads and dots alone (no branch, no reduction), so it pipelines.
     for m0 in range(0, M, BLOCK_M):
         rm = m0 + tl.arange(0, BLOCK_M)
         mm = rm < M
         wt = tl.load(w_rows + rm[None, :], mask=mk[:, None] & mm[None, :], other=0)
         pt = tl.load(p_ptr + rm.to(tl.int64)[:, None] * sp_m + rp[None, :],
                      mask=mm[:, None] & mp[None, :], other=0).to(tl.float32)
-        finite = tl.abs(pt) < float("inf")  # False for NaN and ±Inf
-        acc = tl.dot(wt, tl.where(finite, pt, 0.0), acc, input_precision="ieee")
-        if tl.max((finite == 0).to(tl.int32)) > 0:
-            # Add each non-finite value back, only where its weight is nonzero.
-            for jj in range(0, BLOCK_M):
-                j = m0 + jj
-                if j < M:
-                    wj = tl.load(w_ptr + rk.to(tl.int64) * M + j, mask=mk, other=0)
-                    tj = tl.load(p_ptr + j.to(tl.int64) * sp_m + rp, mask=mp, other=0).to(tl.float32)
-                    bad = (tl.abs(tj) < float("inf")) == 0
-                    hit = (wj != 0)[:, None] & bad[None, :]
-                    # Operands outside `hit` replaced by 1: no 0·Inf is even computed.
-                    prod = tl.where(wj != 0, wj, 1.0)[:, None] * tl.where(bad, tj, 1.0)[None, :]
-                    acc += tl.where(hit, prod, 0.0)
+        acc = tl.dot(wt, pt, acc, input_precision=PRECISION)
+    # A NaN/Inf value of params makes its column of acc non-finite in every row of the tile
+    # (0·NaN = NaN, and 3xTF32 splits ±Inf into Inf and NaN), as does a sum that overflows or
+    # a value near the float32 maximum that the TF32 split rounds up.  Those columns, and only
+    # in tiles that have one, are summed again exactly, zero weights skipped: the contract's
+    # result, each non-finite value reaching only the rows that weight it.
+    redo = tl.max(((tl.abs(acc) < float("inf")) == 0).to(tl.int32), axis=0) != 0  # [BLOCK_P]
+    if tl.max(redo.to(tl.int32), axis=0) > 0:
+        # In acc itself (a second tile would double the registers the main loop may use).
+        acc = tl.where(redo[None, :], 0.0, acc)
+        w_col = w_ptr + rk.to(tl.int64) * M
+        t_row = p_ptr + rp  # row j of params' tile: a pointer stepped by sp_m (64-bit offsets)
+        for j in range(0, M):
+            wj = tl.load(w_col + j, mask=mk, other=0)
+            tj = tl.load(t_row, mask=mp & redo, other=0).to(tl.float32)
+            acc += tl.where((wj != 0)[:, None] & redo[None, :], wj[:, None] * tj[None, :], 0.0)
+            t_row += sp_m
     o = out_ptr + rk.to(tl.int64)[:, None] * so_k + rp[None, :]
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mk[:, None] & mp[None, :])
 
@@ -280,6 +299,14 @@ def _new_counts(n: int, like: torch.Tensor) -> torch.Tensor:
 
 def _block_k(k: int) -> int:
     return max(16, min(_MAX_BLOCK_K, next_power_of_2(max(k, 1))))
+
+
+def _block_p(block_k: int) -> int:
+    """The dense kernel's columns per program: _BLOCK_P for 16 rows of out, half beyond.  Compiled
+    for sm_90 (ptxas -v, 4 warps, 3xTF32), 16 x 128 tiles take 128 registers a thread, 32 x 128
+    244 and 64 x 128 255 (32 x 64: 162, 64 x 64: 167), so the wider tiles would leave one or
+    two programs a multiprocessor.  Untimed on a GPU (gpu_aggregate.py times the kernel)."""
+    return _BLOCK_P if block_k <= 16 else max(16, _BLOCK_P // 2)
 
 
 def _rows_of(out: torch.Tensor, params: torch.Tensor) -> bool:
@@ -451,7 +478,8 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
     if m == 0:
         out.zero_()
         return
-    path = _ops.cuda_path(k, m, nnz, params.dtype, torch.backends.cuda.matmul.allow_tf32, _SPARSE_DENSITY)
+    path = _PATH_OVERRIDE or _ops.cuda_path(k, m, nnz, params.dtype, torch.backends.cuda.matmul.allow_tf32,
+                                            _SPARSE_DENSITY)
     _remember(key, path)
     if path == guess == "sparse":
         return  # the speculative launch served
@@ -467,10 +495,11 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
         _sparse_into(_compact(w) if compact is None else compact, params, out)  # None: the GEMM was guessed
         return
     n_kb = cdiv(k, block_k)
+    block_p = _block_p(block_k)
     with _device_guard(params):
-        _launch(_dense_kernel)[(n_kb * cdiv(p, _BLOCK_P),)](
+        _launch(_dense_kernel)[(n_kb * cdiv(p, block_p),)](
             w, params, out, k, m, p, n_kb, params.stride(0), out.stride(0),
-            BLOCK_K=block_k, BLOCK_M=_BLOCK_M, BLOCK_P=_BLOCK_P, num_warps=4,
+            BLOCK_K=block_k, BLOCK_M=_BLOCK_M, BLOCK_P=block_p, PRECISION=_DENSE_PRECISION, num_warps=4,
         )
 
 

@@ -314,3 +314,22 @@ def test_gpu_early_read_does_not_wait_for_later_kernels():
     still_running = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert still_running
+
+
+@pytest.mark.parametrize("density", [1.0, 0.05], ids=["dense-weights", "sparse-weights"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_kernel_at_float32_accuracy_with_extreme_values(dtype, density, monkeypatch):
+    """The dense kernel (3xTF32 dots on a GPU) against float64 at float32's tolerance, with
+    magnitudes over six decades and a float32 maximum, which a TF32 split may round to Inf:
+    its column is summed again exactly, so the result stays finite and right."""
+    monkeypatch.setattr(ta, "_PATH_OVERRIDE", "dense")
+    k, m, p = 100, 100, 1031
+    w, params = make(k, m, p, density=density, seed=9)
+    params = (params.float() * torch.logspace(-3, 3, p, device=DEVICE)).to(dtype)
+    if dtype == torch.float32:
+        params[3, 5] = torch.finfo(torch.float32).max
+        w[:, 3] = w[:, 3].clamp_max(0.5)
+    out = ta.weighted_average_triton(w, params)
+    want = expected(w, params)
+    assert torch.isfinite(want).all()
+    assert_close(out, want, dtype)
