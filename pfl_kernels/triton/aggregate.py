@@ -52,9 +52,9 @@ Syncs: the stats are read with ``read_early`` (an event behind their copy to the
 the host waits for the small kernel that made them, not for the big one queued after it,
 and the GPU is not left idle while the host finishes the call.  The path a signature took
 last is launched before the stats are read: the GEMM into a new result (the op's own
-tensor), the sparse kernel into any out, guarded on the device by the compaction's NaN/Inf
-total (it writes nothing where a weight is NaN/Inf, so a caller's out stays as it was when
-the op raises).  A wrong guess is rerun on the right path, so a call's numbers never depend
+tensor), the sparse or dense Triton kernel into any out, guarded on the device by the
+compaction's NaN/Inf total (it writes nothing where a weight is NaN/Inf, so a caller's out
+stays as it was when the op raises).  A wrong guess is rerun on the right path, so a call's numbers never depend
 on the calls before it.  ``.out`` with dense weights reads the stats before its GEMM (which
 cannot be guarded) writes out: one sync, for the counting alone.
 
@@ -120,10 +120,11 @@ _GEMM_DEVICES = ("cuda",)
 
 @triton.jit
 def _dense_kernel(
-    w_ptr, p_ptr, out_ptr,
+    w_ptr, p_ptr, out_ptr, flag_ptr,
     K, M, P, n_kb,
     sp_m, so_k,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+    GUARDED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kb = pid % n_kb
@@ -131,7 +132,10 @@ def _dense_kernel(
     rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     rp = pb.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
     mk = rk < K
-    mp = rp < P
+    if GUARDED:  # launched before the weights' stats are read: as the sparse kernel
+        mp = rp < tl.where(tl.load(flag_ptr) == 0, P, 0)
+    else:
+        mp = rp < P
     w_rows = w_ptr + rk.to(tl.int64)[:, None] * M  # weights: contiguous [K, M], float32
     acc = tl.zeros([BLOCK_K, BLOCK_P], dtype=tl.float32)
     # The main loop is loads and dots alone (no branch, no reduction), so it pipelines.
@@ -429,14 +433,19 @@ def _speculative_gemm(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) 
     return None
 
 
-def _speculative_sparse(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> tuple[int, Compact]:
-    """The sparse kernel into ``out`` before the weights' stats are read, guarded (it writes
-    nothing where a weight is NaN/Inf, so even the caller's out is safe); returns (nonzeros,
-    the compaction) as ``_weights_stats`` does, raising the same ValueError.  The caller
-    reruns another path where the stats say it serves (out is then rewritten)."""
+def _speculative_kernel(path: str, w: torch.Tensor, params: torch.Tensor, out: torch.Tensor
+                        ) -> tuple[int, Compact]:
+    """The sparse or dense Triton kernel (``path``) into ``out`` before the weights' stats are
+    read, guarded (it writes nothing where a weight is NaN/Inf, so even the caller's out is
+    safe); returns (nonzeros, the compaction) as ``_weights_stats`` does, raising the same
+    ValueError.  The caller reruns another path where the stats say it serves (out is then
+    rewritten)."""
     compact = _compact(w, flag=True)
     stats = read_early(compact.stats)
-    _sparse_into(compact, params, out)
+    if path == "sparse":
+        _sparse_into(compact, params, out)
+    else:
+        _dense_into(w, params, out, compact.flag)
     return _stats_of(stats), compact
 
 
@@ -460,17 +469,16 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
     key = (weights.shape, weights.dtype, params.shape, params.dtype, params.device)
     gemm_device = acc == torch.float64 or out.device.type in _GEMM_DEVICES
     guess = _LAST_PATH.get(key) if k and p and m else None
-    # The sparse kernel reads params after writing out: an out that overlaps them gets a copy.
     copied = False
-    if guess == "sparse" and not fresh and may_overlap(out, params):
+    if guess in ("sparse", "dense") and not fresh and _reads_after_writing(guess, out, params):
         params, copied = params.clone(), True
     nnz = compact = None
     if guess == "gemm" and fresh and gemm_device:
         nnz = _speculative_gemm(w, params, out)
         if nnz is None:
             return
-    elif guess == "sparse":
-        nnz, compact = _speculative_sparse(w, params, out)
+    elif guess == "sparse" or (guess == "dense" and acc == torch.float32):
+        nnz, compact = _speculative_kernel(guess, w, params, out)
     if nnz is None:
         nnz, compact = _weights_stats(w)
     if k == 0 or p == 0:
@@ -481,25 +489,43 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
     path = _PATH_OVERRIDE or _ops.cuda_path(k, m, nnz, params.dtype, torch.backends.cuda.matmul.allow_tf32,
                                             _SPARSE_DENSITY)
     _remember(key, path)
-    if path == guess == "sparse":
+    if path == guess and compact is not None and compact.flag is not None:
         return  # the speculative launch served
     if path != "sparse" and (acc == torch.float64 or (path == "gemm" and out.device.type in _GEMM_DEVICES)):
         _gemm_into(w, params, out, nnz == k * m)
         return
-    block_k = _block_k(k)
     # A fresh out (the op's own new tensor) shares no memory with params: no check to pay for.
-    if (not fresh and not copied and may_overlap(out, params)
-            and (path == "sparse" or cdiv(k, block_k) > 1 or not _rows_of(out, params))):
+    if not fresh and not copied and _reads_after_writing(path, out, params):
         params = params.clone()
     if path == "sparse":
         _sparse_into(_compact(w) if compact is None else compact, params, out)  # None: the GEMM was guessed
-        return
+    else:
+        _dense_into(w, params, out)
+
+
+def _reads_after_writing(path: str, out: torch.Tensor, params: torch.Tensor) -> bool:
+    """Whether the Triton kernel of ``path`` may read params where it has written out already:
+    the sparse kernel wherever they overlap, the dense kernel unless its single K-block reads
+    each column block of params before it writes the same columns of out's rows."""
+    if not may_overlap(out, params):
+        return False
+    return path == "sparse" or cdiv(out.shape[0], _block_k(out.shape[0])) > 1 or not _rows_of(out, params)
+
+
+def _dense_into(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor, flag: Optional[torch.Tensor] = None
+                ) -> None:
+    """The dense kernel into ``out`` (float32 weights [K, M]), guarded by ``flag`` where given
+    (launched before the weights' stats are read)."""
+    k, p = out.shape
+    m = params.shape[0]
+    block_k = _block_k(k)
     n_kb = cdiv(k, block_k)
     block_p = _block_p(block_k)
     with _device_guard(params):
         _launch(_dense_kernel)[(n_kb * cdiv(p, block_p),)](
-            w, params, out, k, m, p, n_kb, params.stride(0), out.stride(0),
-            BLOCK_K=block_k, BLOCK_M=_BLOCK_M, BLOCK_P=block_p, PRECISION=_DENSE_PRECISION, num_warps=4,
+            w, params, out, w if flag is None else flag, k, m, p, n_kb, params.stride(0), out.stride(0),
+            BLOCK_K=block_k, BLOCK_M=_BLOCK_M, BLOCK_P=block_p, PRECISION=_DENSE_PRECISION,
+            GUARDED=flag is not None, num_warps=4,
         )
 
 

@@ -364,16 +364,18 @@ def test_non_finite_weights_fail_on_the_speculative_path_too(routed, fresh_paths
         ta.weighted_average_triton(w, params)
 
 
-@pytest.mark.parametrize("density", [1.0, 0.1], ids=["gemm", "sparse"])
+@pytest.mark.parametrize("density", [1.0, 0.1], ids=["dense", "sparse"])
 @pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
-def test_the_out_overload_never_writes_out_before_the_checks(routed, fresh_paths, density, bad):
+def test_the_out_overload_never_writes_out_before_the_checks(routed, fresh_paths, tf32, density, bad):
     """``out=`` is the caller's: nothing is written into it when the weights are refused.  The
-    GEMM waits for the check; the sparse kernel, launched before the check is read once its
-    signature took it, is guarded on the device (it writes nothing where a weight is NaN/Inf)."""
+    GEMM waits for the check; the sparse and dense kernels, launched before the check is read
+    once their signature took them, are guarded on the device (they write nothing where a
+    weight is NaN/Inf)."""
     params = torch.randn(6, 40, device=DEVICE)
     out = torch.full((5, 40), 7.0, device=DEVICE)
     ta.weighted_average_out_triton(weights(5, 6, density), params, out=out)
-    assert ta._LAST_PATH and set(ta._LAST_PATH.values()) == {"gemm" if density == 1.0 else "sparse"}
+    want = "sparse" if density < 1 else "dense" if tf32 else "gemm"
+    assert ta._LAST_PATH and set(ta._LAST_PATH.values()) == {want}
     out.fill_(7.0)
     w = weights(5, 6, density)
     w[tuple(w.nonzero()[-1])] = bad  # one row's kept weight: every row of out must stay as it was
@@ -385,9 +387,11 @@ def test_the_out_overload_never_writes_out_before_the_checks(routed, fresh_paths
 @pytest.mark.parametrize("fresh", [True, False], ids=["new", "out="])
 @pytest.mark.parametrize("first, then", [(1.0, 0.1), (0.1, 1.0), (0.1, 0.1), (1.0, 1.0)],
                          ids=["gemm-then-sparse", "sparse-then-gemm", "sparse-twice", "gemm-twice"])
-def test_a_speculated_path_gives_the_numbers_of_a_first_call(routed, fresh_paths, monkeypatch, first, then, fresh):
+def test_a_speculated_path_gives_the_numbers_of_a_first_call(routed, fresh_paths, monkeypatch, tf32, first, then,
+                                                            fresh):
     """Whatever a signature took last, a call's numbers are those of the path its own weights
-    choose (bitwise the same as a call with no history): a wrong guess is rerun, never kept."""
+    choose (bitwise the same as a call with no history): a wrong guess is rerun, never kept.
+    Dense weights take the GEMM, or the dense kernel where TF32 is allowed."""
     params = torch.randn(20, 33, device=DEVICE)
     w = weights(10, 20, then)
 
@@ -403,13 +407,22 @@ def test_a_speculated_path_gives_the_numbers_of_a_first_call(routed, fresh_paths
     assert_close(without_history, ref_agg.weighted_average(w.double(), params.double()), torch.float32)
 
 
-def test_a_speculative_sparse_call_into_its_own_params(routed, fresh_paths):
-    """The in-place ``bank <- W @ bank`` after the signature took the sparse kernel: params are
-    copied before the speculative launch writes the bank, so every row reads the old bank."""
-    bank = torch.randn(8, 24, device=DEVICE)
-    w = weights(8, 8, 0.2)
-    ta.weighted_average_out_triton(w, bank.clone(), out=torch.empty_like(bank))
-    assert set(ta._LAST_PATH.values()) == {"sparse"}
-    expected = ref_agg.weighted_average(w.double(), bank.double())
-    assert ta.weighted_average_out_triton(w, bank, out=bank) is bank
+@pytest.mark.parametrize("k, density, tf32_on", [(8, 0.2, False), (8, 1.0, True), (40, 1.0, True)],
+                         ids=["sparse", "dense-one-k-block", "dense-k-blocks"])
+def test_a_speculative_call_into_its_own_params(routed, fresh_paths, monkeypatch, k, density, tf32_on):
+    """The in-place ``bank <- W @ bank`` after the signature took the sparse or dense kernel:
+    params are copied before the speculative launch writes the bank where the kernel could
+    read a row it wrote (the sparse kernel, the dense one over several blocks of rows), so
+    every row reads the old bank."""
+    monkeypatch.setattr(ta, "_MAX_BLOCK_K", 16)  # 40 rows: three blocks
+    before, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, tf32_on
+    try:
+        bank = torch.randn(k, 24, device=DEVICE)
+        w = weights(k, k, density)
+        ta.weighted_average_out_triton(w, bank.clone(), out=torch.empty_like(bank))
+        assert set(ta._LAST_PATH.values()) == {"sparse" if density < 1 else "dense"}
+        expected = ref_agg.weighted_average(w.double(), bank.double())
+        assert ta.weighted_average_out_triton(w, bank, out=bank) is bank
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
     assert_close(bank, expected, torch.float32)
