@@ -24,7 +24,7 @@ def format_cuda_paths() -> str:
         ("weighted_average", "dense weights, float64", "gemm (cuBLAS dgemm)"),
         ("weighted_average", "dense weights, float32/bfloat16/float16",
          "gemm (torch.mm, NaN/Inf fix-up when params hold them)" if dense == "gemm"
-         else "triton (tl.dot kernel: TF32 is allowed, which the GEMM would use)"),
+         else "triton (3xTF32 tl.dot kernel: TF32 is allowed, which the GEMM would use)"),
         ("pairwise_cosine/sqdist", "float64", "reference (cuBLAS dgemm)"),
         ("pairwise_cosine/sqdist", f"float32, {gemm_dim}",
          "gemm (torch.mm, as torch.cdist, + one epilogue launch; no sync)" if pair == "gemm"
