@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
@@ -68,6 +68,9 @@ class Row(common.Measured):
     eager_ms: float
     copy_ms: float
     max_abs_err: float
+    # class_means: the chunked segment kernel on the same call where the one-hot GEMM served
+    # (triton.class_means._GEMM_DEVICES emptied), so that a run says which one wins
+    segment_ms: Optional[float] = None
 
     JSON_EXTRA = (("fused_gbps", "fused_gbps"), ("floor_ratio", "floor_ratio"),
                   ("speedup_vs_eager", "speedup"), ("targeted", "targeted"))
@@ -90,7 +93,8 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"{r.op:<11} {'x'.join(map(str, r.shape)):<18} {r.bytes / 1e6:>9.2f} {r.fused_ms * 1e3:>10.1f} "
             f"{r.eager_ms * 1e3:>10.1f} {r.copy_ms * 1e3:>10.1f} {r.fused_gbps:>6.0f} {r.floor_ratio:>8.2f} "
-            f"{r.speedup:>8.2f} {r.max_abs_err:>9.2e}{flag}")
+            f"{r.speedup:>8.2f} {r.max_abs_err:>9.2e}{flag}"
+            + (f"  segment kernel: {r.segment_ms * 1e3:.1f} us" if r.segment_ms is not None else ""))
     return "\n".join(lines)
 
 
@@ -147,7 +151,22 @@ def bench_class_means(rt: common.Runtime, n: int, d: int, c: int, dtype: torch.d
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = op_bytes("class_means", (n, d, c), elem)
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
-    return rt.annotate(Row("class_means", [n, d, c], nbytes, fused_ms, eager_ms, copy_ms, err))
+    segment_ms = time_segment_kernel(rt, fused, lambda: common.check(
+        f"class_means N={n} D={d} C={c}, the segment kernel", fused()[0], want_means, 1e-5))
+    return rt.annotate(Row("class_means", [n, d, c], nbytes, fused_ms, eager_ms, copy_ms, err, segment_ms))
+
+
+def time_segment_kernel(rt: common.Runtime, fused: Callable[[], object], check: Callable[[], object]) -> float:
+    """Median ms of ``fused`` with class_means on the segment kernel (the one-hot GEMM off),
+    after ``check`` of its result."""
+    from pfl_kernels.triton import class_means as tc
+
+    saved, tc._GEMM_DEVICES = tc._GEMM_DEVICES, ()
+    try:
+        check()
+        return rt.time(fused)
+    finally:
+        tc._GEMM_DEVICES = saved
 
 
 def measure(rt: common.Runtime, args) -> list[Row]:

@@ -225,7 +225,8 @@ def reported(data: dict) -> list[str]:
     other CUDA path (the fused kernel or the GEMM form) against the one that served and eager,
     which says where ``cuda_pairwise_path`` should route; each weighted_average case's 3xTF32
     dense kernel (and the sparse kernel's other step) against the path that served and
-    torch.mm, which says where ``ops.aggregate.cuda_path`` should route; bf16 autocast's speed
+    torch.mm, which says where ``ops.aggregate.cuda_path`` should route, and the same of each
+    class_means case's segment kernel (``ops.class_means.cuda_path``); bf16 autocast's speed
     and accuracy, and each other batched variant against the plain batched executor."""
     lines = []
     for row in data.get("similarity", {}).get("rows", []):
@@ -245,6 +246,15 @@ def reported(data: dict) -> list[str]:
                          f"{row['fused_ms'] * 1e3:.1f} us, {name} {alt * 1e3:.1f} us, torch.mm "
                          f"{row['eager_ms'] * 1e3:.1f} us ({faster} faster; "
                          f"{row['eager_ms'] / min(row['fused_ms'], alt):.2f}x torch.mm at best)")
+    for row in data.get("branch_aggregate", {}).get("rows", []):
+        alt = row.get("segment_ms")
+        if row.get("op") != "class_means" or alt is None or alt != alt:
+            continue
+        n, d, c = row["shape"]
+        faster = "the segment kernel" if alt < row["fused_ms"] else "the path that served"
+        lines.append(f"class_means N={n} D={d} C={c}: served {row['fused_ms'] * 1e3:.1f} us, segment kernel "
+                     f"{alt * 1e3:.1f} us, eager {row['eager_ms'] * 1e3:.1f} us ({faster} faster; "
+                     f"{row['eager_ms'] / min(row['fused_ms'], alt):.2f}x eager at best)")
     if "executor" not in data:
         return lines
     rows = data["executor"]["rows"]

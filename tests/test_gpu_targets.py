@@ -241,6 +241,18 @@ def test_reported_aggregate_paths():
         "torch.mm 7000.0 us (the path that served faster; 2.33x torch.mm at best)"]
 
 
+def test_reported_class_means_paths():
+    data = suites(executor=None)
+    data["aggregate"] = {"rows": []}
+    data["branch_aggregate"] = {"rows": [
+        {"op": "class_means", "shape": [100000, 256, 10], "fused_ms": 0.27, "eager_ms": 0.32, "segment_ms": 0.08},
+        {"op": "class_means", "shape": [100000, 256, 100], "fused_ms": 0.41, "eager_ms": 0.32, "segment_ms": None},
+        {"op": "aggregate", "shape": [20, 5, 10**6], "fused_ms": 0.2, "eager_ms": 0.15}]}
+    assert gt.reported(data) == [
+        "class_means N=100000 D=256 C=10: served 270.0 us, segment kernel 80.0 us, eager 320.0 us "
+        "(the segment kernel faster; 4.00x eager at best)"]
+
+
 def write(folder, data, slug=SLUG):
     for suite, payload in data.items():
         (folder / f"{suite}_gpu_{slug}.json").write_text(json.dumps(payload))

@@ -76,8 +76,10 @@ def cuda_path(num_classes: int, dim: int, dtype: torch.dtype, tf32: bool) -> str
     segment kernel).
 
     On an H200 (issue 30) the segment kernel took 2.2 ms at N = 100,000, D = 256, C = 10
-    against 0.31 ms for ``index_add_``: with few classes its grid has few programs, each adding
-    thousands of rows in turn.  The GEMM reads the features once, whatever C, and is
+    against 0.31 ms for ``index_add_``: with few classes its grid had few programs, each adding
+    thousands of rows in turn.  It now splits each class's rows over many programs, untimed on
+    a GPU yet (``benchmarks/gpu_branch_aggregate.py`` times it beside the GEMM), so the
+    routing stays as that measurement set it.  The GEMM reads the features once, whatever C, and is
     deterministic; it serves where its one-hot matrix is no larger than the features (C <= D)
     and, in float32, where torch's matmuls may not use TF32, which would lose three decimal
     digits of the sums (``torch.backends.cuda.matmul.allow_tf32``, off by default)."""

@@ -3,18 +3,23 @@
 Deterministic, without floating-point atomics: the samples are first grouped by (client,
 class) with plain PyTorch ops on the device (``segment_keys``: a stable sort of one key per
 sample, the counts by an integer scatter, exact in any order, and their exclusive prefix
-sums), then one program per (client·class, D-block) adds its class's rows in sample order in
-float32 (float64 for float64) registers, divides by the count and stores its block of means
-once.  Every feature row is read once (per D-block).  A class without a sample stores 0.
+sums), then one program per (client·class, D-block, chunk of a class's rows) adds its rows
+in sample order in float32 (float64 for float64) registers.  With one chunk a class (no
+class above ``_CHUNK_ROWS`` samples) it divides by the count and stores its block of means
+once; with several, each chunk stores its partial sums and ``torch.sum`` adds them in chunk
+order (a fixed-shape reduction: the same order every call), then one division.  Every
+feature row is read once (per D-block).  A class without a sample gets 0.
 
 Labels outside [0, num_classes) raise ValueError, as in every kernel of the op: both paths
 count them with the rest (read in the path's one device sync), and
 ``ops.class_means.check_label_values`` then names the first.
 
-With few classes that grid is small (C = 10: ten programs per D-block, each adding N/10 rows
-in turn), so where C <= D the sums come from a one-hot GEMM instead (issue 30, item 2; see
-``class_means_triton``), and the segment kernel serves more classes than feature dims, TF32
-matmuls, and features holding NaN/Inf.
+One program per class and D-block, as the kernel was, gave a small grid that added its rows
+one after another (C = 10, N = 100,000, D = 256 on the H200 of issue 30: 2.2 ms against
+0.31 ms for ``index_add_``); the chunks give every class's rows to many programs.  Where C <= D
+the sums come from a one-hot GEMM instead (issue 30, item 2; see ``class_means_triton``), and
+the segment kernel serves more classes than feature dims, TF32 matmuls, and features holding
+NaN/Inf.  The chunked kernel has not run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -35,6 +40,11 @@ from .factorized import _check_devices, _device_guard, _launch
 
 
 _MAX_BLOCK_D = 256
+# Rows of a class per program (at least; more where a class would need more than _MAX_CHUNKS
+# chunks), and the partial sums' memory cap.  Tests shrink _CHUNK_ROWS.
+_CHUNK_ROWS = 64
+_MAX_CHUNKS = 256
+_MAX_PARTIAL_BYTES = 64 << 20
 # Devices whose sums may come from the one-hot GEMM (``ops.class_means.cuda_path``); the
 # interpreter tests add "cpu" to check the routing.
 _GEMM_DEVICES = ("cuda",)
@@ -43,13 +53,15 @@ _GEMM_DEVICES = ("cuda",)
 @triton.jit
 def _class_means_kernel(
     f_ptr, order_ptr, start_ptr, count_ptr, out_ptr,
-    N, D, n_db,
+    N, D, n_db, n_chunks, chunk_rows,
     sf_k, sf_n, sf_d, C,
-    ACC_F64: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACC_F64: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    seg = (pid // n_db).to(tl.int64)  # k·C + c
-    db = pid % n_db
+    chunk = pid % n_chunks
+    rest = pid // n_chunks
+    seg = (rest // n_db).to(tl.int64)  # k·C + c
+    db = rest % n_db
     k = seg // C
     slot = seg + 2 * k + 1  # k·(C + 2) + c + 1: each client's keys hold two more slots, for the labels out of range
     d = db * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -61,18 +73,21 @@ def _class_means_kernel(
     else:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     base = f_ptr + k * sf_k + d * sf_d
-    for j in range(count):
+    j0 = chunk * chunk_rows
+    j1 = tl.minimum(count, j0 + chunk_rows)  # below j0 where the class has fewer rows: no step
+    for j in range(j0, j1):
         n = tl.load(order_ptr + start + j) - k * N  # the flat sample index, back to client k's row
         acc += tl.load(base + n * sf_n, mask=dm, other=0).to(acc.dtype)
-    denom = tl.maximum(count, 1).to(acc.dtype)
-    tl.store(out_ptr + seg * D + d, acc / denom, mask=dm)
+    if PARTIAL:  # partial sums [K·C, n_chunks, D], added in chunk order by the launcher
+        tl.store(out_ptr + (seg * n_chunks + chunk) * D + d, acc, mask=dm)
+    else:
+        denom = tl.maximum(count, 1).to(acc.dtype)
+        tl.store(out_ptr + seg * D + d, acc / denom, mask=dm)
 
 
-def segment_keys(labels: torch.Tensor, num_classes: int, *, count_outside: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def segment_keys(labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The segment kernel's grouping of labels [K, N] (int64): (keys [K·N], counts [K·(C+2)]
-    int64, the number of labels outside [0, C)), with one device sync for that number (none,
-    and 0, when not ``count_outside``: labels already checked).
+    int64), no sync.
 
     Client k's label l has key k·(C+2) + clamp(l, -1, C) + 1: its classes are slots 1..C of
     its C+2, a label below 0 lands in slot 0 and one of C or more in slot C+1, so one sort of
@@ -86,8 +101,24 @@ def segment_keys(labels: torch.Tensor, num_classes: int, *, count_outside: bool 
     keys = (labels.clamp(-1, num_classes) + first_slots[:, None]).reshape(-1)
     counts = torch.zeros(k * width, dtype=torch.int64, device=labels.device)
     counts.index_add_(0, keys, torch.ones((), dtype=torch.int64, device=labels.device).expand(k * n))
-    outside = int(counts.view(k, width)[:, ::width - 1].sum()) if count_outside and k * n else 0
-    return keys, counts, outside
+    return keys, counts
+
+
+def segment_stats(counts: torch.Tensor, k: int, num_classes: int) -> tuple[int, int]:
+    """(labels outside [0, C), the largest class) from ``segment_keys``' counts: one device
+    read for both."""
+    slots = counts.view(k, num_classes + 2)
+    outside, largest = torch.stack([slots[:, ::num_classes + 1].sum(), slots[:, 1:-1].max()]).tolist()
+    return int(outside), int(largest)
+
+
+def chunking(largest: int, k: int, num_classes: int, dim: int, itemsize: int) -> tuple[int, int]:
+    """(rows a program adds, chunks a class): at least ``_CHUNK_ROWS`` rows, at most
+    ``_MAX_CHUNKS`` chunks, and partial sums within ``_MAX_PARTIAL_BYTES``."""
+    rows = max(_CHUNK_ROWS, cdiv(largest, _MAX_CHUNKS))
+    while cdiv(largest, rows) > 1 and k * num_classes * cdiv(largest, rows) * dim * itemsize > _MAX_PARTIAL_BYTES:
+        rows *= 2
+    return rows, max(1, cdiv(largest, rows))
 
 
 def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
@@ -121,25 +152,34 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
         if math.isfinite(total):
             means = sums.div_(counts64.clamp_min(1).to(acc).unsqueeze(-1))
             return means.reshape(means_shape), counts64.to(torch.int64).reshape(counts_shape)
-    # The segment kernel: about 12 launches and one sync (the out-of-range labels' count; the
-    # GEMM's sync has counted them where it ran first).
-    keys, slots, outside = segment_keys(lab, c, count_outside=not gemm)
+    # The segment kernel: about 14 launches and one sync (the out-of-range labels' count,
+    # which the GEMM's sync has counted already where it ran first, and the largest class).
+    keys, slots = segment_keys(lab, c)
+    counts = slots.view(k, c + 2)[:, 1:c + 1].contiguous().reshape(counts_shape)
+    if k * n == 0:
+        return torch.zeros(means_shape, dtype=acc, device=features.device), counts
+    outside, largest = segment_stats(slots, k, c)
     if outside:
         raise_flagged(check_label_values, labels, num_classes)  # names the first label outside the range
-    counts = slots.view(k, c + 2)[:, 1:c + 1].contiguous().reshape(counts_shape)
-    if k * n == 0 or d == 0:
+    if d == 0:
         return torch.zeros(means_shape, dtype=acc, device=features.device), counts
-    means = torch.empty(means_shape, dtype=acc, device=features.device)  # the kernel writes every class, empty ones 0
     order = torch.sort(keys, stable=True).indices  # flat sample indices k·N + n, grouped by key
     start = torch.cumsum(slots, 0) - slots
     block = min(_MAX_BLOCK_D, next_power_of_2(d))
     n_db = cdiv(d, block)
+    rows, n_chunks = chunking(largest, k, c, d, acc.itemsize)
+    # One chunk: the kernel writes every class's means (empty ones 0); several: partial sums.
+    out = torch.empty(means_shape if n_chunks == 1 else (k * c, n_chunks, d), dtype=acc, device=features.device)
     with _device_guard(features):
-        _launch(_class_means_kernel)[(k * c * n_db,)](
-            f, order, start, slots, means, n, d, n_db, *f.stride(), c,
-            ACC_F64=acc == torch.float64, BLOCK_D=block, num_warps=max(1, min(4, block // 64)),
+        _launch(_class_means_kernel)[(k * c * n_db * n_chunks,)](
+            f, order, start, slots, out, n, d, n_db, n_chunks, rows, *f.stride(), c,
+            ACC_F64=acc == torch.float64, BLOCK_D=block, PARTIAL=n_chunks > 1,
+            num_warps=max(1, min(4, block // 64)),
         )
-    return means, counts
+    if n_chunks == 1:
+        return out, counts
+    means = out.sum(1).div_(counts.reshape(k * c, 1).clamp_min(1).to(acc))
+    return means.reshape(means_shape), counts
 
 
 register_cuda("class_means", class_means_triton)

@@ -85,11 +85,37 @@ def test_out_of_range_labels_of_a_client_raise(bad):
 
 def test_segment_keys_group_each_clients_classes():
     labels = torch.tensor([[2, -3, 0, 2, 9], [1, 1, 3, 0, 2]], device=DEVICE)
-    keys, counts, outside = tcm.segment_keys(labels, 3)
-    assert outside == 3  # -3 and 9 of client 0, 3 of client 1
+    keys, counts = tcm.segment_keys(labels, 3)
     assert keys.tolist() == [3, 0, 1, 3, 4, 7, 7, 9, 6, 8]
     assert counts.tolist() == [1, 1, 0, 2, 1, 0, 1, 2, 1, 1]  # per client: below 0, classes 0, 1, 2, from 3 up
-    assert tcm.segment_keys(labels, 3, count_outside=False)[2] == 0  # no read, no sync
+    # -3 and 9 of client 0, 3 of client 1 outside; the largest class: client 0's 2, client 1's 1
+    assert tcm.segment_stats(counts, 2, 3) == (3, 2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64], ids=lambda r: f"{r}-rows")
+@pytest.mark.parametrize("clients", [None, 3], ids=["one-client", "clients"])
+def test_chunks_of_a_class_add_up_to_its_mean(rows, clients, monkeypatch):
+    """A class's rows split over several programs (chunks of ``rows``, the last one short,
+    classes with fewer rows than a chunk, an empty class): the partial sums added in chunk
+    order give the float64 means, and the same bits on every call."""
+    monkeypatch.setattr(tcm, "_CHUNK_ROWS", rows)
+    features, labels = make_inputs(23, 5, 4, clients, dtype=torch.float32, seed=7)
+    labels[..., :12] = 0  # class 0: 12 rows or more per client, several chunks of 1, 2 or 3
+    labels[labels == 3] = 2  # class 3 empty
+    first, _ = check(features, labels, 4, torch.float32)
+    again, _ = tcm.class_means_triton(features, labels, 4)
+    assert torch.equal(first, again)
+
+
+def test_chunking_caps_the_chunks_and_their_memory(monkeypatch):
+    assert tcm.chunking(0, 1, 1, 1, 4) == (tcm._CHUNK_ROWS, 1)
+    assert tcm.chunking(64, 1, 10, 256, 4) == (64, 1)
+    assert tcm.chunking(10_000, 1, 10, 256, 4) == (64, 157)  # 100,000 samples in 10 classes
+    rows, chunks = tcm.chunking(10**7, 1, 10, 256, 4)
+    assert chunks <= tcm._MAX_CHUNKS and rows * chunks >= 10**7
+    monkeypatch.setattr(tcm, "_MAX_PARTIAL_BYTES", 10 * 256 * 4 * 20)  # room for 20 chunks a class
+    rows, chunks = tcm.chunking(10_000, 1, 10, 256, 4)
+    assert chunks <= 20 and rows * chunks >= 10_000
 
 
 def test_num_classes_beyond_int64_raises():

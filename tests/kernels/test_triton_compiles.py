@@ -148,6 +148,7 @@ def _launches() -> dict:
                     ops.branch_aggregate(rand(4, 3, 50), torch.rand(4, 3, generator=g).to(dtype) + 0.1,
                                          torch.tensor([3, 1, 4, 2]), out=out)
                 ops.class_means(rand(40, 3), torch.randint(0, 5, (40,), generator=g), 5)  # C > D: the kernel
+                ops.class_means(rand(300, 3), torch.zeros(300, dtype=torch.int64), 5)  # a class in 5 chunks
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         for m, launch in saved:
