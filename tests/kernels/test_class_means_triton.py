@@ -99,6 +99,7 @@ def test_chunks_of_a_class_add_up_to_its_mean(rows, clients, monkeypatch):
     classes with fewer rows than a chunk, an empty class): the partial sums added in chunk
     order give the float64 means, and the same bits on every call."""
     monkeypatch.setattr(tcm, "_CHUNK_ROWS", rows)
+    monkeypatch.setattr(tcm, "_GEMM_DEVICES", ())  # the segment kernel on a GPU too (C <= D here)
     features, labels = make_inputs(23, 5, 4, clients, dtype=torch.float32, seed=7)
     labels[..., :12] = 0  # class 0: 12 rows or more per client, several chunks of 1, 2 or 3
     labels[labels == 3] = 2  # class 3 empty
@@ -167,3 +168,15 @@ def test_gpu_opcheck_gradcheck_and_determinism():
     a = torch.ops.pfl.class_means(big, big_labels, 7)[0]
     b = torch.ops.pfl.class_means(big, big_labels, 7)[0]
     assert torch.equal(a, b)
+
+
+@gpu_only
+@pytest.mark.parametrize("n, c", [(100_000, 10), (50_000, 100)])
+def test_gpu_segment_kernel_at_benchmark_shapes(n, c, monkeypatch):
+    """The chunked segment kernel at the benchmark's sizes (about 157 and 8 chunks of 64 rows a
+    class) against float64, and the same bits on a second call."""
+    monkeypatch.setattr(tcm, "_GEMM_DEVICES", ())
+    features, labels = make_inputs(n, 256, c, dtype=torch.float32, seed=9)
+    first, _ = check(features, labels, c, torch.float32)
+    again, _ = tcm.class_means_triton(features, labels, c)
+    assert torch.equal(first, again)
