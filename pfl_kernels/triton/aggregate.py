@@ -385,9 +385,16 @@ def _sparse_into(compact: Compact, params: torch.Tensor, out: torch.Tensor) -> N
 
 
 # The path each signature of (weights, params) took last: the next call of a signature that
-# took the GEMM or the sparse kernel launches it before the weights' stats are read.
+# took the GEMM, the sparse or the dense kernel launches it before the weights' stats are read.
 _LAST_PATH: dict = {}
 _LAST_PATH_ENTRIES = 1024
+
+
+def _path(k: int, m: int, nnz: int, dtype: torch.dtype) -> str:
+    """The path that serves [K, M] weights with ``nnz`` nonzeros: ``_PATH_OVERRIDE``, else
+    ``ops.aggregate.cuda_path`` (every choice of a path goes through here)."""
+    return _PATH_OVERRIDE or _ops.cuda_path(k, m, nnz, dtype, torch.backends.cuda.matmul.allow_tf32,
+                                            _SPARSE_DENSITY)
 
 
 def _remember(key, path: str) -> None:
@@ -427,7 +434,7 @@ def _speculative_gemm(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) 
     if bad:
         raise ValueError("weights must be finite (they hold NaN or Inf)")
     k, m = w.shape
-    if _ops.cuda_path(k, m, int(nnz), params.dtype, torch.backends.cuda.matmul.allow_tf32, _SPARSE_DENSITY) != "gemm":
+    if _path(k, m, int(nnz), params.dtype) != "gemm":
         return int(nnz)
     _gemm_finish(product, nnz == k * m, out)
     return None
@@ -486,8 +493,7 @@ def _weighted_average_into(weights: torch.Tensor, params: torch.Tensor, out: tor
     if m == 0:
         out.zero_()
         return
-    path = _PATH_OVERRIDE or _ops.cuda_path(k, m, nnz, params.dtype, torch.backends.cuda.matmul.allow_tf32,
-                                            _SPARSE_DENSITY)
+    path = _path(k, m, nnz, params.dtype)
     _remember(key, path)
     if path == guess and compact is not None and compact.flag is not None:
         return  # the speculative launch served
