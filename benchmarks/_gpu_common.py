@@ -94,6 +94,21 @@ class Runtime:
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
+    def time_patched(self, fn: Callable[[], object], check: Callable[[], object], module, **settings) -> float:
+        """``time(fn)`` with ``module``'s attributes set to ``settings`` (a kernel's other path or
+        block, timed beside the default; restored after), once ``fn``'s result under them has
+        passed ``check`` (which may call ``fn`` itself)."""
+        saved = {name: getattr(module, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(module, name, value)
+            fn()
+            check()
+            return self.time(fn)
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+
     def kernel_ms(self, fn: Callable[[], object], calls: int = KERNEL_CALLS) -> float:
         """The device's busy time per call of ``fn``, in ms: the summed durations of the kernels
         (and copies) ``calls`` back-to-back calls ran, from the profiler, divided by ``calls``.

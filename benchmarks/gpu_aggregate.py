@@ -28,7 +28,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
@@ -160,43 +160,21 @@ def bench_case(rt: common.Runtime, k: int, p: int, density: float, dtype: torch.
     nnz = int((w != 0).sum()) if density < 1 else None
     nbytes = op_bytes(k, p, elem, nnz)
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
-    dense_kernel_ms = time_dense_kernel(rt, fused, lambda: common.check(
+    from pfl_kernels.triton import aggregate as ta
+
+    # the 3xTF32 dense kernel on every call, whatever the density
+    dense_kernel_ms = rt.time_patched(fused, lambda: common.check(
         f"K={k} P={p} density={density}, the dense kernel", out[:, :cols],
-        ref.weighted_average(w.double(), params[:, :cols].double()), tol)) if dtype != torch.float64 else None
-    blocked_ms = time_blocked(rt, fused, lambda: common.check(
+        ref.weighted_average(w.double(), params[:, :cols].double()), tol), ta, _PATH_OVERRIDE="dense") \
+        if dtype != torch.float64 else None
+    # the sparse kernel gathering ALT_BLOCK_E kept rows per step
+    blocked_ms = rt.time_patched(fused, lambda: common.check(
         f"K={k} P={p} density={density}, {ALT_BLOCK_E} rows per step", out[:, :cols],
-        ref.weighted_average(w.double(), params[:, :cols].double()), tol)) if density < 1 else None
+        ref.weighted_average(w.double(), params[:, :cols].double()), tol), ta, _SPARSE_BLOCK_E=ALT_BLOCK_E) \
+        if density < 1 else None
     del params, out
     rt.empty_cache()
     return rt.annotate(Row(k, p, density, nbytes, fused_ms, eager_ms, copy_ms, err, blocked_ms, dense_kernel_ms))
-
-
-def time_blocked(rt: common.Runtime, fused: Callable[[], object], check: Callable[[], object]) -> float:
-    """Median ms of ``fused`` with the sparse kernel gathering ``ALT_BLOCK_E`` kept rows per
-    step, after ``check`` of its result."""
-    from pfl_kernels.triton import aggregate as ta
-
-    saved, ta._SPARSE_BLOCK_E = ta._SPARSE_BLOCK_E, ALT_BLOCK_E
-    try:
-        fused()
-        check()
-        return rt.time(fused)
-    finally:
-        ta._SPARSE_BLOCK_E = saved
-
-
-def time_dense_kernel(rt: common.Runtime, fused: Callable[[], object], check: Callable[[], object]) -> float:
-    """Median ms of ``fused`` with every call on the 3xTF32 dense kernel, after ``check`` of
-    its result."""
-    from pfl_kernels.triton import aggregate as ta
-
-    saved, ta._PATH_OVERRIDE = ta._PATH_OVERRIDE, "dense"
-    try:
-        fused()
-        check()
-        return rt.time(fused)
-    finally:
-        ta._PATH_OVERRIDE = saved
 
 
 def measure(rt: common.Runtime, args) -> list[Row]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
@@ -151,22 +151,12 @@ def bench_class_means(rt: common.Runtime, n: int, d: int, c: int, dtype: torch.d
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = op_bytes("class_means", (n, d, c), elem)
     fused_ms, eager_ms, copy_ms = rt.time_against_copy(fused, eager, nbytes)
-    segment_ms = time_segment_kernel(rt, fused, lambda: common.check(
-        f"class_means N={n} D={d} C={c}, the segment kernel", fused()[0], want_means, 1e-5))
-    return rt.annotate(Row("class_means", [n, d, c], nbytes, fused_ms, eager_ms, copy_ms, err, segment_ms))
-
-
-def time_segment_kernel(rt: common.Runtime, fused: Callable[[], object], check: Callable[[], object]) -> float:
-    """Median ms of ``fused`` with class_means on the segment kernel (the one-hot GEMM off),
-    after ``check`` of its result."""
     from pfl_kernels.triton import class_means as tc
 
-    saved, tc._GEMM_DEVICES = tc._GEMM_DEVICES, ()
-    try:
-        check()
-        return rt.time(fused)
-    finally:
-        tc._GEMM_DEVICES = saved
+    # the segment kernel, the one-hot GEMM off
+    segment_ms = rt.time_patched(fused, lambda: common.check(
+        f"class_means N={n} D={d} C={c}, the segment kernel", fused()[0], want_means, 1e-5), tc, _GEMM_DEVICES=())
+    return rt.annotate(Row("class_means", [n, d, c], nbytes, fused_ms, eager_ms, copy_ms, err, segment_ms))
 
 
 def measure(rt: common.Runtime, args) -> list[Row]:
