@@ -16,12 +16,13 @@ GPU, sets the pace) it
 2. times ``calls`` calls back to back, ``repeats`` times: the host time per call
    (``time.perf_counter`` around the calls, no sync inside) and the device time per call
    (CUDA events around the same calls, one sync after), medians over the repeats; for the
-   public op and for the bare launches (all of a call's launches, in order);
+   public op with its kernels launched through Triton's launcher (``PFL_KERNELS_DIRECT_LAUNCH=0``),
+   and for the bare launches (all of a call's launches, in order);
 3. reports the difference of host times, public − bare, against the target: within
    ``TARGET_US`` = 25 µs (issue 30);
-4. times the public op again with direct launches on (``pfl_kernels/triton/_direct.py``: the
-   compiled kernel launched without Triton's per-call binding; off by default until a GPU run
-   has checked it), after checking its result again.
+4. times the public op again with direct launches (``pfl_kernels/triton/_direct.py``: the
+   compiled kernel launched without Triton's per-call binding; the default), after checking
+   its result again.  Its difference from the bare launch is the one the target is read on.
 
 The backward ops appear twice: called as ops (``torch.ops.pfl.factorized_weight_backward``,
 ``via`` "op"), and through ``torch.autograd.grad`` (``via`` "autograd"), whose time includes
@@ -401,9 +402,10 @@ def measure_case(case: Case, cuda: bool, calls: int, repeats: int) -> Row:
         bare, path = replay, f"triton ({counted})"
     else:
         raise AssertionError(f"{name}: no Triton launch recorded and no library call to compare with")
-    public_host, public_dev = per_call_us(case.public, calls, repeats, cuda)
+    with direct_launches(False):
+        public_host, public_dev = per_call_us(case.public, calls, repeats, cuda)
     bare_host, bare_dev = per_call_us(bare, calls, repeats, cuda)
-    with direct_launches():
+    with direct_launches(True):
         if case.rerun_gives_expected:
             case.public()  # a signature's first call goes through Triton and keeps the compiled kernel
             got = _as_tuple(case.got(case.public()))  # the second is launched directly: checked
@@ -414,12 +416,12 @@ def measure_case(case: Case, cuda: bool, calls: int, repeats: int) -> Row:
 
 
 @contextlib.contextmanager
-def direct_launches() -> Iterator[None]:
-    """Within the block, the ops launch their compiled kernels directly (``pfl_kernels.triton._direct``,
-    off by default until a GPU run has checked it)."""
+def direct_launches(on: bool) -> Iterator[None]:
+    """Within the block, the ops launch their compiled kernels directly (``on``, the default:
+    ``pfl_kernels.triton._direct``) or through Triton's launcher (``PFL_KERNELS_DIRECT_LAUNCH=0``)."""
     from pfl_kernels.triton import _direct
     saved = _direct.ENABLED
-    _direct.ENABLED = True
+    _direct.ENABLED = on
     try:
         yield
     finally:

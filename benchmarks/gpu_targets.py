@@ -403,7 +403,7 @@ def device_slugs(results: Path, given: Optional[str]) -> list[str]:
 
 def launch_modes(data: dict) -> str:
     """Which suites' ops launched their Triton kernels directly (``machine.direct_launch``, the
-    path ``PFL_KERNELS_DIRECT_LAUNCH=1`` turns on, off by default) and which did not: a suite
+    path that is the default and ``PFL_KERNELS_DIRECT_LAUNCH=0`` turns off) and which did not: a suite
     run before it was recorded is left out; empty where no suite says.  ``launch`` times both
     paths itself.  Where the suites counted their launches (``machine.direct_launches``), the
     sums say whether the switch took effect: launches made directly, and through Triton (each

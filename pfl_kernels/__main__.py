@@ -53,8 +53,8 @@ def direct_launch_state() -> str:
     if _direct.REASON is not None:
         return f"through Triton's launcher ({_direct.REASON})"
     if _direct.ENABLED:
-        return "direct (the compiled kernel, bound once per signature; PFL_KERNELS_DIRECT_LAUNCH=1)"
-    return "through Triton's launcher (PFL_KERNELS_DIRECT_LAUNCH=1: directly, once a GPU run has checked it)"
+        return "direct (the compiled kernel, bound once per signature; PFL_KERNELS_DIRECT_LAUNCH=0: off)"
+    return "through Triton's launcher (PFL_KERNELS_DIRECT_LAUNCH=0; unset it to launch directly)"
 
 
 def dispatch_bypass_state() -> str:

@@ -24,12 +24,14 @@
 # whole GPU test stage runs last, on what the measurements left (twice on the H200 it ran
 # first, ran out of its share and took no figure with it).  The 10 tests that failed there are
 # among its tests: gpu_targets.py reads their verdict from its summary (they had a stage of
-# their own, which passed on an H100 and cost 27 s of the 6 minutes).  The test stage runs with direct
-# launches on (PFL_KERNELS_DIRECT_LAUNCH=1), and so do the kernel benchmarks and the executor jobs once
-# gpu_launch (which times both paths itself, third) has checked every op's direct launches
-# against float64 on this GPU: the tests check the path the benchmarks time, the ResNet-9
-# target is against a sequential path that launches directly, and a direct launch that fails
-# here costs no figure.  Each suite's JSON records its mode (machine.direct_launch).  Its log and the
+# their own, which passed on an H100 and cost 27 s of the 6 minutes).  The test stage runs
+# with direct launches on (PFL_KERNELS_DIRECT_LAUNCH=1, the default), and so do the kernel
+# benchmarks and the executor jobs once gpu_launch (which times both paths itself, third) has
+# checked every op's direct launches against float64 on this GPU: the tests check the path
+# the benchmarks time, the ResNet-9 target is against a sequential path that launches
+# directly, and a direct launch that fails here costs no figure (the benchmarks then run with
+# PFL_KERNELS_DIRECT_LAUNCH=0).  Each suite's JSON records its mode (machine.direct_launch).
+# Its log and the
 # JSON of the 7 benchmark suites it ran (8 files) go to $OUT where it is set; the JSON also
 # stays in benchmarks/results/ under the device's name.  Then benchmarks/gpu_targets.py prints
 # issue 30's targets, each met or not, from this run's JSON; the closing lines list each
@@ -241,6 +243,7 @@ if [ "$stage" = quick ]; then
   if [ "$last_status" -eq 0 ]; then
     export PFL_KERNELS_DIRECT_LAUNCH=1
   else
+    export PFL_KERNELS_DIRECT_LAUNCH=0  # the default is direct: Triton's own launcher instead
     echo "== direct launches stay off for the benchmarks: gpu_launch did not pass" | tee -a "$log"
   fi
   for script in "${KERNEL_BENCHMARKS[@]}"; do

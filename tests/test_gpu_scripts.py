@@ -157,8 +157,8 @@ def test_quick_runs_every_stage_in_order(tmp_path):
     assert "tests/kernels/test_aggregate_triton.py" in tests[0] and "tests/kernels/test_aggregate.py" not in tests[0]
     assert "tests/kernels/test_out_aliasing_triton.py" in tests[0]
     # the tests and, once gpu_launch (which times both paths itself) has passed, the benchmarks
-    # run with direct launches on (off by default until they have passed on a GPU), so the
-    # tests check the path that is timed
+    # run with direct launches on (the default, set explicitly), so the tests check the path
+    # that is timed
     assert tests[0].endswith("| DIRECT=1") and "tests/kernels/test_direct_launch.py" in tests[0]
     by_script = {c.split()[0]: c for c in calls if c.startswith("benchmarks/")}
     assert all(by_script[f"benchmarks/{s}.py"].endswith("| DIRECT=1") for s in [*KERNEL_BENCHMARKS, "gpu_executor"])
@@ -256,7 +256,7 @@ def test_the_benchmarks_launch_directly_only_after_gpu_launch_passed(tmp_path):
     proc, calls, out = run_check(tmp_path, "quick", FAKE_FAIL="gpu_launch.py", PFL_KERNELS_DIRECT_LAUNCH="1")
     assert proc.returncode == 1
     by_script = {c.split()[0]: c for c in calls if c.startswith("benchmarks/")}
-    assert all(by_script[f"benchmarks/{s}.py"].endswith("| DIRECT=") for s in [*KERNEL_BENCHMARKS, "gpu_executor"])
+    assert all(by_script[f"benchmarks/{s}.py"].endswith("| DIRECT=0") for s in [*KERNEL_BENCHMARKS, "gpu_executor"])
     assert [c for c in calls if c.startswith("-m pytest")][-1].endswith("| DIRECT=1")
     log = (out / "gpu_check_quick.log").read_text()
     assert "direct launches stay off for the benchmarks: gpu_launch did not pass" in log

@@ -336,3 +336,18 @@ def test_plans_strides_are_the_launched_views(monkeypatch):
                                              output_mask=[True] * 4)
         (g, *_), scalars = seen[0]
         assert tuple(scalars[5:9]) == g.stride()
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("", True), ("0", False), (" 0 ", False)])
+def test_direct_launches_are_the_default_and_zero_turns_them_off(value, enabled):
+    """Direct launches are on unless PFL_KERNELS_DIRECT_LAUNCH is 0 (read once, at import)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PFL_KERNELS_DIRECT_LAUNCH"}
+    if value is not None:
+        env["PFL_KERNELS_DIRECT_LAUNCH"] = value
+    out = subprocess.run([sys.executable, "-c", "from pfl_kernels.triton import _direct; print(_direct.ENABLED)"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(enabled)
