@@ -68,7 +68,10 @@ from pfl_kernels.nn import factorize  # noqa: E402
 
 FULL = {"clients": 20, "lenet_samples": 500, "resnet_samples": 512, "rounds": 3, "accuracy_rounds": 20,
         "table1": dict(clients=20, rounds=50, local_epochs=5, samples_per_client=3000)}
-DRY = {"clients": 3, "lenet_samples": 40, "resnet_samples": 16, "rounds": 1, "accuracy_rounds": 1,
+# The dry run checks the script, not speeds: 16x16 images, a quarter of CIFAR's compute (on an
+# AVX2-only CPU, without bf16 instructions, a bf16 ResNet-9 round of 32x32 images took 25-40 s
+# and the whole dry run 461 s of the CI's main phase).
+DRY = {"clients": 3, "lenet_samples": 40, "resnet_samples": 16, "rounds": 1, "accuracy_rounds": 1, "image": 16,
        "table1": dict(clients=3, rounds=1, local_epochs=1, samples_per_client=16)}
 
 
@@ -78,18 +81,20 @@ def synchronize(device: str) -> None:
 
 
 def federation(model_name: str, *, factorized: bool, clients: int, samples: int, batch: int, executor: str,
-               device: str, autocast: Optional[str] = None, cuda_graphs: bool = True, batched_conv: str = "grouped"):
-    """A FedAvg federation of random CIFAR-shaped shards on ``device``, the same for every executor."""
+               device: str, autocast: Optional[str] = None, cuda_graphs: bool = True, batched_conv: str = "grouped",
+               image: int = 32):
+    """A FedAvg federation of random CIFAR-shaped shards (3 x ``image`` x ``image``) on ``device``,
+    the same for every executor."""
     gen = torch.Generator().manual_seed(0)
     # Each class a fixed random image under noise of the same size: learnable (LeNet-5, batched:
     # 18% train accuracy after 5 rounds, 86% after 20, on a CPU), so that the accuracy effect of
     # bf16 says something (random labels left both at chance on the H200); a round's speed does
     # not depend on the data.
     labels = torch.randint(0, 10, (clients * samples,), generator=gen)
-    templates = torch.randn(10, 3, 32, 32, generator=gen)
-    inputs = torch.randn(clients * samples, 3, 32, 32, generator=gen) + 1.0 * templates[labels]
+    templates = torch.randn(10, 3, image, image, generator=gen)
+    inputs = torch.randn(clients * samples, 3, image, image, generator=gen) + 1.0 * templates[labels]
     torch.manual_seed(0)
-    model = build_model(model_name, input_shape=(3, 32, 32), num_classes=10)
+    model = build_model(model_name, input_shape=(3, image, image), num_classes=10)
     if factorized:
         model = factorize(model)
     empty = torch.empty(0, dtype=torch.int64)
@@ -193,7 +198,8 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
                                         samples=clients * samples if one else samples,
                                         batch=clients * batch if one else batch,
                                         executor="sequential" if one else executor, device=device,
-                                        autocast=autocast, cuda_graphs=graphs, batched_conv=conv)
+                                        autocast=autocast, cuda_graphs=graphs, batched_conv=conv,
+                                        image=sizes.get("image", 32))
             # Two warm-up rounds where steps are captured (a short last batch's is captured in
             # its second round), one where nothing is.
             seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
@@ -242,7 +248,7 @@ def profile_round(sizes: dict, device: str, top: int = 18, *, model: str = "lene
 
     fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"],
                                 samples=samples or sizes["lenet_samples"], batch=batch, executor=executor, device=device,
-                                autocast=autocast)
+                                autocast=autocast, image=sizes.get("image", 32))
     time_rounds(fed, algorithm, 1, device, warm=2)
     out = io.StringIO()
     if host:
@@ -273,7 +279,7 @@ def accuracy_effect(sizes: dict, device: str) -> dict:
     for autocast in (None, "bf16"):
         fed, algorithm = federation("lenet5", factorized=False, clients=sizes["clients"],
                                     samples=sizes["lenet_samples"], batch=64, executor="batched", device=device,
-                                    autocast=autocast)
+                                    autocast=autocast, image=sizes.get("image", 32))
         for round_ in range(sizes["accuracy_rounds"]):
             run_round(fed, algorithm, round_)
         result["bf16" if autocast else "float32"] = train_accuracy(fed)
