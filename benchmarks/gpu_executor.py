@@ -66,7 +66,7 @@ from pfl_algorithms.engine.rounds import federation_for, run_round  # noqa: E402
 from pfl_algorithms.models import build_model  # noqa: E402
 from pfl_kernels.nn import factorize  # noqa: E402
 
-FULL = {"clients": 20, "lenet_samples": 500, "resnet_samples": 512, "rounds": 3, "accuracy_rounds": 20,
+FULL = {"clients": 20, "lenet_samples": 500, "resnet_samples": 512, "rounds": 3, "accuracy_rounds": 20, "image": 32,
         "table1": dict(clients=20, rounds=50, local_epochs=5, samples_per_client=3000)}
 # The dry run checks the script, not speeds: 16x16 images, a quarter of CIFAR's compute (on an
 # AVX2-only CPU, without bf16 instructions, a bf16 ResNet-9 round of 32x32 images took 25-40 s
@@ -199,7 +199,7 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
                                         batch=clients * batch if one else batch,
                                         executor="sequential" if one else executor, device=device,
                                         autocast=autocast, cuda_graphs=graphs, batched_conv=conv,
-                                        image=sizes.get("image", 32))
+                                        image=sizes["image"])
             # Two warm-up rounds where steps are captured (a short last batch's is captured in
             # its second round), one where nothing is.
             seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
@@ -248,7 +248,7 @@ def profile_round(sizes: dict, device: str, top: int = 18, *, model: str = "lene
 
     fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"],
                                 samples=samples or sizes["lenet_samples"], batch=batch, executor=executor, device=device,
-                                autocast=autocast, image=sizes.get("image", 32))
+                                autocast=autocast, image=sizes["image"])
     time_rounds(fed, algorithm, 1, device, warm=2)
     out = io.StringIO()
     if host:
@@ -279,7 +279,7 @@ def accuracy_effect(sizes: dict, device: str) -> dict:
     for autocast in (None, "bf16"):
         fed, algorithm = federation("lenet5", factorized=False, clients=sizes["clients"],
                                     samples=sizes["lenet_samples"], batch=64, executor="batched", device=device,
-                                    autocast=autocast, image=sizes.get("image", 32))
+                                    autocast=autocast, image=sizes["image"])
         for round_ in range(sizes["accuracy_rounds"]):
             run_round(fed, algorithm, round_)
         result["bf16" if autocast else "float32"] = train_accuracy(fed)

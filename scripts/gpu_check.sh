@@ -31,8 +31,7 @@
 # the benchmarks time, the ResNet-9 target is against a sequential path that launches
 # directly, and a direct launch that fails here costs no figure (the benchmarks then run with
 # PFL_KERNELS_DIRECT_LAUNCH=0).  Each suite's JSON records its mode (machine.direct_launch).
-# Its log and the
-# JSON of the 7 benchmark suites it ran (8 files) go to $OUT where it is set; the JSON also
+# Its log and the JSON of the 7 benchmark suites it ran (8 files) go to $OUT where it is set; the JSON also
 # stays in benchmarks/results/ under the device's name.  Then benchmarks/gpu_targets.py prints
 # issue 30's targets, each met or not, from this run's JSON; the closing lines list each
 # stage's status and time.
