@@ -37,7 +37,7 @@ against the sequential executor as it runs by default, and the rows show what ca
 
 Rows go to ``benchmarks/results/executor_gpu_<device>.json``, written after every job (its
 ``complete`` is false until the last one ends).  ``--dry-run`` runs every job on
-the CPU at tiny sizes (3 clients, 1 round, small batches; its timings mean nothing) and writes
+the CPU at tiny sizes (3 clients, 1 round and no warm-up, small batches; its timings mean nothing) and writes
 to a temporary folder: ``tests/algorithms/engine/test_gpu_executor_script.py`` runs it in CI.
 """
 from __future__ import annotations
@@ -67,12 +67,14 @@ from pfl_algorithms.models import build_model  # noqa: E402
 from pfl_kernels.nn import factorize  # noqa: E402
 
 FULL = {"clients": 20, "lenet_samples": 500, "resnet_samples": 512, "rounds": 3, "accuracy_rounds": 20, "image": 32,
-        "table1": dict(clients=20, rounds=50, local_epochs=5, samples_per_client=3000)}
+        "warm_up": True, "table1": dict(clients=20, rounds=50, local_epochs=5, samples_per_client=3000)}
 # The dry run checks the script, not speeds: 16x16 images, a quarter of CIFAR's compute (on an
 # AVX2-only CPU, without bf16 instructions, a bf16 ResNet-9 round of 32x32 images took 25-40 s
-# and the whole dry run 461 s of the CI's main phase).
+# and the whole dry run 461 s of the CI's main phase), and no warm-up rounds: they run the same
+# code as the timed round, and a CPU captures nothing (the dry-run test: 123 s with them, 48 s
+# without, alone on that CPU).
 DRY = {"clients": 3, "lenet_samples": 40, "resnet_samples": 16, "rounds": 1, "accuracy_rounds": 1, "image": 16,
-       "table1": dict(clients=3, rounds=1, local_epochs=1, samples_per_client=16)}
+       "warm_up": False, "table1": dict(clients=3, rounds=1, local_epochs=1, samples_per_client=16)}
 
 
 def synchronize(device: str) -> None:
@@ -202,7 +204,8 @@ def speed_job(name: str, model: str, factorized: bool, samples: int, batch: int,
                                         image=sizes["image"])
             # Two warm-up rounds where steps are captured (a short last batch's is captured in
             # its second round), one where nothing is.
-            seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=2 if graphs else 1)
+            warm = (2 if graphs else 1) if sizes["warm_up"] else 0
+            seconds[key] = time_rounds(fed, algorithm, sizes["rounds"], device, warm=warm)
             rows.append({"job": name, "executor": key, "round_s": seconds[key],
                          "samples_per_s": clients * samples / seconds[key],
                          "batch": clients * batch if one else batch, "steps": dict(fed.step_graphs.counts)})
@@ -249,7 +252,8 @@ def profile_round(sizes: dict, device: str, top: int = 18, *, model: str = "lene
     fed, algorithm = federation(model, factorized=factorized, clients=sizes["clients"],
                                 samples=samples or sizes["lenet_samples"], batch=batch, executor=executor, device=device,
                                 autocast=autocast, image=sizes["image"])
-    time_rounds(fed, algorithm, 1, device, warm=2)
+    if sizes["warm_up"]:
+        time_rounds(fed, algorithm, 1, device, warm=2)  # rounds 0-2: every step captured by round 3
     out = io.StringIO()
     if host:
         profiler = cProfile.Profile()
