@@ -45,7 +45,15 @@ from typing import Callable, Optional
 
 import torch
 
-ENABLED = os.environ.get("PFL_KERNELS_DIRECT_LAUNCH", "1").strip() != "0"  # "0": Triton's own launcher
+
+
+def enabled_by(value: Optional[str]) -> bool:
+    """Whether ``PFL_KERNELS_DIRECT_LAUNCH=value`` (``None``: unset) leaves direct launches on:
+    every value but "0" (spaces aside) does; "0" takes Triton's own launcher."""
+    return (value or "").strip() != "0"
+
+
+ENABLED = enabled_by(os.environ.get("PFL_KERNELS_DIRECT_LAUNCH"))  # read once, at import
 
 _MAX_SIGNATURES = 256  # per kernel; a full cache is cleared (a run's shapes repeat)
 # Launches while switched on: [launched directly, through Triton (a signature's first call, or

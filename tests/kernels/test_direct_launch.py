@@ -340,7 +340,14 @@ def test_plans_strides_are_the_launched_views(monkeypatch):
 
 @pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("", True), ("0", False), (" 0 ", False)])
 def test_direct_launches_are_the_default_and_zero_turns_them_off(value, enabled):
-    """Direct launches are on unless PFL_KERNELS_DIRECT_LAUNCH is 0 (read once, at import)."""
+    """Direct launches are on unless PFL_KERNELS_DIRECT_LAUNCH is 0."""
+    assert _direct.enabled_by(value) is enabled
+
+
+@pytest.mark.parametrize("value, enabled", [(None, True), (" 0 ", False)])
+def test_the_variable_is_read_at_import(value, enabled):
+    """``ENABLED`` is the variable's value when the package is first imported (a fresh process
+    for each: the start of one is seconds on 2 cores, so the values are checked above)."""
     import subprocess
     import sys
 
