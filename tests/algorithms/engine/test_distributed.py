@@ -22,19 +22,17 @@ from pfl_algorithms.engine.executors import CHOICES, choose_executor
 from pfl_algorithms.runner import run
 from tests.algorithms.state_checks import assert_same
 
-pytestmark = pytest.mark.heavy(seconds=90)  # scheduled first under xdist (tests/conftest.py)
-
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with the gloo backend is not available in this torch build")
+pytestmark = [pytest.mark.heavy(seconds=110),  # scheduled first under xdist (tests/conftest.py)
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                                 reason="torch.distributed with the gloo backend is not available in this torch build")]
 
 TIMEOUT = 300
 ARGS = ["--dataset", "digits", "--clients", "5", "--rounds", "3", "--quiet"]
-CASES = {
-    "fedavg": ["fedavg"],
-    "factorized-fl-beta": ["factorized-fl-beta"],
-    "pfedme": ["pfedme", "--set", "inner_steps=2"],  # extra client state: the personal models
-    "fedrep-keep": ["fedrep", "--set", "optimizer_state=keep", "--set", "head_epochs=1"],  # kept optimizer state
-}
+# The command-line runs take one algorithm, the one with the most client state (kept optimizer
+# state, fedrep's head epochs): every algorithm's two-process run is compared with its sequential
+# run, state included, by test_every_algorithm_on_two_processes_equals_sequential, and fedavg's
+# through the command line by test_a_killed_torchrun_job_resumes.
+FEDREP_KEEP = ["fedrep", "--set", "optimizer_state=keep", "--set", "head_epochs=1"]
 
 
 def pfl(*args) -> list[str]:
@@ -86,9 +84,8 @@ def assert_same_run(a, b) -> None:
     assert_same(x["algorithm"], y["algorithm"])
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_two_processes_equal_sequential_bitwise(tmp_path, case):
-    args = [*CASES[case], *ARGS]
+def test_two_processes_equal_sequential_bitwise(tmp_path):
+    args = [*FEDREP_KEEP, *ARGS]
     sequential, distributed = tmp_path / "sequential", tmp_path / "distributed"
     # Side by side: the numbers do not depend on it (one intra-op thread per task).
     reference = start(pfl(*args, "--executor", "sequential", "--out", str(sequential)))
@@ -116,7 +113,7 @@ def test_a_two_process_checkpoint_resumes_on_one(tmp_path):
     # fedrep with kept optimizer state: the checkpoint must hold rank 1's clients' rows and
     # optimizer state, which only rank 1 computed.  The resume is a plain ``pfl run --resume``
     # of the saved config (executor 'distributed'): without torchrun, a world of one process.
-    args = [*CASES["fedrep-keep"], "--dataset", "digits", "--clients", "5", "--rounds", "4", "--quiet",
+    args = [*FEDREP_KEEP, "--dataset", "digits", "--clients", "5", "--rounds", "4", "--quiet",
             "--set", "checkpoint_every=1"]
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     script = tmp_path / "stop_after_2.py"
