@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.heavy(seconds=25)  # scheduled first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.heavy(seconds=15)  # scheduled first under xdist (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -10,6 +10,8 @@ import pytest
 
 from benchmarks import round_traffic
 
+pytestmark = pytest.mark.heavy(seconds=60)  # scheduled first under xdist (tests/conftest.py)
+
 
 @pytest.mark.parametrize("autocast", [None, "bf16"])
 def test_a_batched_round_moves_about_the_sequential_rounds_bytes(autocast):

@@ -17,7 +17,7 @@ from pfl_algorithms.reproduce.campaign import plan, slug
 from pfl_algorithms.reproduce.papers import Claim, Method, Paper, Setting
 from tests.algorithms.fake_files import write_cifar
 
-pytestmark = pytest.mark.heavy(seconds=35)  # scheduled first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.heavy(seconds=60)  # scheduled first under xdist (tests/conftest.py)
 
 TINY_BASE = dict(dataset="digits", model="mlp", clients=4, rounds=2, local_epochs=1, batch_size=16, lr=0.05,
                  workers=1)

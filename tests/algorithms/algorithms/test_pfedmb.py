@@ -17,7 +17,7 @@ from tests.algorithms.test_kill_resume import assert_resume_bitwise
 
 from .federation_cases import make_federation
 
-pytestmark = pytest.mark.heavy(seconds=20)  # scheduled first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.heavy(seconds=25)  # scheduled first under xdist (tests/conftest.py)
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 B = 3

@@ -10,7 +10,7 @@ pytest.importorskip("ray")
 
 from benchmarks import flower_anchor  # noqa: E402
 
-pytestmark = pytest.mark.heavy(seconds=40)  # scheduled first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.heavy(seconds=115)  # scheduled first under xdist (tests/conftest.py)
 
 
 def test_quickstart_partitions_are_pfl_partitions():

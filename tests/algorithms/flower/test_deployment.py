@@ -33,7 +33,7 @@ from pfl_algorithms.flower.strategy import NO_REPLY  # noqa: E402
 
 from .common import native_metrics, small_config  # noqa: E402
 
-pytestmark = pytest.mark.heavy(seconds=100)  # scheduled first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.heavy(seconds=155)  # scheduled first under xdist (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[3]
 CLIENTS, KILLED = 3, 2

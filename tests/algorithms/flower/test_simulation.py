@@ -14,7 +14,7 @@ from pfl_algorithms.flower.strategy import NO_REPLY  # noqa: E402
 
 from .common import assert_same_run, native_metrics, simulate, small_config  # noqa: E402
 
-pytestmark = pytest.mark.heavy(seconds=70)  # scheduled first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.heavy(seconds=120)  # scheduled first under xdist (tests/conftest.py)
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "factorized-fl-beta"])
