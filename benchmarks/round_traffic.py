@@ -1,7 +1,7 @@
 """Bytes one training round moves through eager ATen ops, per executor (on a CPU).
 
     python benchmarks/round_traffic.py [--model resnet9 --factorized --clients 2 --samples 128
-                                        --batch 128 --autocast bf16 --top 8]
+                                        --batch 128 --image 32 --autocast bf16 --top 8]
 
 Builds ``gpu_executor.federation`` (FedAvg on CIFAR-shaped synthetic shards), runs one round to
 warm it up, then counts the next round with ``step_roofline.TrafficCounter`` (each ATen op's
@@ -26,13 +26,14 @@ from benchmarks.step_roofline import TrafficCounter  # noqa: E402
 
 
 def round_traffic(model: str, *, factorized: bool, clients: int, samples: int, batch: int, executor: str,
-                  autocast=None) -> TrafficCounter:
-    """The counter of one round (the second) of ``executor`` on the given federation."""
+                  autocast=None, image: int = 32) -> TrafficCounter:
+    """The counter of one round (the second) of ``executor`` on the given federation (images of
+    3 x ``image`` x ``image``)."""
     from benchmarks.gpu_executor import federation
     from pfl_algorithms.engine.rounds import run_round
 
     fed, algorithm = federation(model, factorized=factorized, clients=clients, samples=samples, batch=batch,
-                                executor=executor, device="cpu", autocast=autocast)
+                                executor=executor, device="cpu", autocast=autocast, image=image)
     fed.step_graphs.static = True  # the static steps a GPU captures, run uncaptured
     try:
         run_round(fed, algorithm, 0)
@@ -51,12 +52,13 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--samples", type=int, default=128, help="per client")
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--image", type=int, default=32, help="the images' side, in pixels")
     parser.add_argument("--autocast", choices=("bf16",), default=None)
     parser.add_argument("--top", type=int, default=0, help="also list the ops that move the most")
     args = parser.parse_args(argv)
     for executor in ("sequential", "batched"):
         traffic = round_traffic(args.model, factorized=args.factorized, clients=args.clients, samples=args.samples,
-                                batch=args.batch, executor=executor, autocast=args.autocast)
+                                batch=args.batch, executor=executor, autocast=args.autocast, image=args.image)
         per_sample = traffic.total / (args.clients * args.samples)
         print(f"{executor:<10} {traffic.total / 1e9:7.2f} GB a round, {per_sample / 1e6:6.2f} MB a sample")
         for op, moved in traffic.by_op.most_common(args.top):
