@@ -36,9 +36,10 @@ those first.  Every executor runs as a user gets it, its plain steps replayed as
 against the sequential executor as it runs by default, and the rows show what capture gives.
 
 Rows go to ``benchmarks/results/executor_gpu_<device>.json``, written after every job (its
-``complete`` is false until the last one ends).  ``--dry-run`` runs every job on
-the CPU at tiny sizes (3 clients, 1 round and no warm-up, small batches; its timings mean nothing) and writes
-to a temporary folder: ``tests/algorithms/engine/test_gpu_executor_script.py`` runs it in CI.
+``complete`` is false until the last one ends).  ``--dry-run`` runs every job on the CPU at
+tiny sizes (3 clients, 1 round and no warm-up, small batches; its timings mean nothing) and
+writes to a temporary folder: ``tests/algorithms/engine/test_gpu_executor_script.py`` runs it
+in CI.
 """
 from __future__ import annotations
 
