@@ -46,7 +46,6 @@ from typing import Callable, Optional
 import torch
 
 
-
 def enabled_by(value: Optional[str]) -> bool:
     """Whether ``PFL_KERNELS_DIRECT_LAUNCH=value`` (``None``: unset) leaves direct launches on:
     every value but "0" (spaces aside) does; "0" takes Triton's own launcher."""
