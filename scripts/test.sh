@@ -66,15 +66,18 @@ PASSED=0; SKIPPED=0; BAD=0
 phase info "$PY" -m pfl_kernels
 phase main "${PYTEST[@]}" tests -m "not slow" "$@"
 phase slow "${PYTEST[@]}" tests -m slow "$@"
-# The fallback without the extension (reference kernels, autograd registered from Python).
-phase no-extension env PFL_KERNELS_DISABLE_EXTENSION=1 "${PYTEST[@]}" tests/kernels tests/nn -m "not slow" "$@"
+# The fallback without the extension (reference kernels, autograd registered from Python).  Here
+# and in the floor phase gradcheck projects each Jacobian (PFL_TEST_GRADCHECK=fast,
+# tests/kernels/autograd_checks.py); the main phase checks every entry.
+phase no-extension env PFL_KERNELS_DISABLE_EXTENSION=1 PFL_TEST_GRADCHECK=fast \
+  "${PYTEST[@]}" tests/kernels tests/nn -m "not slow" "$@"
 # Triton kernels on the CPU: TRITON_INTERPRET must be set before triton is imported.
 phase triton env TRITON_INTERPRET=1 "${PYTEST[@]}" tests -m triton_interpret "$@"
 # Benchmarks are never timed in CI; run each benchmarked function once, at the quick-mode
 # shapes (the server-side suites' full shapes take gigabytes), so they stay working.
 phase benchmarks env PFL_BENCH_QUICK=1 "${PYTEST[@]}" benchmarks/bench_*.py --benchmark-disable "$@"
 if [ -f scripts/test_floor.sh ]; then
-  phase floor bash scripts/test_floor.sh "$@"
+  phase floor env PFL_TEST_GRADCHECK=fast bash scripts/test_floor.sh "$@"
 fi
 
 echo; echo "=== summary"
