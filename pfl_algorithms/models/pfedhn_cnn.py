@@ -20,12 +20,13 @@ from .base import Activation, BodyHeadModel, check_num_classes, image_shape, mak
 
 
 class PFedHNCNN(BodyHeadModel):
-    """pFedHN's CNNTarget with an 84-d embedding; needs inputs of at least 12x12."""
+    """pFedHN's CNNTarget with an 84-d embedding; needs inputs of at least 16x16."""
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, *, n_kernels: PositiveInt = 16,
                  embedding_activation: Activation = "relu"):
-        channels, height, width = image_shape("pfedhn-cnn", input_shape, 12)
-        # Each stage: valid 5x5 conv (-4), then 2x2 max pool (floor halving).
+        channels, height, width = image_shape("pfedhn-cnn", input_shape, 16)
+        # Each stage: valid 5x5 conv (-4), then 2x2 max pool (floor halving); the second conv needs
+        # (H - 4) // 2 >= 5 and the flatten (H - 4) // 2 - 4 >= 2, so H >= 16.
         flat_h = ((height - 4) // 2 - 4) // 2
         flat_w = ((width - 4) // 2 - 4) // 2
         body = nn.Sequential(

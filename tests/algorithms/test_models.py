@@ -105,7 +105,7 @@ def test_pfedhn_cnn_is_the_codes_cnn_target():
     assert emb.min() >= 0 and emb.max() <= 1
     assert (_build("pfedhn-cnn").embed(x) >= 0).all()
     assert (_build("pfedhn-cnn", embedding_activation=None).embed(x) < 0).any()
-    with pytest.raises(ValueError, match="at least 12x12"):
+    with pytest.raises(ValueError, match="at least 16x16"):
         build_model("pfedhn-cnn", input_shape=(3, 8, 8), num_classes=10)
 
 
@@ -145,6 +145,22 @@ def test_functional_call_and_vmap_over_stacked_parameters(name):
     out = torch.func.vmap(lambda p: torch.func.functional_call(model, (p, buffers), (x,)))(stacked)
     assert out.shape == (2, 4, 10)
     torch.testing.assert_close(out[0], model(x))
+
+
+# The image models' smallest input: what each accepts must run, one pixel less is refused.
+SMALLEST = {"lenet5": 16, "pfedhn-cnn": 16, "resnet9": 11, "digits-cnn": 2, "fedgen-cnn": 1}
+
+
+@pytest.mark.parametrize("name", sorted(SMALLEST))
+def test_the_smallest_accepted_image_runs_and_one_less_is_refused(name):
+    size = SMALLEST[name]
+    for shape in ((3, size, size), (3, size, size + 5), (3, size + 5, size)):  # H and W apart
+        model = build_model(name, input_shape=shape, num_classes=10).eval()
+        assert model(torch.randn(2, *shape)).shape == (2, 10)
+    if size > 1:
+        for shape in ((3, size - 1, size), (3, size, size - 1)):
+            with pytest.raises(ValueError, match=f"{name} needs inputs of at least {size}x{size}"):
+                build_model(name, input_shape=shape, num_classes=10)
 
 
 def test_errors():
