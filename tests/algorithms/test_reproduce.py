@@ -85,7 +85,7 @@ def test_settings_reach_the_run_config(tiny, tmp_path):
     assert slug("CIFAR-10 Standard Non-IID") == "cifar-10-standard-non-iid"
 
 
-def test_cpu_comparison_end_to_end_then_resumes_without_training(tiny, tmp_path, monkeypatch, capsys):
+def test_cpu_comparison_end_to_end_writes_report_md_and_json_then_resumes_without_training(tiny, tmp_path, monkeypatch, capsys):
     out = tmp_path / "rep"
     assert main(["reproduce", "tiny", "--seeds", "2", "--out", str(out), "--quiet"]) == 0
     report = (out / "report.md").read_text()
@@ -111,6 +111,15 @@ def test_cpu_comparison_end_to_end_then_resumes_without_training(tiny, tmp_path,
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert plots == sorted(f"{s}_{k}.png" for s in ("iid", "permuted-iid")
                            for k in ("accuracy_vs_round", "accuracy_vs_bits"))
+    # report.json: the cells per seed and each claim's verdict with its interval
+    document = json.loads((out / "report.json").read_text())
+    assert document["seeds"] == [0, 1] and document["budget"]
+    cell = next(c for c in document["cells"] if (c["method"], c["setting"]) == ("FedAvg", "IID"))
+    assert set(cell["accuracy_per_seed"]) == {"0", "1"}
+    claim = next(c for c in document["claims"] if c["setting"] == "Permuted IID")
+    assert claim["verdict"] in ("holds", "does not hold", "inconclusive") and claim["seeds"] == [0, 1]
+    assert claim["interval_method"].startswith("paired Student-t")
+    assert f"**{claim['verdict']}**" in report and "## Budget" in report
 
     # A second call trains nothing: every run is finished.
     def no_training(*args, **kwargs):
@@ -394,19 +403,6 @@ def test_quick_is_a_short_cpu_variant(tmp_path):
     assert "5 seeds" in reproduce("simfed", out=tmp_path, dry_run=True)
     with pytest.raises(ValueError, match="quick"):
         plan(PAPERS["simfed"], "paper", 1, tmp_path, quick=True)
-
-
-def test_the_report_json_holds_cells_and_claim_verdicts(tiny, tmp_path):
-    out = tmp_path / "rep"
-    report = reproduce("tiny", seeds=2, out=out, progress=False).read_text()
-    document = json.loads((out / "report.json").read_text())
-    assert document["seeds"] == [0, 1] and document["budget"]
-    cell = next(c for c in document["cells"] if (c["method"], c["setting"]) == ("FedAvg", "IID"))
-    assert set(cell["accuracy_per_seed"]) == {"0", "1"}
-    claim = next(c for c in document["claims"] if c["setting"] == "Permuted IID")
-    assert claim["verdict"] in ("holds", "does not hold", "inconclusive") and claim["seeds"] == [0, 1]
-    assert claim["interval_method"].startswith("paired Student-t")
-    assert f"**{claim['verdict']}**" in report and "## Budget" in report
 
 
 def _tree(folder) -> dict:

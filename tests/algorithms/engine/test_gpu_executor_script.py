@@ -9,7 +9,7 @@ import torch
 
 from benchmarks import gpu_executor
 
-pytestmark = pytest.mark.heavy(seconds=55)  # scheduled first under xdist (tests/conftest.py)
+pytestmark = pytest.mark.heavy(seconds=35)  # scheduled first under xdist (tests/conftest.py)
 
 
 def test_dry_run_measures_every_job_and_writes_its_json(tmp_path, capsys):
