@@ -28,7 +28,10 @@ CLIENT_MODES = [None, "clients", "shared"]
 # ten times a projection (a backward-op case without the extension: 3 s against 0.3 s; those cases
 # were two thirds of that phase).  The main phase checks every entry of the C++ formulas; the
 # Python ones (the fallback without the extension) are the same equations, checked by projection.
-FAST_BY_REQUEST = os.environ.get("PFL_TEST_GRADCHECK", "") == "fast"
+_MODE = os.environ.get("PFL_TEST_GRADCHECK", "full") or "full"
+if _MODE not in ("full", "fast"):
+    raise ValueError(f"PFL_TEST_GRADCHECK must be 'full' (the default) or 'fast', got {_MODE!r}")
+FAST_BY_REQUEST = _MODE == "fast"
 
 
 def assert_all_orders(fn, inputs: Sequence[torch.Tensor], *, fast: bool = False) -> None:
