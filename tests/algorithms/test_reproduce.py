@@ -85,7 +85,8 @@ def test_settings_reach_the_run_config(tiny, tmp_path):
     assert slug("CIFAR-10 Standard Non-IID") == "cifar-10-standard-non-iid"
 
 
-def test_cpu_comparison_end_to_end_writes_report_md_and_json_then_resumes_without_training(tiny, tmp_path, monkeypatch, capsys):
+def test_cpu_comparison_end_to_end_writes_report_md_and_json_then_resumes_without_training(tiny, tmp_path,
+                                                                                           monkeypatch, capsys):
     out = tmp_path / "rep"
     assert main(["reproduce", "tiny", "--seeds", "2", "--out", str(out), "--quiet"]) == 0
     report = (out / "report.md").read_text()
