@@ -27,7 +27,11 @@ BUILD="$VENV/build"  # its compiled objects and library, kept between runs
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+# No byte-compiling at install where PYTHONPYCACHEPREFIX is set (scripts/test.sh sets one): Python
+# then reads bytecode only under that prefix, never pip's __pycache__ folders (scripts/setup.sh).
+NO_COMPILE=""
+[ -z "${PYTHONPYCACHEPREFIX:-}" ] || NO_COMPILE=--no-compile
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check $NO_COMPILE "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 # The installed torch's version, read without importing it (an import takes seconds).
 torch_version() {
   "$PY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true
@@ -36,7 +40,7 @@ torch_version() {
 if [[ "$(torch_version)" != "$TORCH_VERSION"* ]]; then
   echo "floor: installing torch==$TORCH_VERSION into $VENV"
   if [ -z "$TORCH_INDEX" ] ||
-     ! "$PY" -m pip install -q --disable-pip-version-check --retries 0 --timeout 20 \
+     ! "$PY" -m pip install -q --disable-pip-version-check $NO_COMPILE --retries 0 --timeout 20 \
          --index-url "$TORCH_INDEX" "torch==$TORCH_VERSION" 2>/dev/null; then
     echo "floor: ${TORCH_INDEX:-no CPU index given}: no CPU wheel there; installing PyPI's torch==$TORCH_VERSION" \
          "with the nvidia-* packages it needs to import"

@@ -96,3 +96,17 @@ def test_setup_installs_numpy_before_torch_is_imported_and_shows_the_build(fake_
     again = _setup(env)
     assert again.returncode == 0 and again.stdout == ""
     assert not [line for line in log.read_text().splitlines() if line.startswith("pip ")]
+
+
+@pytest.mark.parametrize("prefix", [None, "pycache"])
+def test_pip_skips_the_byte_compile_only_where_python_reads_bytecode_from_a_prefix(fake_venv, prefix):
+    """Under PYTHONPYCACHEPREFIX (scripts/test.sh sets one) Python never reads the __pycache__
+    folders pip would fill, so the installs run with --no-compile; without one pip compiles."""
+    env, log = fake_venv
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    if prefix:
+        env["PYTHONPYCACHEPREFIX"] = str(log.parent / prefix)
+    result = _setup(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    installs = [line for line in log.read_text().splitlines() if line.startswith("pip install") and " -e ." not in line]
+    assert installs and all(("--no-compile" in line.split()) == bool(prefix) for line in installs), installs
