@@ -36,16 +36,23 @@ FAST_BY_REQUEST = _MODE == "fast"
 
 def assert_all_orders(fn, inputs: Sequence[torch.Tensor], *, fast: bool = False) -> None:
     """gradcheck in reverse and forward mode, and gradgradcheck reverse-over-reverse and
-    forward-over-reverse, in float64.  ``fast``: a random projection of the Jacobian and no
-    vmap-batched check (for the slow Triton interpreter); under ``PFL_TEST_GRADCHECK=fast``
-    a projection, the batched check kept.  A projection on random vectors differs between a
-    right and a wrong Jacobian almost surely (gradcheck's ``fast_mode``)."""
+    forward-over-reverse, in float64.  ``fast``: a random projection of the Jacobian, no
+    vmap-batched check and no undefined-gradient check (for the slow Triton interpreter);
+    under ``PFL_TEST_GRADCHECK=fast`` a projection, the other checks kept.  A projection on
+    random vectors differs between a right and a wrong Jacobian almost surely (gradcheck's
+    ``fast_mode``)."""
     kw = {"fast_mode": fast or FAST_BY_REQUEST, "check_batched_grad": not fast}
+    # Undefined gradients and tangents are handled by the autograd formulas, which every other
+    # phase checks with the same formulas over the C++ and the reference kernels; what reaches a
+    # kernel from them is a partial output_mask, which the launchers' tests compare with the
+    # reference directly (test_backward_output_mask).  In the interpreter the undefined checks
+    # took 21 s of the slowest case's 34 (linear, mu+mask, shared clients).
+    undefined = not fast
     with warnings.catch_warnings():
         # A right number that comes with "an autograd kernel was not registered" is luck.
         warnings.simplefilter("error", UserWarning)
-        assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True, check_undefined_grad=True, **kw)
-        assert torch.autograd.gradgradcheck(fn, inputs, check_fwd_over_rev=True, **kw)
+        assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True, check_undefined_grad=undefined, **kw)
+        assert torch.autograd.gradgradcheck(fn, inputs, check_fwd_over_rev=True, check_undefined_grad=undefined, **kw)
 
 
 def _leaf(g: torch.Generator, *size: int, positive: bool = False) -> torch.Tensor:
