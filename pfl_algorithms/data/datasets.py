@@ -221,15 +221,9 @@ def load_digits_dataset(root=None, seed: int = 0) -> ArrayDataset:
     Pixel values 0..16 are scaled to [0, 1], then normalized to zero mean and unit variance
     over the pooled set (``mean``/``std`` record it).  ``root`` and ``seed`` are unused: the data are fixed.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:  # a clear message beats a bare ModuleNotFoundError
-        raise ImportError("dataset 'digits' needs scikit-learn: pip install scikit-learn") from error
-    bunch = load_digits()
-    images = torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.as_tensor(bunch.target, dtype=torch.int64)
-    inputs, mean, std = normalize_images(images)
-    return ArrayDataset("digits", inputs, labels, 10, mean=mean, std=std, class_names=tuple(str(d) for d in range(10)))
+    raw = readers.read_digits()
+    inputs, mean, std = normalize_images(raw.pixels)
+    return ArrayDataset("digits", inputs, raw.labels, 10, mean=mean, std=std, class_names=raw.class_names)
 
 
 def load_gaussian_mixture(root=None, seed: int = 0, *, num_classes: Annotated[int, Range(ge=2)] = 4,
@@ -356,21 +350,8 @@ load_vlcs = _image_folder_loader(readers.VLCS)
 load_office_caltech = _image_folder_loader(readers.OFFICE_CALTECH)
 
 # The readers a mixture may combine (each with its default options).
-def read_digits_raw(root=None, *, download: bool = False) -> "readers.RawData":
-    """scikit-learn's 8x8 digits as raw data for ``mixed`` (pixels 0..16 scaled to [0, 1]; no
-    official test split): a third domain beside MNIST and Fashion-MNIST, upsampled by ``mix``."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:
-        raise ImportError("dataset 'digits' needs scikit-learn: pip install scikit-learn") from error
-    bunch = load_digits()
-    return readers.RawData(pixels=torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0,
-                           labels=torch.as_tensor(bunch.target, dtype=torch.int64), num_classes=10,
-                           class_names=tuple(str(d) for d in range(10)))
-
-
 MIXABLE = {
-    "digits": read_digits_raw,
+    "digits": readers.read_digits,
     "mnist": readers.read_mnist, "fashion-mnist": readers.read_fashion_mnist, "emnist": readers.read_emnist,
     "femnist": readers.read_femnist,
     "cifar10": readers.read_cifar10, "cifar100": readers.read_cifar100, "svhn": readers.read_svhn,

