@@ -2,6 +2,7 @@
 exactly ``load_digits``'s arrays; where the file is elsewhere ``load_digits`` serves; without
 scikit-learn the error names the package."""
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ def _assert_load_digits_arrays(images, target):
 
 def test_the_file_read_directly_is_load_digits_without_importing_scikit_learn(monkeypatch):
     # an import of sklearn.datasets would fail now: the arrays come from the CSV alone
-    monkeypatch.setitem(__import__("sys").modules, "sklearn.datasets", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     assert digits._sklearn_csv() is not None
     images, target = digits.digits_arrays()
     monkeypatch.undo()

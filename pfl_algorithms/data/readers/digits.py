@@ -28,10 +28,8 @@ def _sklearn_csv() -> Optional[Path]:
     spec = importlib.util.find_spec("sklearn")
     if spec is None:
         raise ImportError("dataset 'digits' needs scikit-learn: pip install scikit-learn")
-    for folder in spec.submodule_search_locations or ():
-        if (Path(folder) / _CSV).is_file():
-            return Path(folder) / _CSV
-    return None
+    found = (Path(folder) / _CSV for folder in spec.submodule_search_locations or ())
+    return next((path for path in found if path.is_file()), None)
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
