@@ -26,20 +26,6 @@ if [ -z "${PYTHONPYCACHEPREFIX:-}" ]; then
   export PYTHONPYCACHEPREFIX="$LOGS/pycache"
   unset PYTHONDONTWRITEBYTECODE
 fi
-PHASES=${PFL_TEST_PHASES:-info main slow no-extension triton benchmarks floor}
-# The floor phase's venv installs in the background from here, beside the setup: pip unpacks on
-# one core (torch 2.11 from PyPI with its nvidia-* packages: 74 s, 62 CPU-s on 2 cores), and so do
-# the setup's own installs.  Its output and exit status wait in $LOGS for the floor phase, which
-# shows them; its own process group, so that an early exit stops the whole install.
-FLOOR_INSTALL=""
-if [ -f scripts/test_floor.sh ] && [[ " $PHASES " == *" floor "* ]]; then
-  set -m
-  ( bash scripts/test_floor.sh --install-only; echo $? > "$LOGS/rc" && mv "$LOGS/rc" "$LOGS/floor-install.rc" ) \
-    </dev/null >"$LOGS/floor-install.log" 2>&1 &
-  FLOOR_INSTALL=$!
-  set +m
-  trap 'kill -- -$FLOOR_INSTALL 2>/dev/null; rm -rf "$LOGS"' EXIT
-fi
 PFL_WITH_FLOWER=1 bash scripts/setup.sh || { echo "test.sh: setup failed (see above)"; exit 1; }
 PY=${PFL_VENV:-.venv}/bin/python
 # Idle OpenMP threads sleep instead of spinning: each worker's torch uses every core, so with one
@@ -54,6 +40,7 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 cores=$(nproc 2>/dev/null || echo 2)
 WORKERS=${PFL_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+PHASES=${PFL_TEST_PHASES:-info main slow no-extension triton benchmarks floor}
 declare -a SUMMARY=()
 FAILED=0
 
@@ -99,19 +86,8 @@ phase triton env TRITON_INTERPRET=1 "${PYTEST[@]}" tests -m triton_interpret "$@
 # Benchmarks are never timed in CI; run each benchmarked function once, at the quick-mode
 # shapes (the server-side suites' full shapes take gigabytes), so they stay working.
 phase benchmarks env PFL_BENCH_QUICK=1 "${PYTEST[@]}" benchmarks/bench_*.py --benchmark-disable "$@"
-# floor_tests ARGS...: test_floor.sh, once the background install is done (its log first).
-floor_tests() {
-  if [ -n "$FLOOR_INSTALL" ]; then
-    while [ ! -f "$LOGS/floor-install.rc" ] && kill -0 "$FLOOR_INSTALL" 2>/dev/null; do sleep 1; done
-    cat "$LOGS/floor-install.log"
-    local rc
-    rc=$(cat "$LOGS/floor-install.rc" 2>/dev/null || echo "none: it was stopped")
-    [ "$rc" = 0 ] || { echo "floor: the install of its venv failed (exit $rc)"; return 1; }
-  fi
-  PFL_TEST_GRADCHECK=fast bash scripts/test_floor.sh "$@"
-}
 if [ -f scripts/test_floor.sh ]; then
-  phase floor floor_tests "$@"
+  phase floor env PFL_TEST_GRADCHECK=fast bash scripts/test_floor.sh "$@"
 fi
 
 echo; echo "=== summary"

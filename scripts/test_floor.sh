@@ -17,12 +17,8 @@
 #   build checks that the sources compile on torch 2.11 and agree with the reference there, not
 #   their speed; -O1 takes 50 s less than -O3 on 2 cores, and the tests run as fast on it.
 # Quick when everything is in place already: the copy, a hash and the tests.
-# --install-only (as the first argument): the venv, its torch and the test tools, then stop;
-# scripts/test.sh runs that in the background from its start, beside the setup's own installs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-INSTALL_ONLY=0
-if [ "${1:-}" = "--install-only" ]; then INSTALL_ONLY=1; shift; fi
 
 PYTHON=${PYTHON:-python3}
 VENV=${PFL_FLOOR_VENV:-.venv-floor}
@@ -72,7 +68,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   # The constraint keeps pip from replacing this venv's torch while resolving these.
   pip_install -c <(echo "torch==$(torch_version)") "${missing[@]}"
 fi
-if [ "$INSTALL_ONLY" = 1 ]; then echo "floor: $VENV is installed (${SECONDS}s)"; exit 0; fi
 
 # A fresh copy of what the build and the tests read; built files and caches stay behind.
 rm -rf "$SRC"
