@@ -7,7 +7,8 @@ Environment switches:
   PFL_KERNELS_SKIP_EXTENSION=1   build no extension (the pure-PyTorch/Triton paths still work)
   PFL_KERNELS_CUDA=1 / =0        force / skip compiling csrc/cuda (default: only where
                                  CUDA_HOME is set and torch is a CUDA build)
-  PFL_KERNELS_OPT_LEVEL=0..3     the compiler's -O level (default 3; CI's floor phase builds at 1)
+  PFL_KERNELS_OPT_LEVEL=0..3     the C++ compiler's -O level for csrc/*.cpp (default 3; CI's floor
+                                 phase builds at 1); nvcc's stays -O3
 """
 import glob
 import os
