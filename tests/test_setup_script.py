@@ -14,13 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESENT = ("triton", "pytest", "pytest_benchmark", "xdist", "ninja", "setuptools", "expecttest", "sklearn",
            "matplotlib", "scipy", "PIL")
 
-# The fake venv's python: pip records its arguments (and the constraint file's content) and
+# The fake venv's python: pip records its arguments (and the constraint file's content), fails
+# as pip does when asked for $FAKE_PIP_FAIL, and
 # "installs" numpy or, for -e ., a pfl_kernels with _C after printing a build as pip -v shows
 # it; anything else runs the real python without site-packages (-S) or the working folder (-P),
 # so it sees the fake site folder alone.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
   echo "pip ${*:3}" >> "$FAKE_LOG"
+  for arg in "${@:3}"; do
+    if [ -n "$FAKE_PIP_FAIL" ] && [ "$arg" = "$FAKE_PIP_FAIL" ]; then
+      echo "ERROR: No matching distribution found for $arg"; exit 1
+    fi
+  done
   previous=""
   for arg in "${@:3}"; do
     [ "$previous" = "-c" ] && echo "constraint $(cat "$arg")" >> "$FAKE_LOG"
@@ -110,3 +116,15 @@ def test_pip_skips_the_byte_compile_only_where_python_reads_bytecode_from_a_pref
     assert result.returncode == 0, result.stdout + result.stderr
     installs = [line for line in log.read_text().splitlines() if line.startswith("pip install") and " -e ." not in line]
     assert installs and all(("--no-compile" in line.split()) == bool(prefix) for line in installs), installs
+
+
+def test_a_failed_install_stops_the_setup_and_says_which(fake_venv):
+    """pip's failure is not swallowed: the setup stops there, non-zero, with a line naming what
+    did not install under pip's own error, and builds nothing."""
+    env, log = fake_venv
+    env["FAKE_PIP_FAIL"] = "numpy"
+    result = _setup(env)
+    assert result.returncode != 0
+    assert "ERROR: No matching distribution found for numpy" in result.stdout
+    assert "setup: pip could not install" in result.stderr and "numpy (exit status 1; its error is above)" in result.stderr
+    assert not any(" -e ." in line for line in log.read_text().splitlines()), "built after a failed install"
