@@ -11,8 +11,8 @@
 #   is then 4.7 GB; torch runs on the CPU as the CPU wheel does).
 # - The extension is compiled in a copy of the sources ($VENV/src): building in this checkout
 #   would write pfl_kernels/_C*.so, the .venv's build for its own torch, into the source tree.
-#   The copy is refreshed on every run; the extension is rebuilt only when setup.py,
-#   pyproject.toml, csrc/ or the -O level change (ninja then recompiles only the changed files).
+#   The copy is refreshed on every run; the extension, kept in $VENV/build-O<level>, is rebuilt
+#   only when setup.py, pyproject.toml or csrc/ change (ninja then recompiles only the changed files).
 # - It is built at -O$PFL_FLOOR_OPT_LEVEL (default 1, setup.py's PFL_KERNELS_OPT_LEVEL): this
 #   build checks that the sources compile on torch 2.11 and agree with the reference there, not
 #   their speed; -O1 takes 50 s less than -O3 on 2 cores, and the tests run as fast on it.
