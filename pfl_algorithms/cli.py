@@ -90,7 +90,8 @@ FLAGS = {
 _NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "eval_role": "every client", "samples_per_client": "all of a client's share",
                "executor": "threaded on a CPU, batched on CUDA", "workers": "one per CPU core", "chunk_clients": "as many as free memory holds", "autocast": "none: float32", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
                "keep_head_local": "true in the permuted and multi-domain scenarios, else false",
-               "finetune_epochs": "the algorithm's: 0, fedavg-ft 1"}
+               "finetune_epochs": "the algorithm's: 0, fedavg-ft 1",
+               "lr": "the dataset's: 0.05 on digits, gaussian-mixture and synthetic-cifar, else 0.01"}
 _METAVARS = {int: "N", float: "X", str: "NAME", _flag_bool: "true|false", "data_root": "DIR", "augment": "SPEC",
              "device": "DEVICE"}
 

@@ -58,7 +58,7 @@ class RunConfig:
     local_steps: Optional[PositiveInt] = None
     batch_size: PositiveInt = 16
     optimizer: Annotated[str, OneOf(tuple(OPTIMIZERS))] = "sgd"
-    lr: PositiveFloat = 0.05
+    lr: Optional[PositiveFloat] = None  # None: the dataset's default_lr (0.05 on digits, see data.datasets)
     momentum: NonNegativeFloat = 0.9
     weight_decay: NonNegativeFloat = 0.0
     optimizer_state: Annotated[str, OneOf(("reset", "keep"))] = "reset"
@@ -104,7 +104,11 @@ class RunConfig:
         """The clients' optimizer (``EngineSettings.optimizer``): ``momentum`` is SGD's, which
         the other optimizers ignore (its default 0.9 would not apply to them)."""
         momentum = {"momentum": self.momentum} if self.optimizer == "sgd" else {}
-        return OptimizerSettings(self.optimizer, lr=self.lr, weight_decay=self.weight_decay, **momentum)
+        return OptimizerSettings(self.optimizer, lr=self.client_lr(), weight_decay=self.weight_decay, **momentum)
+
+    def client_lr(self) -> float:
+        """``lr``, else the dataset's default (``DatasetSpec.default_lr``)."""
+        return DATASETS[self.dataset].default_lr if self.lr is None else self.lr
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -264,6 +268,7 @@ def check(config: RunConfig) -> RunConfig:
         if unknown:
             raise ValueError(f"{table} {owner!r} has no setting {unknown}; valid: {', '.join(sorted(names)) or 'none'}")
         setattr(config, attr, check_options(table, options, option_hints(table, owner)))
+    config.lr = config.client_lr()  # the dataset's default made explicit, so config.json records it
     if config.local_steps is not None and config.local_epochs != RunConfig.local_epochs:
         raise ValueError("local_steps and local_epochs conflict: give one of them "
                          f"(local_steps={config.local_steps}, local_epochs={config.local_epochs})")

@@ -108,6 +108,25 @@ def test_config_file_then_flags_then_sets(tmp_path):
     assert config["dataset_options"] == {"samples": 90}
 
 
+def test_the_default_lr_is_the_datasets_and_config_json_records_it():
+    """No lr given: the dataset's default_lr, made explicit by check (so config.json, resumes and
+    `pfl compare` see the number); an lr given wins.  At digits' 0.05 MNIST's clients, hundreds
+    of steps a round, stayed at chance for good (data.datasets); the help says which is which."""
+    from pfl_algorithms.cli import _default_text
+    from pfl_algorithms.data import DATASETS
+
+    assert RunConfig.lr is None
+    for name, spec in DATASETS.items():
+        assert RunConfig(dataset=name).client_lr() == spec.default_lr
+    assert check(RunConfig(dataset="digits")).lr == 0.05 and DATASETS["mnist"].default_lr == 0.01
+    assert check(RunConfig(dataset="digits", lr=0.2)).lr == 0.2
+    assert check(RunConfig(dataset="digits")).optimizer_settings().lr == 0.05
+    fast = sorted(name for name, spec in DATASETS.items() if spec.default_lr == 0.05)
+    others = {spec.default_lr for spec in DATASETS.values()} - {0.05}
+    assert others == {0.01}
+    assert _default_text("lr") == f"the dataset's: 0.05 on {', '.join(fast[:-1])} and {fast[-1]}, else 0.01"
+
+
 def test_unknown_config_key_is_reported(tmp_path, capsys):
     toml = tmp_path / "run.toml"
     toml.write_text("roundz = 3\n")

@@ -30,7 +30,7 @@ RUN = ["run", "fedavg", "--quiet", "--rounds", "1"]
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--set", "lr=abc"], "lr must be a finite number > 0, got 'abc'"),
+    (["--set", "lr=abc"], "lr must be a finite number > 0, or none, got 'abc'"),
     (["--set", "seed=abc"], "seed must be an integer >= 0, got 'abc'"),
     (["--set", "split=abc"], "scenario.split must be a list of 3 finite numbers in [0, 1], got 'abc'"),
     (["--scenario", "dirichlet", "--set", "alpha=nan"], "scenario.alpha must be a finite number > 0, got nan"),
@@ -38,7 +38,7 @@ RUN = ["run", "fedavg", "--quiet", "--rounds", "1"]
     (["--set", "keep_head_local=maybe"], "keep_head_local must be true or false, or none, got 'maybe'"),
     (["--set", "seed=1.5"], "seed must be an integer >= 0, got 1.5"),
     (["--local-epochs", "0"], "local_epochs must be an integer >= 1, got 0"),
-    (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
+    (["--lr", "nan"], "lr must be a finite number > 0, or none, got nan"),
     (["--sample", "1.5"], "sample must be a finite number in (0, 1], got 1.5"),
     (["--sample", "5"], "sample must be a finite number in (0, 1], got 5"),
     (["--clients-per-round", "0"], "clients_per_round must be an integer >= 1, or none, got 0"),
@@ -82,10 +82,10 @@ def test_algorithm_settings_are_checked_from_python_too():
 
 @pytest.mark.parametrize("toml, expected", [
     ("algorithm_settings = 5\n", "algorithm_settings must be a table (key = value), got 5"),
-    ('lr = "fast"\n', "lr must be a finite number > 0, got 'fast'"),
+    ('lr = "fast"\n', "lr must be a finite number > 0, or none, got 'fast'"),
     ('scenario = ["iid"]\n', "scenario must be a string, got ['iid']"),
     ("rounds = 2.0\n", "rounds must be an integer >= 0, got 2.0"),
-    ("lr = nan\n", "lr must be a finite number > 0, got nan"),
+    ("lr = nan\n", "lr must be a finite number > 0, or none, got nan"),
     ('dataset = "synthetic-cifar"\n[dataset_options]\nsamples = -3\n',
      "dataset.samples must be an integer >= 1, got -3"),
     ("rounds = [\n", "is not valid TOML"),
