@@ -383,7 +383,7 @@ def load_mixed(root=None, seed: int = 0, *, datasets: Union[str, Sequence[str]] 
 
 
 def _spec(name: str, description: str, loader, size_option: Optional[str] = None,
-          default_lr: float = 0.01) -> DatasetSpec:
+          default_lr: float = DatasetSpec.default_lr) -> DatasetSpec:
     # The loader's keyword-only arguments are its options; read them so the two cannot drift.
     params = inspect.signature(loader).parameters.values()
     defaults = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
