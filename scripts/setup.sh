@@ -57,7 +57,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # A line per compiled file of the build's output on stdin, as it comes (a bash loop: mawk, a
-# common awk, reads its input in blocks and would print nothing until the build ends).
+# common awk, reads its input in blocks and would print nothing until the build ends).  A unit
+# of the unity build (build/pfl-unity/unitN.cpp, setup.py) is shown with the files it includes.
 show_progress() {
   local line word source
   local -a words
@@ -66,7 +67,9 @@ show_progress() {
       source="?"
       read -ra words <<< "$line"
       for word in "${words[@]}"; do
-        if [[ $word == *.cpp || $word == *.cu ]]; then source="csrc/${word##*/csrc/}"; fi
+        if [[ $word == */build/pfl-unity/*.cpp ]]; then
+          source="${word##*/} ($(sed -n 's|^#include "\(\.\./\)*\(.*\)"$|\2|p' "$word" 2>/dev/null | paste -sd' '))"
+        elif [[ $word == *.cpp || $word == *.cu ]]; then source="csrc/${word##*/csrc/}"; fi
       done
       echo "  ${BASH_REMATCH[1]} $source"
     elif [[ $line == *" -shared "*"/_C."* ]]; then

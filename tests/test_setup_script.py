@@ -34,9 +34,16 @@ if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
       numpy) mkdir -p "$FAKE_SITE/numpy" && touch "$FAKE_SITE/numpy/__init__.py" ;;
       .) mkdir -p "$FAKE_SITE/pfl_kernels" && touch "$FAKE_SITE/pfl_kernels/__init__.py" "$FAKE_SITE/pfl_kernels/_C.py"
          echo "  Running command Building editable for pfl-kernels"
-         echo "  [1/2] c++ -MMD -MF /tmp/b/a.o.d -O3 -c -c $PWD/csrc/cpu/aggregate.cpp -o /tmp/b/a.o"
-         echo "  warning: something the compiler says"
-         echo "  [2/2] c++ -MMD -MF /tmp/b/m.o.d -O3 -c -c $PWD/csrc/module.cpp -o /tmp/b/m.o"
+         if [ -n "$FAKE_UNITY" ]; then  # setup.py's unity build: a unit file that includes two sources
+           mkdir -p "$FAKE_UNITY/build/pfl-unity"
+           printf '// Generated\n#include "../../csrc/cpu/aggregate.cpp"\n#include "../../csrc/module.cpp"\n' \
+             > "$FAKE_UNITY/build/pfl-unity/unit1.cpp"
+           echo "  [1/1] c++ -MMD -MF /tmp/b/u.o.d -O3 -c -c $FAKE_UNITY/build/pfl-unity/unit1.cpp -o /tmp/b/u.o"
+         else
+           echo "  [1/2] c++ -MMD -MF /tmp/b/a.o.d -O3 -c -c $PWD/csrc/cpu/aggregate.cpp -o /tmp/b/a.o"
+           echo "  warning: something the compiler says"
+           echo "  [2/2] c++ -MMD -MF /tmp/b/m.o.d -O3 -c -c $PWD/csrc/module.cpp -o /tmp/b/m.o"
+         fi
          echo "  g++ -O3 -shared /tmp/b/a.o /tmp/b/m.o -o build/lib/pfl_kernels/_C.abi3.so" ;;
     esac
     previous=$arg
@@ -102,6 +109,16 @@ def test_setup_installs_numpy_before_torch_is_imported_and_shows_the_build(fake_
     again = _setup(env)
     assert again.returncode == 0 and again.stdout == ""
     assert not [line for line in log.read_text().splitlines() if line.startswith("pip ")]
+
+
+def test_a_unity_unit_is_shown_with_the_sources_it_includes(fake_venv, tmp_path):
+    """setup.py's unity build compiles build/pfl-unity/unitN.cpp files: each progress line
+    names the unit and the csrc files in it."""
+    env, _ = fake_venv
+    env["FAKE_UNITY"] = str(tmp_path / "checkout")
+    result = _setup(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "  [1/1] unit1.cpp (csrc/cpu/aggregate.cpp csrc/module.cpp)" in result.stdout.splitlines()
 
 
 @pytest.mark.parametrize("prefix", [None, "pycache"])

@@ -21,7 +21,7 @@
 #include <string>
 #include <tuple>
 
-namespace pfl {
+namespace pfl::autograd_branch {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 using autograd::defined_or;
@@ -157,4 +157,4 @@ TORCH_LIBRARY_IMPL(pfl, Autograd, m) {
   m.impl("branch_combine_backward", TORCH_FN(branch_combine_backward_autograd));
 }
 
-}  // namespace pfl
+}  // namespace pfl::autograd_branch

@@ -26,7 +26,7 @@
 #include <tuple>
 #include <vector>
 
-namespace pfl {
+namespace pfl::autograd_factorized {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 using autograd::defined_or;
@@ -211,4 +211,4 @@ TORCH_LIBRARY_IMPL(pfl, Autograd, m) {
   m.impl("factorized_weight_backward", TORCH_FN(factorized_weight_backward_autograd));
 }
 
-}  // namespace pfl
+}  // namespace pfl::autograd_factorized

@@ -24,7 +24,7 @@
 #include <tuple>
 #include <vector>
 
-namespace pfl {
+namespace pfl::autograd_pool {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 using autograd::variable_list;
@@ -129,4 +129,4 @@ TORCH_LIBRARY_IMPL(pfl, Autograd, m) {
   m.impl("relu_max_pool2d_backward", TORCH_FN(relu_max_pool2d_backward_autograd));
 }
 
-}  // namespace pfl
+}  // namespace pfl::autograd_pool

@@ -51,7 +51,7 @@
 #include <memory>
 #include <vector>
 
-namespace pfl {
+namespace pfl::cpu_aggregate {  // one namespace per file: setup.py's unity build compiles files together
 
 using cpu::cast_to;
 
@@ -531,4 +531,4 @@ TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("weighted_average.out", &weighted_average_out_cpu);
 }
 
-}  // namespace pfl
+}  // namespace pfl::cpu_aggregate

@@ -54,7 +54,7 @@
 #include <emmintrin.h>
 #endif
 
-namespace pfl {
+namespace pfl::cpu_branch {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 // ---------------------------------------------------------------- checks
@@ -544,4 +544,4 @@ TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("project_simplex_", &project_simplex_cpu);
 }
 
-}  // namespace pfl
+}  // namespace pfl::cpu_branch

@@ -41,7 +41,7 @@
 #include <string>
 #include <vector>
 
-namespace pfl {
+namespace pfl::cpu_branch_aggregate {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 using cpu::shape_str;
@@ -303,4 +303,4 @@ TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("branch_aggregate.out", &branch_aggregate_out_cpu);
 }
 
-}  // namespace pfl
+}  // namespace pfl::cpu_branch_aggregate

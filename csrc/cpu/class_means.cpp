@@ -34,7 +34,7 @@
 #include <tuple>
 #include <vector>
 
-namespace pfl {
+namespace pfl::cpu_class_means {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 using cpu::shape_str;
@@ -329,4 +329,4 @@ TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("class_means", &class_means_cpu);
 }
 
-}  // namespace pfl
+}  // namespace pfl::cpu_class_means

@@ -42,7 +42,7 @@
 #include <immintrin.h>  // AVX2 intrinsics, used only inside the target("avx2") region below
 #endif
 
-namespace pfl {
+namespace pfl::cpu_factorized {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 // ---------------------------------------------------------------- geometry and checks
@@ -319,4 +319,4 @@ TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("soft_threshold_", &soft_threshold_cpu);
 }
 
-}  // namespace pfl
+}  // namespace pfl::cpu_factorized

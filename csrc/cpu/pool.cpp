@@ -35,7 +35,7 @@
 #define PFL_POOL_AVX2 1
 #endif
 
-namespace pfl {
+namespace pfl::cpu_pool {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 using cpu::shape_str;
@@ -307,4 +307,4 @@ TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("relu_max_pool2d_backward", &relu_max_pool2d_backward_cpu);
 }
 
-}  // namespace pfl
+}  // namespace pfl::cpu_pool

@@ -56,7 +56,7 @@
 #include <utility>
 #include <vector>
 
-namespace pfl {
+namespace pfl::cpu_similarity {  // one namespace per file: setup.py's unity build compiles files together
 namespace {
 
 // ---------------------------------------------------------------- checks
@@ -708,4 +708,4 @@ TORCH_LIBRARY_IMPL(pfl, CPU, m) {
   m.impl("similarity_weights", &similarity_weights_cpu);
 }
 
-}  // namespace pfl
+}  // namespace pfl::cpu_similarity
