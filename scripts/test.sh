@@ -4,6 +4,7 @@
 #   info          `python -m pfl_kernels`: which implementation of each op runs here
 #   main          every test not marked slow (the default suite; PFL_TEST_WORKERS workers)
 #   slow          end-to-end runs: kill -9 and resume, executor agreement over whole runs
+#                 (with main, one pytest run: the phase main+slow)
 #   no-extension  tests/kernels and tests/nn on the reference kernels (no C++ extension)
 #   triton        the Triton kernels in the interpreter (TRITON_INTERPRET=1, tiny shapes)
 #   benchmarks    each benchmarked function once at its quick shapes (never timed)
@@ -44,10 +45,17 @@ PHASES=${PFL_TEST_PHASES:-info main slow no-extension triton benchmarks floor}
 declare -a SUMMARY=()
 FAILED=0
 
-# phase NAME COMMAND...: run one phase, its output shown as it comes and kept for the summary.
+# selected NAME...: whether every phase NAME is in PHASES.
+selected() {
+  local name
+  for name in "$@"; do case " $PHASES " in *" $name "*) ;; *) return 1 ;; esac; done
+}
+
+# phase NAME COMMAND...: run one phase (NAME: a phase or several joined by '+', each selected),
+# its output shown as it comes and kept for the summary.
 phase() {
   local name=$1; shift
-  case " $PHASES " in *" $name "*) ;; *) return 0 ;; esac
+  selected ${name//+/ } || return 0
   echo; echo "=== phase $name: $*"
   local start=$SECONDS rc
   "$@" 2>&1 | tee "$LOGS/$name.log"
@@ -74,8 +82,14 @@ count() { local n; n=$(echo "$2" | grep -oE "[0-9]+ $1\b" | grep -oE '^[0-9]+' |
 PASSED=0; SKIPPED=0; BAD=0
 
 phase info "$PY" -m pfl_kernels
-phase main "${PYTEST[@]}" tests -m "not slow" "$@"
-phase slow "${PYTEST[@]}" tests -m slow "$@"
+# main and slow share one environment: where both are asked (CI) one pytest run serves them, one
+# start and collection of the workers and one tail where the other worker waits, instead of two.
+if selected main slow; then
+  phase main+slow "${PYTEST[@]}" tests "$@"
+else
+  phase main "${PYTEST[@]}" tests -m "not slow" "$@"
+  phase slow "${PYTEST[@]}" tests -m slow "$@"
+fi
 # The fallback without the extension (reference kernels, autograd registered from Python).  Here
 # and in the floor phase gradcheck projects each Jacobian (PFL_TEST_GRADCHECK=fast,
 # tests/kernels/autograd_checks.py); the main phase checks every entry.

@@ -15,6 +15,10 @@ import pytest
 from pfl_algorithms.engine.checkpoint import read_checkpoint
 from tests.algorithms.state_checks import assert_same
 
+# Two killed and resumed runs, about 40 s on 2 cores: scheduled early under xdist (tests/conftest.py),
+# so that in the main+slow run of scripts/test.sh the file does not end the run alone.
+pytestmark = pytest.mark.heavy(seconds=40)
+
 ROUNDS = 8
 ARGS = ["--dataset", "digits", "--clients", "6", "--rounds", str(ROUNDS), "--quiet"]
 CASES = {"pfedme": ["--set", "inner_steps=2"], "fedrep": ["--set", "optimizer_state=keep", "--set", "head_epochs=1"]}
