@@ -21,9 +21,21 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _flag(name):
-    value = os.environ.get(name)
-    return None if value is None or value == "" else value not in ("0", "false", "no")
+    """A yes/no switch from the environment: None where unset or empty (the default applies),
+    True for 1/true/yes/on, False for 0/false/no/off (any case).  Any other value is refused in
+    one line: a typo must not turn a switch on (or off) unnoticed."""
+    value = os.environ.get(name, "")
+    if value == "":
+        return None
+    if value.lower() in _ON:
+        return True
+    if value.lower() in _OFF:
+        return False
+    raise SystemExit(f"{name} must be 1 or 0 (or true/false, yes/no, on/off), got {value!r}")
 
 
 def _opt_level():
@@ -46,14 +58,16 @@ def _compile_jobs():
     """How many files the build compiles at once: MAX_JOBS (what torch's BuildExtension reads),
     else this process's CPUs."""
     value = os.environ.get("MAX_JOBS", "")
-    if value.isdigit() and int(value) > 0:
+    if value:
+        if not (value.isdigit() and int(value) > 0):
+            raise SystemExit(f"MAX_JOBS must be a positive whole number, got {value!r}")
         return int(value)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _unity_sources(sources):
-    """The C++ sources as setuptools compiles them: ``sources`` file by file, or, in a unity
-    build, two files under build/pfl-unity that each #include about half of them.
+    """The unity build's sources: two files under build/pfl-unity that each #include about half
+    of ``sources`` (used where fewer than 4 files compile at once, or PFL_KERNELS_UNITY=1).
 
     Every source parses torch's headers (11-22 s a file on 2 cores, half of a file's compile at
     -O3), so on few cores two units compile in about half the time of eleven files: 82 s
@@ -61,11 +75,6 @@ def _unity_sources(sources):
     alone are as fast and rebuild one at a time.  Each file keeps its code in a namespace of its
     own (pfl::<folder>_<file>), so the files of a unit never collide.  A unit file is rewritten
     only when its content changes, so ninja recompiles a unit when one of its files changed."""
-    unity = _flag("PFL_KERNELS_UNITY")
-    if unity is None:
-        unity = _compile_jobs() < 4
-    if not unity:
-        return sources
     second = [s for s in sources if s in UNITY_SECOND]
     units = [[s for s in sources if s not in UNITY_SECOND], second]
     os.makedirs(UNITY_DIR, exist_ok=True)
@@ -83,17 +92,22 @@ def _unity_sources(sources):
 def _extensions():
     if _flag("PFL_KERNELS_SKIP_EXTENSION"):
         return [], {}
-    opt_level = _opt_level()  # before torch's import: a bad value is refused at once
+    # Every switch is read before torch's import (seconds): a bad value is refused at once.
+    opt_level = _opt_level()
+    use_cuda = _flag("PFL_KERNELS_CUDA")
+    unity = _flag("PFL_KERNELS_UNITY")
+    if unity is None:
+        unity = _compile_jobs() < 4
     import torch
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/autograd/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    use_cuda = _flag("PFL_KERNELS_CUDA")
     if use_cuda is None:
         use_cuda = CUDA_HOME is not None and torch.version.cuda is not None
     use_cuda = bool(use_cuda and cuda_sources)
-    sources = _unity_sources(sources)
+    if unity:
+        sources = _unity_sources(sources)
 
     openmp = ["-fopenmp"] if not torch.backends.mps.is_built() else []
     # The sources are C++17; BuildExtension adds the -std its torch's headers need (c++20

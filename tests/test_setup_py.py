@@ -95,3 +95,27 @@ def test_a_bad_opt_level_is_refused_in_one_line(level):
                           text=True, env={**os.environ, "PFL_KERNELS_OPT_LEVEL": level})
     assert proc.returncode != 0
     assert proc.stderr.strip() == f"PFL_KERNELS_OPT_LEVEL must be 0, 1, 2 or 3, got {level!r}"
+
+
+@pytest.mark.parametrize("name", ["PFL_KERNELS_SKIP_EXTENSION", "PFL_KERNELS_CUDA", "PFL_KERNELS_UNITY"])
+@pytest.mark.parametrize("value", ["2", "ture", " 1", "enabled"])
+def test_a_switch_with_a_value_that_is_not_yes_or_no_is_refused_in_one_line(name, value):
+    """A typo must not turn a switch on (the old reading: anything but 0/false/no was on)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "setup.py"), "--version"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, name: value})
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == f"{name} must be 1 or 0 (or true/false, yes/no, on/off), got {value!r}"
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_a_max_jobs_that_is_not_a_positive_number_is_refused_in_one_line(monkeypatch, tmp_path, value):
+    with pytest.raises(SystemExit, match=f"^MAX_JOBS must be a positive whole number, got {value!r}$"):
+        _setup_arguments(monkeypatch, tmp_path, PFL_KERNELS_CUDA="0", MAX_JOBS=value)
+
+
+@pytest.mark.parametrize("spelling,unity", [("TRUE", True), ("yes", True), ("On", True),
+                                            ("False", False), ("no", False), ("OFF", False)])
+def test_a_switch_reads_every_spelling_of_yes_and_no(monkeypatch, tmp_path, spelling, unity):
+    (extension,) = _setup_arguments(monkeypatch, tmp_path, PFL_KERNELS_CUDA="0", MAX_JOBS="16",
+                                    PFL_KERNELS_UNITY=spelling)["ext_modules"]
+    assert (extension.sources == ["build/pfl-unity/unit1.cpp", "build/pfl-unity/unit2.cpp"]) == unity
