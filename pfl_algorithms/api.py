@@ -187,6 +187,21 @@ class Algorithm:
     def check_config(cls, config) -> None:
         """Raise ValueError for settings of the run that conflict with this algorithm."""
 
+    @classmethod
+    def split_step_budget(cls, budget: int) -> tuple[int, dict]:
+        """(the run's ``local_steps``, algorithm settings) under which a round of this algorithm
+        takes ``budget`` optimizer steps per client: how a comparison (``pfl demo``, ``pfl
+        reproduce``'s CPU scale) gives every method the same budget.  The default runs the
+        schedule once; a plan of several phases splits the budget over them (pFedMB, FedRep).
+        Raises ValueError where the budget cannot be split."""
+        return budget, {}
+
+    @classmethod
+    def optimizer_steps(cls, local_steps: int, settings: Mapping[str, object]) -> Optional[int]:
+        """Optimizer steps per client and round at the run's ``local_steps`` and these algorithm
+        ``settings`` (None where a phase counts epochs); the inverse of ``split_step_budget``."""
+        return local_steps
+
     # ------------------------------------------------------------------ server side
 
     def setup(self, server) -> None:

@@ -54,8 +54,8 @@ class Testbed:
         data = f"{self.samples_per_client} {self.dataset} images each" if self.samples_per_client \
             else f"the {self.dataset} images dealt evenly"
         return (f"{self.clients} clients, {data}; {self.model} with BatchNorm; {self.local_steps} local SGD steps of "
-                f"{self.batch_size} per round for every method (lr {self.lr}, momentum {self.momentum} unless the "
-                f"method's paper says otherwise)")
+                f"{self.batch_size} per round for every method, split over the phases of pFedMB and FedRep (lr "
+                f"{self.lr}, momentum {self.momentum} unless the method's paper says otherwise)")
 
 
 TESTBEDS = {
@@ -165,15 +165,21 @@ def choose_testbed(dataset: str, data_root: Optional[str]) -> Testbed:
 def demo_config(testbed: Testbed, algorithm: str, scenario: str, *, rounds: int, seed: int,
                 data_root: Optional[str], algorithm_settings: Optional[dict] = None) -> RunConfig:
     """The RunConfig of one demo run: the testbed's shared settings, the scenario's data and the
-    method's own optimizer settings."""
+    method's own optimizer settings.  Every method takes the testbed's ``local_steps`` optimizer
+    steps per client and round; a method that trains in phases splits them (its
+    ``split_step_budget``: pFedMB 5 + 5, FedRep's head 9 and body 1)."""
+    from .algorithms import ALGORITHMS
+
+    local_steps, split = ALGORITHMS[algorithm].split_step_budget(testbed.local_steps)
     options = {"permuted": {}, "fda": {"noise": 0.6, "target_fraction": testbed.target_fraction},
                "mixed": {"alpha": 0.1, "architectures": list(testbed.architectures)}}[scenario]
     name = {"permuted": "permuted-iid", "fda": "fda", "mixed": "dirichlet"}[scenario]
     optimizer = {"lr": testbed.lr, "momentum": testbed.momentum, **METHOD_SETTINGS.get(algorithm, {})}
-    return check(RunConfig(algorithm=algorithm, algorithm_settings=dict(algorithm_settings or {}), dataset=testbed.dataset, model=testbed.model,
+    return check(RunConfig(algorithm=algorithm, algorithm_settings={**split, **(algorithm_settings or {})},
+                           dataset=testbed.dataset, model=testbed.model,
                            model_options={**testbed.model_options, "norm": METHOD_NORM.get(algorithm, "batch")}
                            if scenario != "mixed" else {},
-                           clients=testbed.clients, rounds=rounds, seed=seed, local_steps=testbed.local_steps,
+                           clients=testbed.clients, rounds=rounds, seed=seed, local_steps=local_steps,
                            batch_size=testbed.batch_size,
                            # A cap would shrink the fda target's share before its fraction is taken
                            # (500 of MNIST's 10,000 left it 5 training images); its sources train

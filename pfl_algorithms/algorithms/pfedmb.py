@@ -205,6 +205,17 @@ class PFedMB(FedAvg):
 
     # ------------------------------------------------------------------ client side
 
+    @classmethod
+    def split_step_budget(cls, budget: int) -> tuple[int, dict]:
+        """Both phases (α, then the weights) run the schedule: half the budget each."""
+        if budget % 2:
+            raise ValueError(f"a budget of {budget} local steps does not split over pfedmb's 2 phases")
+        return budget // 2, {}
+
+    @classmethod
+    def optimizer_steps(cls, local_steps: int, settings) -> int:
+        return 2 * local_steps
+
     def plan(self, client):
         s = self.settings
         project = (capturable_hook(self._project_alpha, key=("pfedmb-project", s.branches))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import RunConfig, check, config_from
-from .papers import QUICK, Method, Paper, Setting, optimizer_steps, phase_steps
+from .papers import QUICK, Method, Paper, Setting, optimizer_steps, split_budget
 
 
 @dataclass(frozen=True)
@@ -47,15 +47,16 @@ def run_config(paper: Paper, scale: str, method: Method, setting: Setting, seed:
     """The checked RunConfig of one cell and seed: the scale's base (with ``quick``, at
     ``QUICK``'s rounds), then the setting, then the method's algorithm settings (the method's
     own, then those the setting ties to it).  A budget of ``local_steps`` is split over the
-    phases of a method that runs the schedule once per phase (``papers.phase_steps``)."""
+    phases of a method that trains in several (``papers.split_budget``)."""
     values = {**paper.base[scale], **(QUICK if quick else {}), **setting.config, "algorithm": method.algorithm,
               "seed": seed, "device": device,
               "algorithm_settings": {**method.settings, **setting.algorithm_settings.get(method.algorithm, {})}}
     if values.get("local_steps") is not None:
         try:
-            values["local_steps"] = phase_steps(method.algorithm, values["local_steps"])
+            values["local_steps"], split = split_budget(method.algorithm, values["local_steps"])
         except ValueError as error:
             raise ValueError(f"{paper.name} {setting.label!r}, {method.label}: {error}") from None
+        values["algorithm_settings"] = {**split, **values["algorithm_settings"]}
     if data_root is not None:
         values["data_root"] = data_root
     try:
@@ -87,7 +88,7 @@ def plan(paper: Paper, scale: str, seeds: int, out: Path, *, data_root: Optional
 
 def run_steps(run: PlannedRun) -> Optional[int]:
     """Optimizer steps per client and round of a planned run (None: a budget in epochs)."""
-    return optimizer_steps(run.config.algorithm, run.config.local_steps)
+    return optimizer_steps(run.config.algorithm, run.config.local_steps, run.config.algorithm_settings)
 
 
 def budget_lines(runs: list[PlannedRun]) -> list[str]:
@@ -101,11 +102,20 @@ def budget_lines(runs: list[PlannedRun]) -> list[str]:
             lines.append(f"{label}: {', '.join(map(str, epochs))} local epoch(s) per client and round "
                          "(a budget in epochs: not equal in steps where methods take several batches a step)")
             continue
-        split = sorted({f"{r.method.label} ({r.config.local_steps} per phase)" for r in cell
-                        if r.config.local_steps != run_steps(r)})
+        split = sorted({f"{r.method.label} ({_split_text(r)})" for r in cell if r.config.local_steps != run_steps(r)})
         lines.append(f"{label}: {'/'.join(map(str, sorted(steps)))} optimizer steps per client and round for every "
                      "method" + (f"; split over phases: {', '.join(split)}" if split else ""))
     return lines
+
+
+def _split_text(run: PlannedRun) -> str:
+    """How a run splits its budget: the run's local_steps for each phase (pFedMB: '5 per
+    phase'), or those and the settings the split gave it (FedRep: 'local_steps 1, head_steps 9')."""
+    split = split_budget(run.config.algorithm, run_steps(run))[1]
+    if not split:
+        return f"{run.config.local_steps} per phase"
+    return ", ".join([f"local_steps {run.config.local_steps}",
+                      *(f"{name} {run.config.algorithm_settings[name]}" for name in split)])
 
 
 def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[PlannedRun], quick: bool = False) -> str:

@@ -22,9 +22,9 @@ demo's, the same for every method.
 
 Equal budgets: at CPU scale every method of a table makes ``CPU_STEPS`` optimizer steps per
 client and round (``local_steps``; Per-FedAvg and pFedMe count their outer steps).  A method
-whose plan runs the run's schedule in several phases (``SCHEDULE_PHASES``: pFedMB's α phase,
-then its weights) gets ``CPU_STEPS / phases`` per phase (:func:`phase_steps`), so its phases
-sum to the budget.
+whose plan trains in several phases splits the budget over them (:func:`split_budget`, the
+algorithm's ``split_step_budget``: pFedMB's α and weights half each, FedRep's head 10 of every
+11 steps), so its phases sum to the budget.
 """
 from __future__ import annotations
 
@@ -33,27 +33,20 @@ from typing import Mapping, Optional
 
 SCALES = ("cpu", "paper")
 
-# Algorithms whose local plan runs the run's schedule (``local_steps``) more than once a round:
-# pFedMB trains α for the schedule, then the weights for the schedule (algorithms/pfedmb.py).
-# FedRep's head phase is in epochs (its ``head_epochs``) and cannot share a step budget without
-# an algorithm change: a table at a step budget refuses it (None).
-SCHEDULE_PHASES: dict[str, Optional[int]] = {"pfedmb": 2, "fedrep": None}
+def split_budget(algorithm: str, budget: int) -> tuple[int, dict]:
+    """(``local_steps``, algorithm settings) under which ``algorithm`` takes ``budget`` optimizer
+    steps per client and round (its ``split_step_budget``); ValueError where it cannot."""
+    from ..algorithms import ALGORITHMS
+
+    return ALGORITHMS[algorithm].split_step_budget(budget)
 
 
-def phase_steps(algorithm: str, budget: int) -> int:
-    """The ``local_steps`` that make ``algorithm``'s phases sum to ``budget`` optimizer steps."""
-    phases = SCHEDULE_PHASES.get(algorithm, 1)
-    if phases is None:
-        raise ValueError(f"{algorithm} cannot split a budget of local steps over its phases")
-    if budget % phases:
-        raise ValueError(f"a budget of {budget} local steps does not split over {algorithm}'s {phases} phases")
-    return budget // phases
+def optimizer_steps(algorithm: str, local_steps: Optional[int], settings: Mapping[str, object]) -> Optional[int]:
+    """Optimizer steps per client and round of a run at ``local_steps`` with these algorithm
+    ``settings`` (None: a budget in epochs)."""
+    from ..algorithms import ALGORITHMS
 
-
-def optimizer_steps(algorithm: str, local_steps: Optional[int]) -> Optional[int]:
-    """Optimizer steps per client and round of a run at ``local_steps`` (None: epochs)."""
-    phases = SCHEDULE_PHASES.get(algorithm, 1)
-    return None if local_steps is None or phases is None else local_steps * phases
+    return None if local_steps is None else ALGORITHMS[algorithm].optimizer_steps(local_steps, settings)
 
 
 @dataclass(frozen=True)

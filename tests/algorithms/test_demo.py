@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pfl_algorithms.demo import Scenario, demo_config, format_table, run_demo, scenario_of, TESTBEDS
 
@@ -28,6 +29,47 @@ def test_every_method_gets_the_same_budget_and_its_own_optimizer_settings():
     assert configs["fedavg"].model_options["norm"] == "batch" and configs["pfedhn"].model_options["norm"] == "group"
     fda = demo_config(TESTBEDS["mnist"], "feddaf", "fda", rounds=2, seed=0, data_root=None)
     assert fda.samples_per_client is None and fda.scenario_options["target_fraction"] == 0.05
+
+
+def _optimizer_steps_of_a_round(config, client: int) -> int:
+    """The optimizer steps ``client`` takes in a round of ``config``'s run: its plan's phases on
+    the built federation, each phase's batches as the engine deals them (``client_batches``),
+    a custom gradient's ``batches_per_step`` counted as one step."""
+    from pfl_algorithms.engine.client import phase_schedule
+    from pfl_algorithms.engine.local import client_batches
+    from pfl_algorithms.runner import build
+
+    fed, algorithm, _ = build(config)
+    steps = 0
+    for phase in algorithm.plan(client):
+        batches = client_batches(fed.clients[client].train, phase_schedule(phase, fed.settings.schedule),
+                                 torch.Generator().manual_seed(0))
+        steps += sum(1 for _ in batches) // phase.batches_per_step
+    return steps
+
+
+def test_every_method_takes_the_testbeds_optimizer_steps_in_a_round():
+    """The budget as the engine runs it, not as the configs state it: every demo row's client
+    takes the testbed's 10 optimizer steps a round (pFedMB 5 on α and 5 on the weights, FedRep 9
+    on its head and 1 on its body; before, pFedMB took 20 and FedRep 10 epochs of its head plus
+    10 steps).  Two rows differ by their definitions: FedDWA's second pass is its guidance
+    look-ahead from the trained model, which the client undoes before it uploads (its model
+    takes the 10), and Target-only's sources train nothing (client 1 is a source)."""
+    from pfl_algorithms.algorithms import ALGORITHMS
+    from pfl_algorithms.demo import rows_of
+
+    bed = TESTBEDS["digits"]
+    steps = {}
+    for algorithm in ALGORITHMS:
+        for row in rows_of(algorithm):
+            config = demo_config(bed, algorithm, scenario_of(algorithm), rounds=1, seed=0, data_root=None,
+                                 algorithm_settings=row.settings)
+            steps[row.label] = _optimizer_steps_of_a_round(config, client=1)
+    assert {label: n for label, n in steps.items() if n != bed.local_steps} == \
+        {"feddwa": 2 * bed.local_steps, "target-only": 0}
+    fedrep = demo_config(bed, "fedrep", "permuted", rounds=1, seed=0, data_root=None)
+    assert (fedrep.local_steps, fedrep.algorithm_settings) == (1, {"head_steps": 9})
+    assert demo_config(bed, "pfedmb", "permuted", rounds=1, seed=0, data_root=None).local_steps == 5
 
 
 def test_a_table_is_ranked_with_the_baseline_marked_and_a_spread_only_for_seeds():

@@ -355,12 +355,32 @@ def test_every_method_of_a_table_makes_the_same_optimizer_steps(name, tmp_path):
 def test_pfedmb_runs_the_schedule_in_two_phases():
     """The count behind pFedMB's split: both phases of its plan follow the run's schedule."""
     from pfl_algorithms.algorithms import ALGORITHMS
-    from pfl_algorithms.reproduce.papers import SCHEDULE_PHASES
 
     for settings in ({}, {"shared_alpha": True}, {"weighting": "uniform"}):
         phases = ALGORITHMS["pfedmb"](**settings).plan(0)
-        assert len(phases) == SCHEDULE_PHASES["pfedmb"]
+        assert len(phases) == 2
         assert all(p.steps is None and p.epochs is None for p in phases)
+    assert ALGORITHMS["pfedmb"].split_step_budget(10) == (5, {})
+    with pytest.raises(ValueError, match="does not split over pfedmb's 2 phases"):
+        ALGORITHMS["pfedmb"].split_step_budget(7)
+
+
+@pytest.mark.parametrize("budget,head", [(2, 1), (3, 2), (10, 9), (11, 10), (30, 27)])
+def test_fedrep_splits_a_budget_as_its_code_splits_epochs(budget, head):
+    """FedRep's head takes round(10/11) of a budget, the body the rest (at least 1 each), and the
+    plan then trains the head for those steps and the body for the run's schedule."""
+    from pfl_algorithms.algorithms import ALGORITHMS
+    from pfl_algorithms.reproduce.papers import optimizer_steps, split_budget
+
+    local_steps, settings = split_budget("fedrep", budget)
+    assert (local_steps, settings) == (budget - head, {"head_steps": head})
+    assert optimizer_steps("fedrep", local_steps, settings) == budget
+    assert optimizer_steps("fedrep", local_steps, {}) is None  # the head in epochs: not a step budget
+    first, second = ALGORITHMS["fedrep"](**settings).plan(0)
+    assert (first.groups, first.steps, first.epochs) == (("head",), head, None)
+    assert (second.groups, second.steps, second.epochs) == (("body",), None, None)
+    with pytest.raises(ValueError, match="does not split over fedrep's 2 phases"):
+        split_budget("fedrep", 1)
 
 
 def test_cpu_scale_settings_are_real_data_normalized_and_long_enough(tmp_path):
