@@ -29,6 +29,8 @@ def test_every_method_gets_the_same_budget_and_its_own_optimizer_settings():
     assert configs["fedavg"].model_options["norm"] == "batch" and configs["pfedhn"].model_options["norm"] == "group"
     fda = demo_config(TESTBEDS["mnist"], "feddaf", "fda", rounds=2, seed=0, data_root=None)
     assert fda.samples_per_client is None and fda.scenario_options["target_fraction"] == 0.05
+    # only the target is evaluated where the table is the target's accuracy
+    assert fda.eval_role == "target" and configs["fedavg"].eval_role is None
 
 
 def _optimizer_steps_of_a_round(config, client: int) -> int:
