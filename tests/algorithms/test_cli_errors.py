@@ -158,6 +158,13 @@ def test_demo_needs_at_least_one_seed(capsys, tmp_path):
         capsys, ["demo", "--seeds", "0", "--out", str(tmp_path)])
 
 
+def test_demo_refuses_a_data_root_that_is_not_a_directory(capsys, tmp_path):
+    # Not taken to mean "no MNIST here": the demo would quietly fall back to digits.
+    line = one_line_error(capsys, ["demo", "--data-root", str(tmp_path / "typo"), "--out", str(tmp_path / "d")])
+    assert f"--data-root {tmp_path / 'typo'} is not a directory" in line
+    assert not (tmp_path / "d").exists()
+
+
 def test_compare_names_the_file_and_the_key(capsys, tmp_path):
     run_dir = tmp_path / "r"
     run_dir.mkdir()

