@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up the environment if needed, then run the main job: `pfl demo`, every algorithm on the
-# real digits data with permuted labels (20 clients), then the comparison table and where the
-# plots are.  Extra arguments go to `pfl demo` (e.g. --rounds 20 --seeds 3 --out runs/demo).
+# Set up the environment if needed, then run the main job: `pfl demo`, every algorithm on one
+# testbed (MNIST where installed, else digits; 10 clients), a ranked table and a plot per scenario.
+# Extra arguments go to `pfl demo` (e.g. --rounds 20 --seeds 3 --out runs/demo).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
