@@ -20,13 +20,17 @@ everything else is shared.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from . import claimed_folder as claimed
+from .atomic_io import atomic_write_bytes
 from .compare import mean_std
 from .config import RunConfig, check
 from .plots import series_style
@@ -194,17 +198,49 @@ def demo_config(testbed: Testbed, algorithm: str, scenario: str, *, rounds: int,
                            eval_role="target" if scenario == "fda" else None, **optimizer))
 
 
+# ``out`` is the demo's own folder (``demo.json``, the rules of ``claimed_folder.py``): a user's
+# folder is refused, and report.md or a plot the demo did not write is never replaced.
+FOLDER = claimed.FolderKind(marker="demo.json", format="pfl-demo", command="pfl demo")
+_RUN_FOLDER = re.compile(r".+-seed\d+")
+
+
+def _adopt(out: Path, entries: list) -> Optional[list]:
+    """The report files of a demo folder an older version made (before ``demo.json``): only
+    report.md, ``plots/<scenario>.png`` and run directories ``<scenario>/<method>-seed<S>/``;
+    None when the folder holds anything else."""
+    keys = set(scenarios())
+    plots = sorted(p.name for p in (out / "plots").iterdir()) if (out / "plots").is_dir() else []
+    ours = (all(e in keys | {"report.md", "plots"} for e in entries)
+            and all(name in {f"{k}.png" for k in keys} for name in plots)
+            and all(claimed.only_runs(out / e, lambda parts: 1 if _RUN_FOLDER.fullmatch(parts[0]) else 0)
+                    for e in entries if e in keys and (out / e).is_dir())
+            and ("report.md" not in entries or (out / "report.md").read_text(errors="replace").startswith("Testbed:")))
+    return ([e for e in entries if e == "report.md"] + claimed.plots_of(out)) if ours else None
+
+
+def claim_demo_folder(out: Path) -> None:
+    """Make ``out`` the demo's folder: missing, empty or a demo's (``demo.json``) only.
+
+    Raises:
+        ValueError: one line naming ``out`` when it is a file or someone else's folder.
+    """
+    claimed.claim_folder(FOLDER, out, {}, lambda _: "`pfl demo`", lambda entries: _adopt(out, entries))
+
+
 def run_demo(*, out: Path, rounds: int, seeds: int, algorithms=None, dataset: str = "auto",
              data_root: Optional[str] = None, progress: bool = True) -> str:
     """Run every (or each given) algorithm on the demo's testbed, then write and return the
-    report: one ranked table per scenario and ``plots/<scenario>.png``."""
+    report: one ranked table per scenario and ``plots/<scenario>.png``.  ``out`` must be new,
+    empty or the demo's own folder (``claim_demo_folder``); finished runs in it are kept."""
     from .algorithms import ALGORITHMS
     from .data.datasets import reuse_loaded_datasets
     from .runner import run_or_keep
 
+    out = Path(out)
     tables = scenarios()
     with reuse_loaded_datasets():
         testbed = choose_testbed(dataset, data_root)
+        claim_demo_folder(out)
         for algorithm in algorithms or ALGORITHMS:
             tables[scenario_of(algorithm)].members.append(algorithm)
         for table in tables.values():
@@ -217,8 +253,10 @@ def run_demo(*, out: Path, rounds: int, seeds: int, algorithms=None, dataset: st
                     run_dir = out / table.key / f"{row.folder}-seed{seed}"
                     if run_or_keep(config, run_dir, progress=progress):
                         print(f"{run_dir}: finished earlier, kept")
+    claimed.claim_files(FOLDER, out, [out / "report.md", *(out / "plots" / f"{key}.png"
+                                                          for key, table in tables.items() if table.members)])
     report = format_report(tables, testbed, out, rounds=rounds, seeds=seeds)
-    (out / "report.md").write_text(report + "\n")
+    atomic_write_bytes(out / "report.md", (report + "\n").encode())
     return report
 
 
@@ -330,6 +368,8 @@ def write_plot(table: Scenario, out: Path, seeds: int) -> Optional[Path]:
     path = out / "plots" / f"{table.key}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
     plt.close(fig)
+    atomic_write_bytes(path, image.getvalue())  # a kill never leaves half a plot
     return path

@@ -1,4 +1,5 @@
-"""The folder of a reproduction (``pfl reproduce --out``): ours, or refused.
+"""The folder of a reproduction (``pfl reproduce --out``): ours, or refused (the rules are
+``claimed_folder.py``'s, shared with ``pfl demo``).
 
 ``reproduce.json`` is written first, before any run starts: it says which paper, scale and
 variant the folder reproduces, and lists every file of the report this command may replace
@@ -15,22 +16,20 @@ the same paper and scale) is recognised by its contents and adopted.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..atomic_io import atomic_write_json
+from .. import claimed_folder as claimed
 from .campaign import method_folder, settings_of, slug
 from .papers import Paper
 
 MARKER = "reproduce.json"
-FORMAT = "pfl-reproduce"
-VERSION = 1
+KIND = claimed.FolderKind(marker=MARKER, format="pfl-reproduce", command="pfl reproduce")
 REPORT_FILES = ("report.md", "report.json")
 
 
-def _what(paper: str, scale: str, quick: bool) -> str:
-    return f"`pfl reproduce {paper} --scale {scale}{' --quick' if quick else ''}`"
+def _what(identity: dict) -> str:
+    return f"`pfl reproduce {identity['paper']} --scale {identity['scale']}{' --quick' if identity['quick'] else ''}`"
 
 
 def _identity(paper: Paper, scale: str, quick: bool) -> dict:
@@ -43,17 +42,7 @@ def read_marker(out: Path) -> Optional[dict]:
     Raises:
         ValueError: naming the file, when it is not a marker this command wrote.
     """
-    marker = out / MARKER
-    if not marker.exists():
-        return None
-    try:
-        value = json.loads(marker.read_text())
-        if not isinstance(value, dict) or value.get("format") != FORMAT or not isinstance(value.get("written"), list):
-            raise ValueError(f"no 'format': {FORMAT!r} and 'written' list")
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{marker}: not a pfl reproduce marker ({error}); refusing to write into {out}: choose "
-                         f"another --out") from None
-    return value
+    return claimed.read_marker(KIND, out)
 
 
 def _legacy_report(out: Path, identity: dict) -> bool:
@@ -68,19 +57,24 @@ def _legacy_report(out: Path, identity: dict) -> bool:
                                          for k in identity} == identity
 
 
-def _only_runs(folder: Path, methods: set) -> bool:
-    """Whether every file below a setting's folder lies in a run directory of the campaign's
-    layout (``<method>/seed<S>/`` holding ``run.json``, or a lone ``run.lock`` left by a kill)."""
-    for path in folder.rglob("*"):
-        if path.is_dir():
-            continue
-        parts = path.relative_to(folder).parts
-        if len(parts) < 3 or parts[0] not in methods or not re.fullmatch(r"seed\d+", parts[1]):
-            return False
-        run = folder / parts[0] / parts[1]
-        if not (run / "run.json").is_file() and parts[2:] != ("run.lock",):
-            return False
-    return True
+def _adopt(paper: Paper, scale: str, quick: bool, out: Path, entries: list) -> Optional[list]:
+    """The report files of a folder an older version made for this reproduction (its runs in
+    the campaign's layout ``<setting>/<method>/seed<S>/``, and a report whose report.json names
+    the same paper, scale and variant), or None when the folder is not one."""
+    settings = {slug(s.label) for s in settings_of(paper, scale, quick)}
+    methods = {method_folder(paper, m) for m in paper.methods}
+
+    def run_depth(parts: tuple) -> int:
+        return 2 if len(parts) >= 3 and parts[0] in methods and claimed.SEED_FOLDER.fullmatch(parts[1]) else 0
+
+    report = [e for e in entries if e in (*REPORT_FILES, "plots")]
+    runs = [e for e in entries if e in settings and (out / e).is_dir()]
+    ours = (len(report) + len(runs) == len(entries) and all(claimed.only_runs(out / e, run_depth) for e in runs)
+            and (not report or _legacy_report(out, _identity(paper, scale, quick))))
+    if not ours:
+        return None
+    # Its report files are ours (report.json says so).
+    return [e for e in report if e in REPORT_FILES] + (claimed.plots_of(out) if "plots" in report else [])
 
 
 def claim_folder(paper: Paper, scale: str, out: Path, *, quick: bool = False, write: bool = True) -> None:
@@ -91,37 +85,8 @@ def claim_folder(paper: Paper, scale: str, out: Path, *, quick: bool = False, wr
         ValueError: one line naming the folder, when it is a file, someone else's non-empty
             folder, or the folder of another reproduction.
     """
-    identity = _identity(paper, scale, quick)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a folder; choose another --out")
-    marker = read_marker(out) if out.exists() else None
-    if marker is not None:
-        theirs = {k: marker.get(k) for k in identity}
-        if theirs != identity:
-            raise ValueError(f"--out {out} is the folder of {_what(theirs['paper'], theirs['scale'], theirs['quick'])}, "
-                             f"not of {_what(paper.name, scale, quick)}; choose another --out")
-        return
-    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
-    written: list[str] = []
-    if entries:
-        settings = {slug(s.label) for s in settings_of(paper, scale, quick)}
-        methods = {method_folder(paper, m) for m in paper.methods}
-        report = [e for e in entries if e in (*REPORT_FILES, "plots")]
-        runs = [e for e in entries if e in settings and (out / e).is_dir()]
-        ours = (len(report) + len(runs) == len(entries) and all(_only_runs(out / e, methods) for e in runs)
-                and (not report or _legacy_report(out, identity)))
-        if not ours:
-            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
-            raise ValueError(f"--out {out} is not empty ({shown}) and is not a folder of "
-                             f"{_what(paper.name, scale, quick)} (it has no {MARKER}); refusing to write into it: "
-                             f"choose a new or empty --out")
-        # An older version's folder: its report files are ours (report.json says so).
-        written = [e for e in report if e in REPORT_FILES]
-        if "plots" in report:
-            written += sorted(str(p.relative_to(out)) for p in (out / "plots").glob("*.png"))
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / MARKER, {"format": FORMAT, "version": VERSION, **identity, "written": written})
+    claimed.claim_folder(KIND, out, _identity(paper, scale, quick), _what,
+                         lambda entries: _adopt(paper, scale, quick, out, entries), write=write)
 
 
 def claim_files(out: Path, files: Iterable[Path]) -> None:
@@ -131,15 +96,4 @@ def claim_files(out: Path, files: Iterable[Path]) -> None:
     Raises:
         ValueError: one line naming the first such file.
     """
-    marker = read_marker(out)
-    if marker is None:
-        raise ValueError(f"{out} has no {MARKER}: the report is written only into a folder `pfl reproduce` made")
-    written = list(marker["written"])
-    names = [str(Path(f).relative_to(out)) for f in files]
-    for name in names:
-        if name not in written and (out / name).exists():
-            raise ValueError(f"{out / name} was not written by `pfl reproduce`; refusing to replace it: move it "
-                             f"away and run the command again")
-    new = [n for n in names if n not in written]
-    if new:
-        atomic_write_json(out / MARKER, {**marker, "written": written + new})
+    claimed.claim_files(KIND, out, files)
