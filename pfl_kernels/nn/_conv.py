@@ -1,6 +1,7 @@
 """What every drop-in Conv2d / Linear replacement shares: the dense layer's arguments and forward."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -11,13 +12,29 @@ _CONV_STATE = ("in_channels", "out_channels", "kernel_size", "stride", "padding"
                "groups", "padding_mode", "_reversed_padding_repeated_twice")
 
 
+def _is_size(value) -> bool:
+    """Whether ``value`` is an integer >= 1 (a Python or numpy integer; not a bool)."""
+    try:
+        return not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        return False
+
+
 def adopt_conv2d_arguments(module: nn.Module, in_channels, out_channels, kernel_size, stride, padding,
                            dilation, groups, bias, padding_mode) -> tuple[int, ...]:
     """Validate the arguments as ``nn.Conv2d`` does, copy its state onto ``module``, return the weight shape.
 
     A Conv2d built on the meta device allocates nothing, and gives the same errors
-    (groups, padding strings, padding_mode) and the same derived padding state.
+    (groups, padding strings, padding_mode) and the same derived padding state.  The sizes
+    are checked first, naming the argument: nn.Conv2d accepts 0 channels and a 0 kernel, and
+    a string for a channel count fails inside its own error message.
     """
+    for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
+        if not _is_size(value):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    sizes = tuple(kernel_size) if isinstance(kernel_size, (tuple, list)) else (kernel_size, kernel_size)
+    if len(sizes) != 2 or not all(map(_is_size, sizes)):
+        raise ValueError(f"kernel_size must be an integer >= 1 or a pair of them, got {kernel_size!r}")
     spec = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
                      bias, padding_mode, device="meta")
     for name in _CONV_STATE:

@@ -100,6 +100,8 @@ def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make, c
     """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place, under every
     name it has, keeping tied parameters tied (``conversion.ties``).  Checks everything first,
     so nothing changes when it raises."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, (nn.Conv2d, nn.Linear)):
         raise ValueError(f"model is itself a Conv2d/Linear; use {conversion.from_dense_names} on it")
     check_allow_subclasses(allow_subclasses)

@@ -225,8 +225,10 @@ def _combine_expands(weights, alpha, shared_weights) -> bool:
     elif shared_weights is False:
         raise ValueError("shared_weights=False needs alpha with a client dimension [K, B]")
     if weights.dim() < alpha.dim() or tuple(weights.shape[: alpha.dim()]) != tuple(alpha.shape):
-        raise ValueError(f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape] or "
-                         f"[{n_branches}, *shape] to match alpha {list(alpha.shape)}, got {list(weights.shape)}")
+        # With alpha [B] the two readings are one shape: name it once.
+        shared_reading = f" or [{n_branches}, *shape]" if alpha.dim() == 2 else ""
+        raise ValueError(f"weights must have shape [{', '.join(map(str, alpha.shape))}, *shape]{shared_reading} "
+                         f"to match alpha {list(alpha.shape)}, got {list(weights.shape)}")
     return False
 
 

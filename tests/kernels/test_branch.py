@@ -254,12 +254,15 @@ def test_project_simplex_non_contiguous_view_leaves_the_rest_untouched():
 # ---- bad input ---------------------------------------------------------------------------
 
 def test_error_alpha_length_differs_from_branches():
-    with pytest.raises(ValueError, match=r"weights must have shape \[4, \*shape\]"):
+    # One reading only (alpha has no client dim): the shape is named once.
+    with pytest.raises(ValueError, match=r"^weights must have shape \[4, \*shape\] to match alpha \[4\], "
+                                         r"got \[5, 3, 3\]$"):
         branch_combine(torch.randn(5, 3, 3), torch.rand(4))
 
 
 def test_error_per_client_shapes_do_not_match():
-    with pytest.raises(ValueError, match="weights must have shape"):
+    with pytest.raises(ValueError, match=r"^weights must have shape \[3, 5, \*shape\] or \[5, \*shape\] to match "
+                                         r"alpha \[3, 5\], got \[2, 5, 3\]$"):
         branch_combine(torch.randn(2, 5, 3), torch.rand(3, 5))
 
 

@@ -127,6 +127,13 @@ def test_error_bad_allow_subclasses(converter, bad):
         CONVERTERS[converter](model_with(nn.Conv2d(4, 4, 3)), allow_subclasses=bad)
 
 
+@pytest.mark.parametrize("bad", [3, None, [nn.Conv2d(4, 4, 3)]])
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_error_model_not_a_module(converter, bad):
+    with pytest.raises(TypeError, match=f"model must be a torch.nn.Module, got {type(bad).__name__}"):
+        CONVERTERS[converter](bad)
+
+
 @pytest.mark.parametrize("converter", CONVERTERS)
 def test_subclasses_that_compute_the_same_are_converted(converter):
     torch.manual_seed(0)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, factorize, factorized_layers, sparsity_loss
+from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, factorize, factorized_layers, sparsity_loss
 from pfl_kernels.nn.factorized import best_rank_factors
 from tests.tolerances import assert_close
 
@@ -294,6 +295,27 @@ def test_error_bad_padding_mode():
 def test_error_bad_features():
     with pytest.raises(ValueError, match="in_features must be an integer >= 1"):
         FactorizedLinear(0, 3)
+
+
+@pytest.mark.parametrize("layer", [FactorizedConv2d, MultiBranchConv2d])
+@pytest.mark.parametrize("args, message", [
+    ((0, 4, 3), "in_channels must be an integer >= 1, got 0"),
+    (("3", 4, 3), "in_channels must be an integer >= 1, got '3'"),  # nn.Conv2d: "not all arguments converted"
+    ((3, True, 3), "out_channels must be an integer >= 1, got True"),
+    ((3, 4, 0), "kernel_size must be an integer >= 1 or a pair of them, got 0"),
+    ((3, 4, (3, 0)), r"kernel_size must be an integer >= 1 or a pair of them, got \(3, 0\)"),
+    ((3, 4, (3, 3, 3)), r"kernel_size .* got \(3, 3, 3\)"),
+])
+def test_error_bad_conv_sizes_name_the_argument(layer, args, message):
+    """nn.Conv2d builds 0 channels and a 0 kernel (the error came later, naming an internal
+    shape) and fails inside its own message on a string; the layers name the argument."""
+    with pytest.raises(ValueError, match=message):
+        layer(*args, **({"branches": 2} if layer is MultiBranchConv2d else {}))
+
+
+def test_conv_sizes_take_numpy_integers_as_nn_conv2d_does():
+    layer = FactorizedConv2d(np.int64(3), np.int64(4), (np.int64(3), 3))
+    assert layer(torch.randn(1, 3, 5, 5)).shape == (1, 4, 3, 3)
 
 
 def test_error_from_dense_wrong_module():
