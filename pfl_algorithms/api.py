@@ -153,9 +153,12 @@ class Algorithm:
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name")
         if name:
-            if name in ALGORITHMS and ALGORITHMS[name] is not cls:
-                raise ValueError(f"two algorithms are named {name!r}: {ALGORITHMS[name].__qualname__} and "
-                                 f"{cls.__qualname__}")
+            old = ALGORITHMS.get(name)
+            # The same class defined again (a notebook cell run twice, importlib.reload) replaces
+            # itself; another class under a taken name is refused.
+            if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(f"two algorithms are named {name!r}: {old.__module__}.{old.__qualname__} and "
+                                 f"{cls.__module__}.{cls.__qualname__}")
             ALGORITHMS[name] = cls
 
     def __init__(self, **settings):
