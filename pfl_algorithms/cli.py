@@ -370,6 +370,13 @@ def main(argv=None) -> int:
     still shows its traceback, as the bug in pfl it then is.
     """
     try:
+        return _main(argv)
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _main(argv) -> int:
+    try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:  # --help (0), or a usage error already printed on one line (2)
         return exit_.code
@@ -382,6 +389,18 @@ def main(argv=None) -> int:
         except (ValueError, FileNotFoundError, ImportError) as exc:
             print(f"pfl: error: {_one_line(exc)}", file=sys.stderr)
             return 2
+
+
+def _reader_gone() -> int:
+    """The reader of the output went away (``pfl list | head``): stop quietly, as other
+    command-line tools do, with a shell's status for a tool its SIGPIPE ended.  stdout then
+    points at /dev/null, so the interpreter's last flush at exit finds no broken pipe either
+    (the recipe of Python's ``signal`` documentation)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # a stdout without a file descriptor (captured in a test)
+        pass
+    return 128 + 13  # SIGPIPE
 
 
 if __name__ == "__main__":

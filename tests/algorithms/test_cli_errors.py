@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import math
 
 import pytest
@@ -198,3 +199,21 @@ def test_run_help_shows_every_flag_with_its_default_and_the_algorithms(capsys, m
         assert "(default: " in lines[flag]
     for name, cls in ALGORITHMS.items():
         assert name in text and cls.description in text
+
+
+class _ClosedPipe:
+    """A stdout whose reader has gone (`pfl list | head` once head exits)."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+
+def test_a_closed_pipe_stops_quietly(monkeypatch, capsys):
+    # `pfl list | head -3` printed a BrokenPipeError traceback.
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["list"]) == 141  # 128 + SIGPIPE, as a shell reports a tool the signal ended
+    assert main(["run", "--help"]) == 0  # argparse drops a help text it cannot write
+    assert capsys.readouterr().err == ""
