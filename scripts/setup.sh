@@ -24,6 +24,21 @@ PYTHON=${PYTHON:-python3}
 VENV=${PFL_VENV:-.venv}
 TORCH_VERSION=${PFL_TORCH_VERSION:-2.13.0}
 
+# pyproject.toml's requires-python, checked first: on an older Python pip's only words were
+# "Cannot install torch==2.13.0 because these package versions have conflicting dependencies".
+# The interpreter checked is the one the venv has, or will be made with.
+[ -x "$VENV/bin/python" ] && CHECKED="$VENV/bin/python" || CHECKED=$PYTHON
+if ! command -v "$CHECKED" >/dev/null 2>&1; then
+  echo "setup: no Python found as '$CHECKED'; install Python >= 3.10 or point PYTHON at one" >&2; exit 2
+fi
+if ! "$CHECKED" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  [ "$CHECKED" = "$PYTHON" ] && then_="" || then_=" after removing $VENV"
+  found=$("$CHECKED" -c 'import platform; print(platform.python_version())' 2>/dev/null) || found="?"
+  echo "setup: $CHECKED is Python $found; pfl-kernels needs Python >= 3.10:" \
+       "run with PYTHON=/path/to/python3.10 (or newer)$then_" >&2
+  exit 2
+fi
+
 # Whether torch is installed and its version are read without importing it: importing torch
 # before numpy is installed logs "Failed to initialize NumPy", and an import takes seconds.
 has_torch() { "$1" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; }

@@ -145,3 +145,35 @@ def test_a_failed_install_stops_the_setup_and_says_which(fake_venv):
     assert "ERROR: No matching distribution found for numpy" in result.stdout
     assert "setup: pip could not install" in result.stderr and "numpy (exit status 1; its error is above)" in result.stderr
     assert not any(" -e ." in line for line in log.read_text().splitlines()), "built after a failed install"
+
+
+OLD_PYTHON = r"""#!/usr/bin/env bash
+# Python 3.9 as setup.sh sees it: the version check fails, the version prints as 3.9.18.
+case "$2" in
+  *version_info*) exit 1 ;;
+  *python_version*) echo 3.9.18 ;;
+  *) echo "called with $*" >> "$FAKE_LOG" ;;
+esac
+"""
+
+
+def test_an_older_python_is_refused_before_anything_is_installed(tmp_path):
+    """pyproject's requires-python: pip's only words on 3.9 were "Cannot install torch==2.13.0
+    because these package versions have conflicting dependencies"."""
+    python = tmp_path / "python3.9"
+    python.write_text(OLD_PYTHON)
+    python.chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {**os.environ, "PYTHON": str(python), "PFL_VENV": str(venv), "FAKE_LOG": str(tmp_path / "log")}
+    result = _setup(env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"setup: {python} is Python 3.9.18; pfl-kernels needs Python >= 3.10: run with "
+                                     f"PYTHON=/path/to/python3.10 (or newer)")
+    assert not venv.exists() and not (tmp_path / "log").exists()
+    # A venv made with it already: named, with what to do.
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(OLD_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    result = _setup({**env, "PYTHON": sys.executable})
+    assert result.returncode == 2 and result.stderr.strip().endswith(f"(or newer) after removing {venv}"), result.stderr
+    assert not (tmp_path / "log").exists()
