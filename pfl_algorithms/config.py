@@ -207,7 +207,10 @@ def load_config_file(path: Union[str, Path]) -> dict:
         if path.suffix == ".json":
             values = json.loads(path.read_text())
         else:
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10: the backport, a dependency there (pyproject.toml)
+                import tomli as tomllib
 
             with path.open("rb") as f:
                 values = tomllib.load(f)

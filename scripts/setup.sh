@@ -62,9 +62,10 @@ if ! has_torch "$PY"; then
   pip_install "torch==$TORCH_VERSION"
 fi
 # module:package pairs; a module counts as installed when Python finds it (nothing is imported).
+# tomllib:tomli: Python 3.10 has no tomllib, and `pfl run --config` reads TOML with its backport.
 missing=($(missing_packages triton:triton pytest:pytest pytest_benchmark:pytest-benchmark xdist:pytest-xdist \
                             numpy:numpy ninja:ninja setuptools:setuptools expecttest:expecttest sklearn:scikit-learn \
-                            matplotlib:matplotlib scipy:scipy PIL:pillow))
+                            matplotlib:matplotlib scipy:scipy PIL:pillow tomllib:tomli))
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   # The constraint keeps pip from touching torch while resolving these.

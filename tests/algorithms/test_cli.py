@@ -127,6 +127,21 @@ def test_the_default_lr_is_the_datasets_and_config_json_records_it():
     assert _default_text("lr") == f"the dataset's: 0.05 on {', '.join(fast[:-1])} and {fast[-1]}, else 0.01"
 
 
+def test_config_files_read_with_tomli_where_python_has_no_tomllib(tmp_path, monkeypatch):
+    """Python 3.10 (the oldest declared) has no tomllib: the backport tomli, a dependency there,
+    reads the file (here the stdlib module stands in for it)."""
+    import sys
+    import tomllib
+
+    from pfl_algorithms.config import load_config_file
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('rounds = 2\n[algorithm_settings]\nmu = 0.5\n')
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` fails as on 3.10
+    monkeypatch.setitem(sys.modules, "tomli", tomllib)
+    assert load_config_file(toml) == {"rounds": 2, "algorithm_settings": {"mu": 0.5}}
+
+
 def test_unknown_config_key_is_reported(tmp_path, capsys):
     toml = tmp_path / "run.toml"
     toml.write_text("roundz = 3\n")
