@@ -22,6 +22,8 @@ from typing import Callable, Iterable, Optional
 
 from .atomic_io import atomic_write_json
 
+SEED_FOLDER = re.compile(r"seed\d+")  # a campaign's run folder per seed: seed0, seed1, ...
+
 
 @dataclass(frozen=True)
 class FolderKind:
@@ -53,10 +55,10 @@ def read_marker(kind: FolderKind, out: Path) -> Optional[dict]:
 
 
 def only_runs(folder: Path, is_run_path: Callable[[tuple], bool]) -> bool:
-    """Whether every file below ``folder`` lies in a run directory: ``is_run_path(parts)``
-    splits a file's path (relative to ``folder``) into the run directory's parts, returning
-    how many leading parts name it (0: not in the layout); that directory must hold
-    ``run.json``, or the file must be a lone ``run.lock`` left by a kill."""
+    """Whether every file below ``folder`` lies in a run directory of the command's layout.
+    ``is_run_path(parts)`` gets a file's path parts (relative to ``folder``) and returns how
+    many leading parts name its run directory, 0 when the path is not in the layout.  That
+    directory must hold ``run.json``, or the file must be a lone ``run.lock`` left by a kill."""
     for path in folder.rglob("*"):
         if path.is_dir():
             continue
@@ -130,5 +132,3 @@ def plots_of(out: Path) -> list:
     """The ``plots/*.png`` of an adopted folder, as names relative to it."""
     return sorted(str(p.relative_to(out)) for p in (out / "plots").glob("*.png"))
 
-
-SEED_FOLDER = re.compile(r"seed\d+")
