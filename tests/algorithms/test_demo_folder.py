@@ -75,6 +75,11 @@ def test_a_folder_an_older_demo_made_is_adopted_only_if_every_entry_is_the_demos
     (out / "report.md").write_text("# my own report\n")
     with pytest.raises(ValueError, match="is not empty"):
         claim_demo_folder(out)
+    (out / "report.md").unlink()
+    (out / "report.md").mkdir()  # not the demo's report: a folder of that name
+    with pytest.raises(ValueError, match="is not empty"):
+        claim_demo_folder(out)
+    (out / "report.md").rmdir()
     (out / "report.md").write_text("Testbed: 10 clients\n")
     claim_demo_folder(out)
     assert json.loads((out / "demo.json").read_text())["written"] == ["report.md", "plots/permuted.png"]
