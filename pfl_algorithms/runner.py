@@ -153,6 +153,7 @@ def _lead(config: RunConfig, out: Path, *, resume, overwrite, progress, stop_aft
                 _load_state(rundir, fed, algorithm, state)
                 run_id = identity["run_id"]
                 history = rundir.resume_metrics(fed.round)
+                _more_rounds(rundir, config, fed.round)
             else:
                 if resume:
                     rundir.resume_metrics(0)  # a restart sets the lines of the stopped attempt aside
@@ -298,8 +299,9 @@ def setting_differences(a: dict, b: dict, names: tuple[str, str], prefix: str = 
 
 
 def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: RunConfig) -> None:
-    """Refuse a checkpoint of another run, a config.json edited since it was written, and
-    settings other than the checkpoint's, naming what differs."""
+    """Refuse a checkpoint of another run, a config.json edited since it was written, settings
+    other than the checkpoint's (naming what differs), and fewer rounds than it has run.  The
+    round count alone may change: the run then continues to the new count (``_more_rounds``)."""
     missing = sorted({"run_id", "config", "federation", "algorithm"} - set(state))
     if missing:
         raise ValueError(f"--resume: {rundir.checkpoint} is not a checkpoint of a pfl run (no {missing})")
@@ -312,15 +314,37 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
     except (OSError, ValueError) as error:
         raise ValueError(f"--resume: cannot read {rundir.config} ({error})") from None
     saved, in_checkpoint = with_defaults(saved), with_defaults(state["config"])
-    edited = setting_differences(saved, in_checkpoint, ("config.json", "checkpoint"))
+    # rounds alone may change on --resume (a run continued to more rounds, _more_rounds): config.json
+    # then names the new count before the first checkpoint of the extra rounds is written.
+    edited = setting_differences(_but_rounds(saved), _but_rounds(in_checkpoint), ("config.json", "checkpoint"))
     if edited:
         raise ValueError(f"--resume: {rundir.config} differs from the settings saved in {rundir.checkpoint} in "
                          f"{', '.join(edited)}; it was changed after the run started: restore it, or start over "
                          f"with --overwrite")
-    changed = setting_differences(json_value(config.as_dict()), in_checkpoint, ("given", "saved"))
+    changed = setting_differences(_but_rounds(json_value(config.as_dict())), _but_rounds(in_checkpoint),
+                                  ("given", "saved"))
     if changed:
         raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
-                         f"the same settings (or none: the saved config is used)")
+                         f"the same settings (or none: the saved config is used; --rounds may change)")
+    done = int(state["federation"]["round"])
+    if config.rounds < done:
+        raise ValueError(f"--resume: {rundir.root} has run {done} rounds already; rounds must be at least {done}, "
+                         f"got {config.rounds}")
+
+
+def _but_rounds(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "rounds"}
+
+
+def _more_rounds(rundir: RunDirectory, config: RunConfig, done: int) -> None:
+    """A resumed run whose round count changed (``--resume --rounds N``, N at least the rounds
+    done): config.json takes the new count, and a finished run's summary.json goes until the
+    run finishes again (a campaign keeps a run with a summary as finished)."""
+    if json.loads(rundir.config.read_text()).get("rounds") == config.rounds:
+        return
+    atomic_write_json(rundir.config, config.as_dict())
+    rundir.summary.unlink(missing_ok=True)
+    print(f"pfl: {rundir.root}: {done} rounds done, continuing to {config.rounds}", file=sys.stderr, flush=True)
 
 
 def _best(accuracies) -> Optional[float]:

@@ -59,6 +59,35 @@ def test_resume_reaches_the_same_final_state_bitwise(tmp_path):
     assert rounds == [0, 1, 2, 3, 4]
 
 
+def test_resume_with_more_rounds_continues_to_a_run_made_with_them_bitwise(tmp_path, capsys):
+    """`pfl run --resume --rounds N`: a finished (or stopped) run goes on to N rounds and ends
+    where a run started with N rounds ends; killed on the way, a plain --resume finishes it."""
+    config = tiny_config(rounds=4, checkpoint_every=1, momentum=0.9, optimizer_state="keep")
+    run(config, tmp_path / "whole", progress=False)
+    out = tmp_path / "grown"
+    run(tiny_config(rounds=2, checkpoint_every=1, momentum=0.9, optimizer_state="keep"), out, progress=False)
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
+    # Killed after one of the extra rounds: no summary (the run is not finished), config.json says 4.
+    run(config, out, resume=True, progress=False, stop_after=1)
+    assert not (out / "summary.json").exists() and json.loads((out / "config.json").read_text())["rounds"] == 4
+    assert "2 rounds done, continuing to 4" in capsys.readouterr().err
+    assert main(["run", "fedavg", "--out", str(out), "--resume", "--quiet"]) == 0  # the saved config: 4 rounds
+    a, b = (read_checkpoint(tmp_path / name / "checkpoint.pt") for name in ("whole", "grown"))
+    assert_same(a["federation"], b["federation"])
+    assert_same(a["algorithm"], b["algorithm"])
+    lines = lambda name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert [m["round"] for m in lines("grown")] == [0, 1, 2, 3]
+    assert [m["train_loss"] for m in lines("grown")] == [m["train_loss"] for m in lines("whole")]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 4
+    assert summary["final_mean_accuracy"] == json.loads((tmp_path / "whole" / "summary.json").read_text())[
+        "final_mean_accuracy"]
+    # Fewer rounds than it has run would undo them: refused, the run as it was.
+    assert main(["run", "fedavg", "--out", str(out), "--resume", "--rounds", "3", "--quiet"]) == 2
+    assert "has run 4 rounds already; rounds must be at least 4, got 3" in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
 def test_existing_run_is_not_overwritten(tmp_path):
     config = tiny_config(rounds=1)
     run(config, tmp_path / "r", progress=False)
