@@ -200,20 +200,25 @@ def _load_state(rundir: Optional[RunDirectory], fed: Federation, algorithm, stat
 def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
     """Make sure ``out`` holds ``config``'s finished run: keep a finished run made with the same
     settings (True), resume a stopped one (from round 0 if it has no checkpoint), or start it
-    (False).  A finished run with other settings is refused: a campaign (``pfl demo``, ``pfl
-    reproduce``) never mixes settings into one directory; where and how it ran
-    (``NOT_IN_IDENTITY``: the executor, workers, ...) are not settings of the experiment, and a
-    field the saved config lacks (added since) counts at its default."""
+    (False).  A finished run with fewer rounds and otherwise the same settings is continued to
+    ``config.rounds`` (bitwise a run started with them, ``_more_rounds``).  A finished run with
+    other settings is refused: a campaign (``pfl demo``, ``pfl reproduce``) never mixes settings
+    into one directory; where and how it ran (``NOT_IN_IDENTITY``: the executor, workers, ...)
+    are not settings of the experiment, and a field the saved config lacks (added since) counts
+    at its default."""
     previous = RunDirectory(out)
     if previous.is_run() and previous.summary.exists():
         # load_config_file: a missing or truncated config.json is one line naming it
         now, then = json_value(config.as_dict()), with_defaults(load_config_file(previous.config))
-        differences = setting_differences(*({k: v for k, v in c.items() if k not in NOT_IN_IDENTITY or k == "seed"}
-                                            for c in (now, then)), ("now", "then"))
-        if differences:
+        identity = [{k: v for k, v in c.items() if k not in NOT_IN_IDENTITY or k == "seed"} for c in (now, then)]
+        differences = setting_differences(*identity, ("now", "then"))
+        more_rounds = not setting_differences(*map(_but_rounds, identity), ("now", "then")) \
+            and now["rounds"] > then["rounds"]
+        if differences and not more_rounds:
             raise ValueError(f"{out} holds a finished run with other settings: {', '.join(differences)}; "
                              f"choose another --out")
-        return True
+        if not more_rounds:
+            return True
     run(config, out, resume=previous.is_run(), progress=progress)
     return False
 

@@ -88,6 +88,23 @@ def test_resume_with_more_rounds_continues_to_a_run_made_with_them_bitwise(tmp_p
     assert json.loads((out / "summary.json").read_text()) == summary
 
 
+def test_a_campaign_continues_a_finished_run_to_more_rounds_and_refuses_fewer(tmp_path):
+    """run_or_keep (pfl demo, pfl reproduce): the same settings keep the run, more rounds
+    continue it, fewer rounds or another setting are refused."""
+    from pfl_algorithms.runner import run_or_keep
+
+    out = tmp_path / "r"
+    assert run_or_keep(tiny_config(rounds=2), out, progress=False) is False
+    assert run_or_keep(tiny_config(rounds=2), out, progress=False) is True
+    assert run_or_keep(tiny_config(rounds=3), out, progress=False) is False
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 3
+    assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"holds a finished run with other settings: rounds \(now 2, then 3\)"):
+        run_or_keep(tiny_config(rounds=2), out, progress=False)
+    with pytest.raises(ValueError, match=r"other settings: lr \(now 0.2, then 0.1\), rounds"):
+        run_or_keep(tiny_config(rounds=4, lr=0.2), out, progress=False)
+
+
 def test_existing_run_is_not_overwritten(tmp_path):
     config = tiny_config(rounds=1)
     run(config, tmp_path / "r", progress=False)
