@@ -179,10 +179,15 @@ def test_bad_arguments_are_one_line(argv, needle, capsys):
 def test_finished_runs_with_other_settings_are_refused(tiny, tmp_path, capsys, monkeypatch):
     out = tmp_path / "rep"
     reproduce("tiny", seeds=1, out=out, progress=False)
-    monkeypatch.setitem(papers_module.PAPERS, "tiny", tiny_paper(base={"cpu": dict(TINY_BASE, rounds=3),
+    monkeypatch.setitem(papers_module.PAPERS, "tiny", tiny_paper(base={"cpu": dict(TINY_BASE, lr=0.1),
                                                                        "paper": TINY_BASE}))
     assert main(["reproduce", "tiny", "--seeds", "1", "--out", str(out), "--quiet"]) == 2
-    assert "other settings" in capsys.readouterr().err
+    assert "other settings: lr (now 0.1, then 0.05)" in capsys.readouterr().err
+    # More rounds than the finished runs have: they go on, as if started with them.
+    monkeypatch.setitem(papers_module.PAPERS, "tiny", tiny_paper(base={"cpu": dict(TINY_BASE, rounds=3),
+                                                                       "paper": TINY_BASE}))
+    assert main(["reproduce", "tiny", "--seeds", "1", "--out", str(out), "--quiet"]) == 0
+    assert {json.loads(p.read_text())["rounds"] for p in out.rglob("summary.json")} == {3}
 
 
 def test_pfedmb_tables_run_their_own_rows_with_fine_tuning(tmp_path):

@@ -241,8 +241,11 @@ def test_the_demo_restarts_a_run_killed_before_its_first_checkpoint(tmp_path, ca
     assert json.loads((out / "permuted" / "local-seed0" / "summary.json").read_text())["rounds"] == 1
     assert main([*demo, "--rounds", "1"]) == 0
     assert "finished earlier, kept" in capsys.readouterr().out
-    assert main([*demo, "--rounds", "2"]) == 2
-    one_line_error(capsys, "other settings", "rounds (now 2, then 1)")
+    assert main([*demo, "--rounds", "2"]) == 0  # more rounds: the finished run goes on
+    assert "1 rounds done, continuing to 2" in capsys.readouterr().err
+    assert json.loads((out / "permuted" / "local-seed0" / "summary.json").read_text())["rounds"] == 2
+    assert main([*demo, "--rounds", "1"]) == 2
+    one_line_error(capsys, "other settings", "rounds (now 1, then 2)")
 
 
 def test_resume_and_overwrite_exclude_each_other(tmp_path, capsys):
