@@ -331,7 +331,11 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
     if changed:
         raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
                          f"the same settings (or none: the saved config is used; --rounds may change)")
-    done = int(state["federation"]["round"])
+    try:
+        done = int(state["federation"]["round"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"--resume: {rundir.checkpoint} does not fit this run's model and algorithm (its federation "
+                         f"state has no round count)") from None
     if config.rounds < done:
         raise ValueError(f"--resume: {rundir.root} has run {done} rounds already; rounds must be at least {done}, "
                          f"got {config.rounds}")

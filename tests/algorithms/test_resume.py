@@ -85,7 +85,7 @@ def test_a_crafted_checkpoint_runs_nothing_in_the_demo(tmp_path, capsys, encode)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("damage", ["params shape", "no comm"])
+@pytest.mark.parametrize("damage", ["params shape", "no comm", "no round"])
 def test_a_checkpoint_that_does_not_fit_the_run_is_a_clear_error(tmp_path, capsys, damage):
     from pfl_algorithms.engine.checkpoint import read_checkpoint
 
@@ -95,8 +95,10 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_a_clear_error(tmp_path, capsy
     if damage == "params shape":
         cohort = state["federation"]["cohorts"]["model"]
         cohort["params"] = cohort["params"][:, :-1]
-    else:
+    elif damage == "no comm":
         del state["federation"]["comm"]
+    else:
+        del state["federation"]["round"]
     (out / "checkpoint.pt").write_bytes(with_valid_header(state))
     assert main(["run", "fedavg", *TINY, "--out", str(out), "--resume"]) == 2
     one_line_error(capsys, str(out / "checkpoint.pt"), "does not fit")
