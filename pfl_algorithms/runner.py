@@ -137,7 +137,7 @@ def _lead(config: RunConfig, out: Path, *, resume, overwrite, progress, stop_aft
             state = None
             if resume and rundir.checkpoint.exists():
                 state = rundir.load_checkpoint()
-                _check_resumable(rundir, state, identity["run_id"], config)
+                saved_rounds = _check_resumable(rundir, state, identity["run_id"], config)
             elif resume:
                 print(f"pfl: {out} has no checkpoint (the run stopped before its first one): restarting it from "
                       f"round 0", file=sys.stderr, flush=True)
@@ -153,7 +153,7 @@ def _lead(config: RunConfig, out: Path, *, resume, overwrite, progress, stop_aft
                 _load_state(rundir, fed, algorithm, state)
                 run_id = identity["run_id"]
                 history = rundir.resume_metrics(fed.round)
-                _more_rounds(rundir, config, fed.round)
+                _more_rounds(rundir, config, fed.round, saved_rounds)
             else:
                 if resume:
                     rundir.resume_metrics(0)  # a restart sets the lines of the stopped attempt aside
@@ -303,10 +303,11 @@ def setting_differences(a: dict, b: dict, names: tuple[str, str], prefix: str = 
     return differences
 
 
-def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: RunConfig) -> None:
+def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: RunConfig) -> int:
     """Refuse a checkpoint of another run, a config.json edited since it was written, settings
     other than the checkpoint's (naming what differs), and fewer rounds than it has run.  The
-    round count alone may change: the run then continues to the new count (``_more_rounds``)."""
+    round count alone may change: the run then continues to the new count (``_more_rounds``).
+    Returns the rounds config.json names."""
     missing = sorted({"run_id", "config", "federation", "algorithm"} - set(state))
     if missing:
         raise ValueError(f"--resume: {rundir.checkpoint} is not a checkpoint of a pfl run (no {missing})")
@@ -339,17 +340,19 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
     if config.rounds < done:
         raise ValueError(f"--resume: {rundir.root} has run {done} rounds already; rounds must be at least {done}, "
                          f"got {config.rounds}")
+    return saved["rounds"]
 
 
 def _but_rounds(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "rounds"}
 
 
-def _more_rounds(rundir: RunDirectory, config: RunConfig, done: int) -> None:
+def _more_rounds(rundir: RunDirectory, config: RunConfig, done: int, saved_rounds: int) -> None:
     """A resumed run whose round count changed (``--resume --rounds N``, N at least the rounds
     done): config.json takes the new count, and a finished run's summary.json goes until the
-    run finishes again (a campaign keeps a run with a summary as finished)."""
-    if json.loads(rundir.config.read_text()).get("rounds") == config.rounds:
+    run finishes again (a campaign keeps a run with a summary as finished).  ``saved_rounds``:
+    config.json's count, as ``_check_resumable`` read it."""
+    if saved_rounds == config.rounds:
         return
     atomic_write_json(rundir.config, config.as_dict())
     rundir.summary.unlink(missing_ok=True)
