@@ -212,11 +212,11 @@ def _adopt(out: Path, entries: list) -> Optional[list]:
     plots = sorted(p.name for p in (out / "plots").iterdir()) if (out / "plots").is_dir() else []
     ours = (all(e in keys | {"report.md", "plots"} for e in entries)
             and ("plots" not in entries or (out / "plots").is_dir())
-            and ("report.md" not in entries or (out / "report.md").is_file())
+            and ("report.md" not in entries or ((out / "report.md").is_file()
+                                                 and (out / "report.md").read_text(errors="replace").startswith("Testbed:")))
             and all(name in {f"{k}.png" for k in keys} for name in plots)
             and all(claimed.only_runs(out / e, lambda parts: 1 if _RUN_FOLDER.fullmatch(parts[0]) else 0)
-                    for e in entries if e in keys and (out / e).is_dir())
-            and ("report.md" not in entries or (out / "report.md").read_text(errors="replace").startswith("Testbed:")))
+                    for e in entries if e in keys and (out / e).is_dir()))
     return ([e for e in entries if e == "report.md"] + claimed.plots_of(out)) if ours else None
 
 
