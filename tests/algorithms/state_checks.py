@@ -1,4 +1,4 @@
-"""Bitwise comparison of run states (checkpoints, state dicts, metrics), shared by the tests."""
+"""Bitwise comparison of run states (checkpoints, state dicts, metrics, folders), shared by the tests."""
 from __future__ import annotations
 
 from typing import Callable
@@ -83,3 +83,8 @@ def assert_close_norms(a, b, *, rtol: float, path="state"):
             assert x == y, where
 
     _compare(a, b, path, leaf)
+
+
+def file_tree(folder) -> dict:
+    """Every file below ``folder`` with its bytes (to show a command left a folder untouched)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

@@ -10,15 +10,11 @@ import pytest
 from pfl_algorithms import runner
 from pfl_algorithms.cli import main
 from pfl_algorithms.demo import claim_demo_folder
+from tests.algorithms.state_checks import file_tree
 
 pytest.importorskip("sklearn")
 
 DEMO = ["demo", "--algorithms", "local", "--rounds", "1", "--dataset", "digits", "--quiet"]
-
-
-def _tree(folder) -> dict:
-    """Every file below ``folder`` with its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _no_training(*args, **kwargs):
@@ -30,13 +26,13 @@ def test_a_users_folder_is_refused_and_left_untouched(tmp_path, capsys, monkeypa
     (out / "plots").mkdir(parents=True)
     (out / "report.md").write_text("# my own report\n")
     (out / "plots" / "permuted.png").write_bytes(b"my plot")
-    before = _tree(out)
+    before = file_tree(out)
     monkeypatch.setattr(runner, "run", _no_training)
     assert main([*DEMO, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"pfl: error: --out {out} is not empty (plots, report.md) and is not a folder of `pfl demo` "
                    f"(it has no demo.json); refusing to write into it: choose a new or empty --out"]
-    assert _tree(out) == before
+    assert file_tree(out) == before
 
 
 def test_the_demos_folder_is_reused_and_a_file_it_did_not_write_is_refused(tmp_path, capsys):

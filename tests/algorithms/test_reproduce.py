@@ -16,6 +16,7 @@ from pfl_algorithms.reproduce import papers as papers_module
 from pfl_algorithms.reproduce.campaign import plan, slug
 from pfl_algorithms.reproduce.papers import Claim, Method, Paper, Setting
 from tests.algorithms.fake_files import write_cifar
+from tests.algorithms.state_checks import file_tree
 
 pytestmark = pytest.mark.heavy(seconds=60)  # scheduled first under xdist (tests/conftest.py)
 
@@ -431,11 +432,6 @@ def test_quick_is_a_short_cpu_variant(tmp_path):
         plan(PAPERS["simfed"], "paper", 1, tmp_path, quick=True)
 
 
-def _tree(folder) -> dict:
-    """Every file below ``folder`` with its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def test_a_users_folder_is_refused_and_left_untouched(tiny, tmp_path, capsys, monkeypatch):
     """--out holding the user's report.md (issue 32 item 4): refused in one line naming the
     folder before any run starts; every file byte-equal and nothing added."""
@@ -443,7 +439,7 @@ def test_a_users_folder_is_refused_and_left_untouched(tiny, tmp_path, capsys, mo
     (out / "plots").mkdir(parents=True)
     (out / "report.md").write_text("# my own report\n")
     (out / "plots" / "iid_accuracy_vs_round.png").write_bytes(b"my plot")
-    before = _tree(out)
+    before = file_tree(out)
 
     def no_training(*args, **kwargs):
         raise AssertionError("a run started in the user's folder")
@@ -454,7 +450,7 @@ def test_a_users_folder_is_refused_and_left_untouched(tiny, tmp_path, capsys, mo
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and str(out) in err[0] and "is not empty" in err[0] and "choose a new or empty --out" \
             in err[0], err
-    assert _tree(out) == before
+    assert file_tree(out) == before
 
 
 def test_the_folder_of_another_reproduction_is_refused(tiny, tmp_path, capsys):
