@@ -8,16 +8,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops._checks import is_positive_int, positive_int
+
 _CONV_STATE = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
                "groups", "padding_mode", "_reversed_padding_repeated_twice")
-
-
-def _is_size(value) -> bool:
-    """Whether ``value`` is an integer >= 1 (a Python or numpy integer; not a bool)."""
-    try:
-        return not isinstance(value, bool) and operator.index(value) >= 1
-    except TypeError:
-        return False
 
 
 def adopt_conv2d_arguments(module: nn.Module, in_channels, out_channels, kernel_size, stride, padding,
@@ -29,14 +23,14 @@ def adopt_conv2d_arguments(module: nn.Module, in_channels, out_channels, kernel_
     are checked first, naming the argument: nn.Conv2d accepts 0 channels and a 0 kernel, and
     a string for a channel count fails inside its own error message.
     """
-    for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
-        if not _is_size(value):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    in_channels = positive_int("in_channels", in_channels)
+    out_channels = positive_int("out_channels", out_channels)
     sizes = tuple(kernel_size) if isinstance(kernel_size, (tuple, list)) else (kernel_size, kernel_size)
-    if len(sizes) != 2 or not all(map(_is_size, sizes)):
+    if len(sizes) != 2 or not all(map(is_positive_int, sizes)):
         raise ValueError(f"kernel_size must be an integer >= 1 or a pair of them, got {kernel_size!r}")
-    spec = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-                     bias, padding_mode, device="meta")
+    sizes = tuple(map(operator.index, sizes))  # numpy ints become Python ints, as in the repr
+    spec = nn.Conv2d(in_channels, out_channels, sizes, stride, padding, dilation, groups, bias,
+                     padding_mode, device="meta")
     for name in _CONV_STATE:
         setattr(module, name, getattr(spec, name))
     return (out_channels, in_channels // groups, *spec.kernel_size)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import numpy as np
@@ -99,11 +100,21 @@ def client_count(named: dict[str, Optional[torch.Tensor]], base_dims: int) -> Op
     return k
 
 
+def is_positive_int(value) -> bool:
+    """Whether ``value`` is an integer >= 1: a Python or numpy integer (anything with
+    ``__index__``, as torch's size arguments take), not a bool."""
+    try:
+        return not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        return False
+
+
 def positive_int(name: str, value) -> int:
-    """``value`` if it is an integer >= 1 (not a bool), else ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """``value`` as a Python int if it is an integer >= 1 (see ``is_positive_int``), else
+    ValueError naming ``name``."""
+    if not is_positive_int(value):
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return operator.index(value)
 
 
 def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

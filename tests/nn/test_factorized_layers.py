@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, factorize, factorized_layers, sparsity_loss
+from pfl_kernels.nn import (FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, MultiBranchLinear, factorize,
+                            factorized_layers, sparsity_loss)
 from pfl_kernels.nn.factorized import best_rank_factors
 from tests.tolerances import assert_close
 
@@ -313,9 +314,26 @@ def test_error_bad_conv_sizes_name_the_argument(layer, args, message):
         layer(*args, **({"branches": 2} if layer is MultiBranchConv2d else {}))
 
 
-def test_conv_sizes_take_numpy_integers_as_nn_conv2d_does():
-    layer = FactorizedConv2d(np.int64(3), np.int64(4), (np.int64(3), 3))
-    assert layer(torch.randn(1, 3, 5, 5)).shape == (1, 4, 3, 3)
+@pytest.mark.parametrize("layer", [FactorizedConv2d, MultiBranchConv2d])
+def test_conv_sizes_take_numpy_integers_as_nn_conv2d_does(layer):
+    extra = {"branches": np.int64(2)} if layer is MultiBranchConv2d else {"rank": np.int32(2)}
+    conv = layer(np.int64(3), np.int64(4), (np.int64(3), 3), **extra)
+    assert conv(torch.randn(1, 3, 5, 5)).shape == (1, 4, 3, 3)
+    # kept as Python ints, so the repr and state read as for plain sizes
+    assert [type(v) for v in (conv.in_channels, conv.out_channels, *conv.kernel_size)] == [int] * 4
+    assert "np." not in repr(conv)
+
+
+@pytest.mark.parametrize("layer", [FactorizedLinear, MultiBranchLinear])
+def test_linear_sizes_take_numpy_integers_as_nn_linear_does(layer):
+    """nn.Linear takes numpy integers; so do the Linear layers (they refused them before,
+    where the Conv2d layers took them)."""
+    extra = {"branches": np.int64(2)} if layer is MultiBranchLinear else {"rank": np.int32(2)}
+    linear = layer(np.int64(5), np.int32(3), **extra)
+    assert linear(torch.randn(2, 5)).shape == (2, 3)
+    assert [type(v) for v in (linear.in_features, linear.out_features)] == [int, int]
+    with pytest.raises(ValueError, match=r"in_features must be an integer >= 1, got np.float64\(5.0\)"):
+        layer(np.float64(5), 3, **extra)
 
 
 def test_error_from_dense_wrong_module():
