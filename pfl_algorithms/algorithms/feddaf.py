@@ -8,7 +8,9 @@ to the sources and to the target.
 * Each source trains from w_S with the run's optimizer and uploads its model; the server
   averages them into the next w_S (Eq. 3): the paper's simple average, or with
   ``source_weighting='distance'`` the released code's softmax(−‖w_i − w_T‖) over the sources,
-  w_T the target's model of the same round (parameters and BatchNorm statistics alike).
+  the distances taken on the parameters (as the mixing of Eq. 2 is, and FedAMP's and FedDWA's
+  distances are), w_T the target's model of the same round; the sources' BatchNorm
+  statistics are averaged with the same weights.
 * The target, before training (Algorithms 2–3), computes on its own training data the mean
   gradient field of w_S and of its previous model w_T: the mean over its mini-batches (in
   order, ``target_batch_size``) of the loss gradient, then their angle

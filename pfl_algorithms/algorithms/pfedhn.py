@@ -40,11 +40,12 @@ computed as one vector-Jacobian product, ``torch.autograd.grad(θ_i, [φ, v], gr
   client's turns; here the run's ``optimizer_state`` decides, for the whole model.)
 
 A round of this engine samples several clients, where the code samples one client per step.
-Every sampled client gets θ_i from the same φ (the round's), and the server takes one
-optimizer step per upload, in ascending client order, each with that client's gradient
-(clipped) evaluated at the φ that generated its θ_i, so that Δθ_i and ∇θ_i belong together;
-the M steps then follow one another as the code's steps do.  With ``--clients-per-round 1``
-this is exactly the code's loop.  Models whose shared groups carry BatchNorm statistics are
+Every sampled client gets θ_i from the same φ (the round's), and each gradient is taken at
+that φ, so that Δθ_i and ∇θ_i belong together.  By default (``server_update='mean'``) the
+server then takes one optimizer step (clipped) on the mean of the M gradients of φ, each
+embedding v_i with its own gradient; ``server_update='sequential'`` takes one step per upload
+instead, in ascending client order.  With ``--clients-per-round 1`` either is exactly the
+code's loop.  Models whose shared groups carry BatchNorm statistics are
 refused: the hypernetwork generates parameters, not statistics (``pfedhn-cnn`` has none).
 """
 from __future__ import annotations
@@ -150,8 +151,6 @@ def clip_term(groups, max_norm: float):
         return None
 
     return capturable_hook(clip, key=("pfedhn-clip", tuple(groups), float(max_norm)))
-
-    return clip
 
 
 class PFedHN(Algorithm):

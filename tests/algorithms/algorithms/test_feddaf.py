@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pfl_algorithms.algorithms.feddaf import FedDAF, gompertz_weight, gradient_angle, source_weights
-from pfl_algorithms.api import Message
+from pfl_algorithms.api import BUFFERS, Message
 from pfl_algorithms.engine.client import ClientView
 from pfl_algorithms.engine.rounds import run_round
 from tests.algorithms.test_kill_resume import assert_resume_bitwise
@@ -108,6 +108,24 @@ def test_sources_average_and_the_target_is_not_in_it():
     from pfl_algorithms.config import RunConfig, check
     with pytest.raises(ValueError, match="needs clients with the roles source, target.*--scenario fda"):
         check(RunConfig(algorithm="feddaf", scenario="dirichlet"))
+
+
+def test_distance_weighting_measures_parameters_and_averages_statistics_with_the_same_weights():
+    """source_weighting='distance': softmax(−‖w_i − w_T‖) over the parameters only; the sources'
+    BatchNorm statistics are averaged with those weights."""
+    algo = FedDAF(source_weighting="distance")
+    fed = make_federation(algo, clients=3, roles=ROLES, models=BatchNormNet().double())
+    uploads = {}
+    aggregate = algo.aggregate
+    algo.aggregate = lambda round_, u: (uploads.setdefault("u", u), aggregate(round_, u))
+    run_round(fed, algo, 0)
+    u = uploads["u"]
+    rows = u.concat(algo.groups)
+    weights = torch.softmax(-(rows[:2] - rows[2]).norm(dim=1), 0)
+    params = torch.cat([algo.global_model[g] for g in algo.groups])
+    torch.testing.assert_close(params, weights @ rows[:2], **TOL)
+    torch.testing.assert_close(algo.global_model[BUFFERS], weights @ u.stack(BUFFERS)[:2], **TOL)
+    assert not torch.allclose(weights, torch.full((2,), 0.5, dtype=torch.float64))  # not the plain mean
 
 
 def test_settings_are_checked():
