@@ -117,9 +117,13 @@ fi
 
 # The Flower extra (pfl_algorithms.flower) when asked: PFL_WITH_FLOWER=1 (scripts/test.sh sets
 # it, so CI runs the Flower tests), unless ray and a flwr within the extra's range are there (a
-# venv with an older flwr is upgraded).  The constraint keeps pip from touching torch.
+# venv with an older flwr is upgraded).  The constraint keeps pip from touching torch.  flwr
+# >= 1.42 needs Python >= 3.11: on 3.10 the extra is skipped, and so are the Flower tests.
 flower=$(sed -n 's/^flower = \["\(.*\)"\]$/\1/p' pyproject.toml)
-if [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" - "$flower" 2>/dev/null <<'PYTHON'
+if [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: Flower (flwr>=1.42) needs Python >= 3.11; $("$PY" -V) here, so the flower extra" \
+       "and its tests are skipped"
+elif [ "${PFL_WITH_FLOWER:-0}" = "1" ] && ! "$PY" - "$flower" 2>/dev/null <<'PYTHON'
 import importlib.metadata, sys
 import ray  # noqa: F401 (the simulation's backend)
 from packaging.requirements import Requirement

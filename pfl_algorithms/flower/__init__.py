@@ -13,6 +13,7 @@ Nothing here is imported by the rest of the package: flwr stays optional.
 """
 from __future__ import annotations
 
+import sys
 
 # The releases the extra allows (pyproject.toml): the app needs 1.42's task identity and CLI.
 SUPPORTED = (1, 42), (2, 0)
@@ -23,6 +24,9 @@ def require_flwr() -> None:
     outside :data:`SUPPORTED`."""
     from importlib.metadata import PackageNotFoundError, version
 
+    if sys.version_info < (3, 11):
+        raise ImportError(f"Flower needs Python >= 3.11 (flwr>=1.42 requires it); this is Python "
+                          f"{sys.version_info[0]}.{sys.version_info[1]}")
     try:
         import flwr  # noqa: F401
 

@@ -175,10 +175,11 @@ def test_the_default_lr_is_the_datasets_and_config_json_records_it():
 
 def test_config_files_read_with_tomli_where_python_has_no_tomllib(tmp_path, monkeypatch):
     """Python 3.10 (the oldest declared) has no tomllib: the backport tomli, a dependency there,
-    reads the file (here the stdlib module stands in for it)."""
+    reads the file (here the stdlib module stands in for it; on 3.10 every --config test reads
+    with tomli itself)."""
     import sys
-    import tomllib
 
+    tomllib = pytest.importorskip("tomllib")
     from pfl_algorithms.config import load_config_file
 
     toml = tmp_path / "run.toml"
@@ -186,6 +187,18 @@ def test_config_files_read_with_tomli_where_python_has_no_tomllib(tmp_path, monk
     monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` fails as on 3.10
     monkeypatch.setitem(sys.modules, "tomli", tomllib)
     assert load_config_file(toml) == {"rounds": 2, "algorithm_settings": {"mu": 0.5}}
+
+
+def test_pfl_flower_on_python_3_10_says_flower_needs_3_11(tmp_path, capsys, monkeypatch):
+    """flwr >= 1.42 needs Python >= 3.11 (the extra installs nothing on 3.10): one line says so."""
+    import sys
+
+    monkeypatch.setattr(sys, "version_info", (3, 10, 13, "final", 0))
+    assert main(["flower", "fedavg", "--out", str(tmp_path / "app")]) == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Flower needs Python >= 3.11" in err and "Python 3.10" in err
+    assert not (tmp_path / "app").exists()
 
 
 def test_unknown_config_key_is_reported(tmp_path, capsys):

@@ -1,10 +1,11 @@
 """`pfl flower`: the run config and federation config it writes, and its launch line."""
 import json
-import tomllib
 
 import pytest
 
-pytest.importorskip("flwr")
+pytest.importorskip("flwr")  # first: on Python 3.10 neither flwr nor tomllib is there
+
+import tomllib  # noqa: E402
 
 from pfl_algorithms.cli import main  # noqa: E402
 from pfl_algorithms.flower.client import config_from_key  # noqa: E402
