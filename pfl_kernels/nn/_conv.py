@@ -69,3 +69,17 @@ def conv2d_arguments(module: nn.Conv2d) -> tuple:
 def linear_arguments(module: nn.Linear) -> tuple:
     """The positional arguments that rebuild ``module`` (for ``from_dense``)."""
     return (module.in_features, module.out_features, module.bias is not None)
+
+
+def keep_requires_grad(layer: nn.Module, module: nn.Module, made_from: dict[str, tuple[str, ...]]) -> None:
+    """Give each parameter of ``layer`` made from ``module``'s weight or bias (``made_from``:
+    role -> names) that Parameter's ``requires_grad``: converting a frozen layer keeps it frozen."""
+    for role, names in made_from.items():
+        source = module._parameters.get(role)
+        if source is None:
+            continue
+        for name in names:
+            param = layer._parameters.get(name)
+            if param is not None:
+                param.requires_grad_(source.requires_grad)
+

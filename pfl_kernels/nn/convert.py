@@ -11,7 +11,7 @@ from torch import nn
 from ..ops import project_simplex_
 from ._convertible import check_allow_subclasses, check_convertible, describe
 from .factorized import FactorizedConv2d, FactorizedLinear
-from .multibranch import MultiBranchConv2d, MultiBranchLinear
+from .multibranch import MultiBranchConv2d, MultiBranchLinear, check_noise
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,14 @@ class _Conversion:
     """
 
     converter: str
-    from_dense_names: str
+    for_a_bare_layer: str
     ties: dict[str, tuple[str, ...]]
     tied_together: tuple[str, ...] = ()
 
 
-_FACTORIZE = _Conversion("factorize", "FactorizedConv2d.from_dense or FactorizedLinear.from_dense",
+_FACTORIZE = _Conversion("factorize", "use FactorizedConv2d.from_dense or FactorizedLinear.from_dense on it",
                          {"weight": ("u", "v", "mu"), "bias": ("bias",)})
-_MULTIBRANCH = _Conversion("multibranch", "MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense",
+_MULTIBRANCH = _Conversion("multibranch", "use MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense on it",
                            {"weight": ("branch_weight",), "bias": ("branch_bias",)}, ("alpha_param",))
 
 
@@ -79,7 +79,9 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
         ``model`` itself.
 
     Raises:
-        ValueError: a name in ``exclude`` that the model does not have; ``model`` itself a
+        TypeError: ``sparse`` is not a bool.
+        ValueError: a bad rank or layout (checked first, whatever the model holds); a name
+            in ``exclude`` that the model does not have; ``model`` itself a
             Conv2d/Linear; a module that cannot be replaced exactly (a subclass overriding
             ``forward`` not allowed by ``allow_subclasses``, parametrizations, hooks, an
             uninitialised lazy module), named with its class; a module excluded under one
@@ -87,23 +89,30 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
             stays as it is (e.g. a classifier tied to an embedding), naming both places.
             Nothing is changed when it raises.
     """
+    # The layers' own checks of rank, layout and sparse, on the meta device (nothing allocated),
+    # so a bad argument is refused even where no layer would use it.
+    FactorizedConv2d(1, 1, 1, rank=rank, layout=layout, sparse=sparse, device="meta")
+    FactorizedLinear(1, 1, rank=rank, sparse=sparse, device="meta")
+
     def make(module):
         if isinstance(module, nn.Conv2d):
             return FactorizedConv2d.from_dense(module, rank=rank, layout=layout, sparse=sparse,
                                                allow_subclasses=allow_subclasses)
         return FactorizedLinear.from_dense(module, rank=rank, sparse=sparse, allow_subclasses=allow_subclasses)
 
-    return _convert(model, exclude, allow_subclasses, make, _FACTORIZE)
+    _convert(model, exclude, allow_subclasses, make, _FACTORIZE)
+    return model
 
 
-def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make, conversion: _Conversion) -> nn.Module:
+def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make,
+             conversion: _Conversion) -> list[nn.Module]:
     """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place, under every
-    name it has, keeping tied parameters tied (``conversion.ties``).  Checks everything first,
-    so nothing changes when it raises."""
+    name it has, keeping tied parameters tied (``conversion.ties``); return the new layers in
+    module order.  Checks everything first, so nothing changes when it raises."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, (nn.Conv2d, nn.Linear)):
-        raise ValueError(f"model is itself a Conv2d/Linear; use {conversion.from_dense_names} on it")
+        raise ValueError(f"model is itself a Conv2d/Linear; {conversion.for_a_bare_layer}")
     check_allow_subclasses(allow_subclasses)
     named = list(model.named_modules(remove_duplicate=False))
     exclude = _check_exclude({name for name, _ in named}, exclude)
@@ -117,7 +126,7 @@ def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make, c
     for module, names in targets:
         for name in names:
             _replace(model, name, new[id(module)])
-    return model
+    return list(new.values())
 
 
 def _targets(named: list[tuple[str, nn.Module]], exclude: set[str]) -> list[tuple[nn.Module, list[str]]]:
@@ -190,7 +199,8 @@ def _tie(groups: list[tuple[str, list[nn.Module]]], new: dict[int, nn.Module], c
         first = new[id(modules[0])]
         for module in modules[1:]:
             for attr in conversion.ties[role]:
-                setattr(new[id(module)], attr, getattr(first, attr))
+                if hasattr(first, attr):  # a FedPara Linear has no t1, t2
+                    setattr(new[id(module)], attr, getattr(first, attr))
             root[find(id(module))] = find(id(modules[0]))
     for key, layer in new.items():
         for attr in conversion.tied_together:
@@ -211,7 +221,8 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
     Args:
         branches: B >= 1.  simplex: 'softmax' or 'project' (see the layers).
         shared_alpha: one α for the whole model (pFedMB Section 5.2) instead of one per layer:
-            every converted layer then holds the same ``alpha_param`` Parameter.
+            every layer this call converts then holds the same ``alpha_param`` Parameter
+            (multi-branch layers the model had before keep theirs).
         exclude: qualified module names to leave dense (their children too).
         noise: symmetry-breaking noise of the branches, relative to each weight's std.
         allow_subclasses: as for ``factorize``.
@@ -220,17 +231,26 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
         ``model`` itself.
 
     Raises:
-        ValueError: bad branches/simplex/noise; and every error of ``factorize``.
+        ValueError: bad branches/simplex/noise (checked first, whatever the model holds); and
+            every error of ``factorize``.
     """
+    # The layers' own checks of branches and simplex on the meta device, and noise's, so a bad
+    # argument is refused even where no layer would use it.
+    MultiBranchLinear(1, 1, branches=branches, simplex=simplex, device="meta")
+    check_noise(noise)
+    if not isinstance(shared_alpha, bool):
+        raise TypeError(f"shared_alpha must be a bool, got {shared_alpha!r}")
+
     def make(module):
         kind = MultiBranchConv2d if isinstance(module, nn.Conv2d) else MultiBranchLinear
         return kind.from_dense(module, branches=branches, noise=noise, simplex=simplex,
                                allow_subclasses=allow_subclasses)
 
-    _convert(model, exclude, allow_subclasses, make, _MULTIBRANCH)
-    layers = multibranch_layers(model)
+    layers = _convert(model, exclude, allow_subclasses, make, _MULTIBRANCH)
     if shared_alpha and layers:
         shared = layers[0].alpha_param
+        # One α for all: trained wherever one of the dense weights it weighs was.
+        shared.requires_grad_(any(layer.alpha_param.requires_grad for layer in layers))
         for layer in layers[1:]:
             layer.alpha_param = shared
     return model

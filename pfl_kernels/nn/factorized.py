@@ -18,7 +18,8 @@ from .. import ops  # noqa: F401  (defines torch.ops.pfl.*)
 from .._layout import LAYOUTS, layout_geometry
 from ..ops._checks import positive_int
 from ..reference.factorized import unplace
-from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
+from ._conv import (adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, keep_requires_grad,
+                    linear_arguments)
 from ._convertible import check_convertible
 from ._read_only import RebuiltAttributes, read_only
 
@@ -91,9 +92,13 @@ class _FactorizedMixin(RebuiltAttributes):
     mu: Optional[nn.Parameter]
     bias: Optional[nn.Parameter]
     _rebuilt_attributes = ("weight",)
+    # The parameters made from a dense layer's weight and bias (from_dense, factorize).
+    made_from = {"weight": ("u", "v", "mu"), "bias": ("bias",)}
 
     def _init_parameters(self, shape, layout, rank, sparse, bias, device, dtype) -> None:
         """Create u, v, mu and bias for a weight of ``shape`` and initialise them."""
+        if not isinstance(sparse, bool):
+            raise TypeError(f"sparse must be a bool, got {sparse!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.rank = positive_int("rank", rank)
@@ -152,8 +157,8 @@ class _FactorizedMixin(RebuiltAttributes):
         return layer
 
     def _load_dense(self, module: nn.Module) -> None:
-        """From a dense layer: u, v the best rank-r part of its weight, μ the rest; its bias and
-        its train/eval mode."""
+        """From a dense layer: u, v the best rank-r part of its weight, μ the rest; its bias, its
+        train/eval mode and its parameters' requires_grad."""
         with torch.no_grad():
             if module.bias is not None:
                 self.bias.copy_(module.bias)
@@ -166,6 +171,7 @@ class _FactorizedMixin(RebuiltAttributes):
                 # m - u v in float64, rounded once: u v + μ is the dense weight to within that rounding.
                 self.mu.copy_(m.addmm_(u, v, alpha=-1))
         self.train(module.training)
+        keep_requires_grad(self, module, self.made_from)
 
     def sparsity_loss(self) -> torch.Tensor:
         """‖μ‖₁, the sparsity term of Factorized-FL Eq. 6 (differentiable; 0 without μ)."""

@@ -29,10 +29,14 @@ Initialization, ``init``:
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from ._conv import keep_requires_grad
+from .convert import _Conversion, _convert
 
 
 def fedpara_rank(fan_out: int, fan_in: int, kernel: int = 1, ratio: float = 0.5) -> int:
@@ -155,6 +159,12 @@ class FedParaConv2d(nn.Module):
 FEDPARA_LAYERS = (FedParaLinear, FedParaConv2d)
 
 
+# What fedpara() replaces and ties (convert.py's machinery): tied dense weights become layers
+# sharing their factors.
+_FEDPARA = _Conversion("fedpara", "convert nn.Sequential(model) instead",
+                       {"weight": ("x1", "y1", "x2", "y2", "t1", "t2"), "bias": ("bias",)})
+
+
 def _converted(layer: nn.Module, ratio: float, init: str) -> nn.Module:
     weight = layer.weight
     kw = {"device": weight.device, "dtype": weight.dtype}
@@ -175,26 +185,31 @@ def _converted(layer: nn.Module, ratio: float, init: str) -> nn.Module:
         with torch.no_grad():
             new.bias.copy_(layer.bias)
     new.train(layer.training)
+    keep_requires_grad(new, layer, _FEDPARA.ties)
     return new
 
 
 def fedpara(model: nn.Module, ratio: float = 0.5, init: str = "variance") -> nn.Module:
-    """Replace every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` (in place) by its FedPara
-    layer of ratio γ = ``ratio``, factors drawn by ``init`` ('variance' or 'he', module
-    docstring); biases are copied, everything else is untouched.  Returns ``model``.  Draws
-    the factors from torch's global RNG.
+    """Replace every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` (in place, at any depth) by its
+    FedPara layer of ratio γ = ``ratio``, factors drawn by ``init`` ('variance' or 'he', module
+    docstring); biases are copied, train/eval mode and requires_grad kept, everything else is
+    untouched.  Returns ``model``.  Draws the factors from torch's global RNG, layer by layer
+    in module order.
+
+    As ``factorize`` does: a module registered under several names becomes one FedPara layer
+    under all of them, and layers sharing a weight (or bias) Parameter become layers sharing
+    its factors (or bias).
 
     Raises:
-        ValueError: a ratio outside [0, 1], an unknown ``init``, or a Conv2d with groups,
-            string padding or a padding mode other than zeros.
+        ValueError: a ratio outside [0, 1], an unknown ``init``, a Conv2d with groups, string
+            padding or a padding mode other than zeros, and every error of ``factorize`` for a
+            module it cannot replace exactly (a subclass overriding ``forward``, hooks,
+            parametrizations, an uninitialised lazy module, a weight tied to a module that
+            stays dense, ``model`` itself a Linear/Conv2d).  Nothing changes when it raises.
     """
-    if not 0 <= ratio <= 1:
-        raise ValueError(f"the FedPara ratio must be in [0, 1], got {ratio}")
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not 0 <= ratio <= 1:
+        raise ValueError(f"the FedPara ratio must be a number in [0, 1], got {ratio!r}")
     if init not in INITS:
         raise ValueError(f"the FedPara init must be one of {INITS}, got {init!r}")
-    for name, child in list(model.named_children()):
-        if isinstance(child, (nn.Linear, nn.Conv2d)):
-            setattr(model, name, _converted(child, ratio, init))
-        else:
-            fedpara(child, ratio, init)
+    _convert(model, (), False, lambda layer: _converted(layer, ratio, init), _FEDPARA)
     return model

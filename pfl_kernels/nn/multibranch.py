@@ -9,6 +9,7 @@ simplex) or α itself under ``simplex='project'``, kept on the simplex by
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -17,11 +18,18 @@ from torch.nn import functional as F
 
 from ..ops import project_simplex_
 from ..ops._checks import positive_int
-from ._conv import adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, linear_arguments
+from ._conv import (adopt_conv2d_arguments, conv2d_arguments, conv2d_extra_repr, conv2d_forward, keep_requires_grad,
+                    linear_arguments)
 from ._convertible import check_convertible
 from ._read_only import RebuiltAttributes, read_only
 
 SIMPLEX_MODES = ("softmax", "project")
+
+
+def check_noise(noise) -> None:
+    """ValueError unless ``noise`` is a finite real number >= 0 (not a bool)."""
+    if isinstance(noise, bool) or not isinstance(noise, numbers.Real) or not 0 <= noise < math.inf:
+        raise ValueError(f"noise must be a finite number >= 0, got {noise!r}")
 
 
 class _MultiBranchMixin(RebuiltAttributes):
@@ -31,6 +39,9 @@ class _MultiBranchMixin(RebuiltAttributes):
     branch_bias: Optional[nn.Parameter]
     alpha_param: nn.Parameter
     _rebuilt_attributes = ("weight", "bias")
+    # The parameters made from a dense layer's weight and bias (from_dense, multibranch); α
+    # weighs the weight's branches, so it follows the weight.
+    made_from = {"weight": ("branch_weight", "alpha_param"), "bias": ("branch_bias",)}
 
     def _init_parameters(self, shape, branches, simplex, bias, device, dtype) -> None:
         if simplex not in SIMPLEX_MODES:
@@ -110,19 +121,22 @@ class _MultiBranchMixin(RebuiltAttributes):
 
     def _load_dense(self, module: nn.Module, noise: float) -> None:
         """Every branch := the dense layer's weight (+ Gaussian noise of std noise·std(weight)) and
-        bias; α uniform; the dense layer's train/eval mode."""
-        if not noise >= 0:
-            raise ValueError(f"noise must be >= 0, got {noise}")
+        bias; α uniform; the dense layer's train/eval mode and its parameters' requires_grad."""
+        check_noise(noise)
         weight = module.weight.detach()
         bias = None if module.bias is None else module.bias.detach()
         with torch.no_grad():
             self.branch_weight.copy_(weight.expand_as(self.branch_weight))
             if noise > 0:
-                self.branch_weight.add_(torch.randn_like(self.branch_weight) * (noise * weight.std()))
+                # A one-entry weight has no spread to scale by (its unbiased std is NaN, which
+                # made every branch NaN): its branches stay equal.
+                scale = noise * weight.std() if weight.numel() > 1 else 0.0
+                self.branch_weight.add_(torch.randn_like(self.branch_weight) * scale)
             if bias is not None:
                 self.branch_bias.copy_(bias.expand_as(self.branch_bias))
         self._reset_alpha()
         self.train(module.training)
+        keep_requires_grad(self, module, self.made_from)
 
     def _branch_repr(self) -> str:
         return f", branches={self.branches}, simplex={self.simplex!r}"
@@ -147,13 +161,28 @@ class MultiBranchConv2d(_MultiBranchMixin, nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return conv2d_forward(self, input, *self._combined())
 
+    def _apply(self, fn, recurse=True):
+        # nn.Module.to(memory_format=torch.channels_last) converts every 4-D and 5-D tensor, and
+        # torch refuses channels_last for a 5-D one, so a model holding this layer could not be
+        # moved to channels_last.  The [B, O, I, kh, kw] branches go through ``fn`` as the
+        # [B·O, I, kh, kw] stack of B convolution weights (a view): each branch then has the
+        # memory format that ``fn`` gives a Conv2d weight.  Every other ``fn`` (device, dtype,
+        # to_empty, share_memory_) treats the entries alike, so the flattening changes nothing.
+        def on_branches_as_conv_weights(t):
+            if t.dim() == 5:
+                return fn(t.flatten(0, 1)).unflatten(0, t.shape[:2])
+            return fn(t)
+
+        return super()._apply(on_branches_as_conv_weights, recurse)
+
     @classmethod
     def from_dense(cls, module: nn.Conv2d, *, branches: int = 2, noise: float = 0.0,
                    simplex: str = "softmax", allow_subclasses=False) -> "MultiBranchConv2d":
         """A multi-branch copy of ``module``: every branch starts as its weight (and bias).
 
         With noise=0 the layer computes the dense function (up to rounding of Σ α_b = 1);
-        noise > 0 adds Gaussian noise of std noise·std(weight) to each branch to break symmetry.
+        noise > 0 adds Gaussian noise of std noise·std(weight) to each branch to break symmetry
+        (none to a one-entry weight).  The new parameters keep the dense ones' requires_grad.
 
         Raises:
             TypeError: ``module`` is not an ``nn.Conv2d``.

@@ -1,5 +1,6 @@
-"""What the converters (factorize, multibranch) and from_dense refuse or keep: subclasses whose
-forward differs, parametrized / hooked / lazy modules, shared modules and tied parameters."""
+"""What the converters (factorize, multibranch, fedpara) and from_dense refuse or keep: subclasses
+whose forward differs, parametrized / hooked / lazy modules, shared modules and tied parameters,
+requires_grad, their arguments, a shared α, channels-last."""
 from __future__ import annotations
 
 import pytest
@@ -7,9 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pfl_kernels.nn import (FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, MultiBranchLinear,
-                            alpha_parameters, branch_parameters, factorize, factorized_layers, multibranch,
-                            multibranch_layers, sparsity_loss)
+from pfl_kernels.nn import (FEDPARA_LAYERS, FactorizedConv2d, FactorizedLinear, FedParaLinear, MultiBranchConv2d,
+                            MultiBranchLinear, alpha_parameters, branch_parameters, factorize, factorized_layers,
+                            fedpara, multibranch, multibranch_layers, sparsity_loss)
 from tests.tolerances import assert_close
 
 CONVERTERS = {
@@ -323,3 +324,132 @@ def test_a_tie_to_something_left_unconverted_is_refused(converter, make, exclude
     with pytest.raises(ValueError, match=message.format(converter=converter)):
         CONVERTERS[converter](model, exclude=exclude)
     assert _layers(model) == before
+
+
+# ---- requires_grad, arguments, shared α -----------------------------------------------
+
+ALL_CONVERTERS = {**CONVERTERS, "fedpara": lambda model, **kw: fedpara(model, 0.5, **kw)}
+
+
+@pytest.mark.parametrize("converter", ALL_CONVERTERS)
+def test_frozen_layers_stay_frozen(converter):
+    """A frozen backbone stays frozen: each new parameter keeps the requires_grad of the dense
+    weight or bias it is made from (they all became trainable before)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    model[2].bias.requires_grad_(False)
+    ALL_CONVERTERS[converter](model)
+    assert isinstance(model[0], CONVERTED + FEDPARA_LAYERS)
+    assert not any(p.requires_grad for p in model[0].parameters())
+    made = {name: p.requires_grad for name, p in model[2].named_parameters()}
+    assert len(made) > 2 and made == {name: "bias" not in name for name in made}  # bias, branch_bias frozen
+
+
+def test_from_dense_keeps_requires_grad():
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    assert not any(p.requires_grad for p in FactorizedLinear.from_dense(frozen).parameters())
+    assert not any(p.requires_grad for p in MultiBranchLinear.from_dense(frozen).parameters())
+
+
+def test_a_shared_alpha_is_trained_where_a_weight_it_weighs_was():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    multibranch(model, branches=2, shared_alpha=True)
+    assert model[0].alpha_param is model[1].alpha_param and model[0].alpha_param.requires_grad
+    assert not model[0].branch_weight.requires_grad
+
+
+def test_shared_alpha_ties_only_the_layers_it_converts():
+    """Multi-branch layers the model already had keep their own α: they may have another B or
+    simplex (the model then failed at its next forward) or a trained α (its output changed)."""
+    torch.manual_seed(5)
+    model = nn.Sequential(MultiBranchLinear(3, 3, branches=3), nn.Linear(3, 4), nn.Linear(4, 2))
+    own = model[0].alpha_param
+    multibranch(model, branches=2, shared_alpha=True)
+    assert model[0].alpha_param is own
+    assert model[1].alpha_param is model[2].alpha_param
+    assert model(torch.randn(2, 3)).shape == (2, 2)
+    with torch.no_grad():
+        for layer in multibranch_layers(model):
+            layer.alpha_param.normal_()
+    x = torch.randn(2, 3)
+    y = model(x)
+    multibranch(model, branches=2, shared_alpha=True)  # nothing left to convert: nothing changes
+    assert model[1].alpha_param is not model[0].alpha_param
+    assert torch.equal(model(x), y)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: factorize(m, layout="bogus"), ValueError, r"layout must be one of"),
+    (lambda m: factorize(m, layout="linear"), ValueError, r"layout 'linear' is for FactorizedLinear"),
+    (lambda m: factorize(m, rank=0), ValueError, r"rank must be an integer >= 1, got 0"),
+    (lambda m: factorize(m, sparse="no"), TypeError, r"sparse must be a bool, got 'no'"),
+    (lambda m: multibranch(m, branches=0), ValueError, r"branches must be an integer >= 1, got 0"),
+    (lambda m: multibranch(m, branches=2, simplex="x"), ValueError, r"simplex must be one of"),
+    (lambda m: multibranch(m, branches=2, noise=-1), ValueError, r"noise must be a finite number >= 0, got -1"),
+    (lambda m: multibranch(m, branches=2, noise="a"), ValueError, r"noise must be a finite number >= 0, got 'a'"),
+    (lambda m: multibranch(m, branches=2, noise=float("inf")), ValueError, r"noise must be a finite .* got inf"),
+    (lambda m: multibranch(m, branches=2, noise=float("nan")), ValueError, r"noise must be a finite .* got nan"),
+    (lambda m: multibranch(m, branches=2, shared_alpha="yes"), TypeError, r"shared_alpha must be a bool"),
+    (lambda m: fedpara(m, ratio="0.5"), ValueError, r"ratio must be a number in \[0, 1\], got '0.5'"),
+])
+@pytest.mark.parametrize("model", [lambda: nn.Sequential(nn.ReLU()), lambda: nn.Sequential(nn.Linear(3, 3))],
+                         ids=["no-layer", "linear"])
+def test_converter_arguments_are_checked_whatever_the_model_holds(call, error, message, model):
+    """Before, an argument was checked only by a layer that used it: a model without
+    convolutions took any layout, one without layers any rank or noise."""
+    with pytest.raises(error, match=message):
+        call(model())
+
+
+def test_noise_on_a_one_entry_weight_leaves_the_branches_finite():
+    layer = MultiBranchLinear.from_dense(nn.Linear(1, 1), noise=0.1)  # its std was NaN: NaN branches
+    assert torch.isfinite(layer.branch_weight).all()
+    assert torch.equal(layer.branch_weight[0], layer.branch_weight[1])
+
+
+def test_a_multibranch_model_moves_to_channels_last():
+    """nn.Module.to(memory_format=channels_last) refuses 5-D tensors; the [B, O, I, kh, kw]
+    branches go through it as B convolution weights, each channels-last."""
+    torch.manual_seed(6)
+    model = multibranch(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1)), branches=3, noise=0.1)
+    x = torch.randn(2, 3, 7, 7)
+    y = model(x)
+    model.to(memory_format=torch.channels_last)
+    for layer in multibranch_layers(model):
+        assert all(b.is_contiguous(memory_format=torch.channels_last) for b in layer.branch_weight)
+    out = model(x.to(memory_format=torch.channels_last))
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    assert_close(out, y, torch.float32, "output")
+    out.sum().backward()
+    model.to(memory_format=torch.contiguous_format).double()
+    assert model[0].branch_weight.is_contiguous() and model[0].branch_weight.grad.dtype == torch.float64
+
+
+# ---- fedpara: the same safeguards ------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated")
+@pytest.mark.parametrize("case", [c for c in REFUSED if c != "_conv_forward"])
+def test_fedpara_refuses_what_factorize_refuses(case):
+    make, message = REFUSED[case]
+    model = model_with(make())
+    before = _layers(model)
+    with pytest.raises(ValueError, match=message.replace(r".*allow_subclasses=True", "")):
+        fedpara(model)
+    assert _layers(model) == before
+
+
+def test_fedpara_keeps_shared_modules_and_ties():
+    model = fedpara(SharedTwice())
+    assert isinstance(model.first, FedParaLinear) and model.body[1] is model.first
+    model = fedpara(TiedLinears())
+    for attr in ("x1", "y1", "x2", "y2"):
+        assert getattr(model.encoder, attr) is getattr(model.decoder, attr), attr
+    assert model.extra.bias is model.decoder.bias
+    tied = fedpara(TiedConvs())
+    assert tied.fine.t1 is tied.coarse.t1 and tied.fine.x2 is tied.coarse.x2
+    with pytest.raises(ValueError, match=r"model is itself a Conv2d/Linear; convert nn.Sequential\(model\) instead"):
+        fedpara(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match=r"the weight of 'classifier' \(Linear\) is the same Parameter as "
+                                         r"'embed\.weight', which fedpara does not convert"):
+        fedpara(EmbeddingTiedClassifier())

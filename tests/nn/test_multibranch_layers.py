@@ -176,7 +176,7 @@ def test_error_channels_not_divisible_by_groups():
 
 
 def test_error_bad_noise_and_module():
-    with pytest.raises(ValueError, match="noise must be >= 0"):
+    with pytest.raises(ValueError, match="noise must be a finite number >= 0, got -0.1"):
         MultiBranchLinear.from_dense(nn.Linear(3, 3), noise=-0.1)
     with pytest.raises(TypeError, match="module must be an nn.Conv2d"):
         MultiBranchConv2d.from_dense(nn.Linear(3, 3))
