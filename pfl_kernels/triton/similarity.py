@@ -550,7 +550,8 @@ def similarity_weights_triton(sim: torch.Tensor, tau: float, scale: float, min_k
     if out.numel() == 0:
         check_weights_values(sim, self_index)  # self_index of K rows against M = 0 columns
         return out
-    own = self_index.to(torch.int64) if self_index is not None else out
+    # Contiguous: the kernel reads row r's own column at own_ptr + r (an int64 view kept its strides).
+    own = self_index.to(torch.int64).contiguous() if self_index is not None else out
     flags = torch.empty(k, dtype=torch.int32, device=sim.device)
     block = next_power_of_2(m)
     with _device_guard(sim):

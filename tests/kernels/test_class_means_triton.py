@@ -57,6 +57,13 @@ def test_empty_inputs():
     assert means.shape == (3, 4) and not means.any() and not counts.any()
 
 
+def test_no_clients():
+    """K = 0 clients of N > 0 samples: empty results (segment_keys' arange refused K = 0)."""
+    means, counts = tcm.class_means_triton(torch.randn(0, 4, 2, device=DEVICE),
+                                           torch.zeros(0, 4, dtype=torch.int64, device=DEVICE), 3)
+    assert means.shape == (0, 3, 2) and counts.shape == (0, 3)
+
+
 def test_strided_features():
     features, labels = make_inputs(20, 8, 4, clients=2, seed=2)
     t = features.transpose(1, 2).contiguous().transpose(1, 2)

@@ -228,6 +228,17 @@ def test_weights_negative_values_keys_and_own_minus_one():
         assert_close(w, ref.similarity_weights(sim.to(F64), 0.5, 2.0, min_keep, idx), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_weights_read_a_strided_self_index(dtype):
+    """An int64 self_index view kept its strides through .to(int64), and the kernel read it as
+    contiguous: another row's own column (0.82 off), or the filler's value."""
+    sim = sim_of(3, 5, seed=3)
+    for filler in (0, 9):
+        own = torch.tensor([0, filler, 2, filler, 1, filler], device=DEVICE, dtype=dtype)[::2]
+        w = ts.similarity_weights_triton(sim, 0.5, 5.0, 3, own)
+        assert_close(w, ref.similarity_weights(sim.to(F64), 0.5, 5.0, 3, own.contiguous()), torch.float32)
+
+
 def test_through_the_ops(tiles):
     """The wrappers and autograd on the Triton launchers (as the CPU kernels, in the interpreter)."""
     launchers = {"pairwise_cosine": ts.pairwise_cosine_triton, "pairwise_sqdist": ts.pairwise_sqdist_triton,
