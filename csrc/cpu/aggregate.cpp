@@ -465,7 +465,8 @@ int64_t count_nonzeros(const acc_t* w, int64_t n) {
     }
   });
   TORCH_CHECK_VALUE(std::none_of(bad.begin(), bad.end(), [](char b) { return b != 0; }),
-                    "weights must be finite (they hold NaN or Inf)");
+                    "weights must be finite (they hold NaN or Inf, or values beyond the accumulation "
+                    "dtype's range: float32's, float64's for float64 params)");
   int64_t total = 0;
   for (int64_t c : count) total += c;
   return total;

@@ -669,6 +669,12 @@ at::Tensor similarity_weights_cpu(const at::Tensor& sim, double tau, double scal
   const int64_t K = sim.size(0), M = sim.size(1);
   TORCH_CHECK_VALUE(tau >= -1.0 && tau <= 1.0, "tau must be in [-1, 1], got ", tau);
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
+  // The kernel scales in the accumulation type, where a larger |scale| rounds to Inf (NaN weights).
+  const bool in_double = sim.scalar_type() == at::kDouble;
+  const double largest = in_double ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+  TORCH_CHECK_VALUE(std::abs(scale) <= largest, "scale must be within ", in_double ? "float64" : "float32",
+                    "'s range (|scale| <= ", largest, "), the accumulation dtype of ",
+                    dtype_str(sim.scalar_type()), " sim, got ", scale);
   TORCH_CHECK_VALUE(min_keep >= 0, "min_keep must be >= 0, got ", min_keep);
   at::Tensor own;
   if (!self_index) {

@@ -11,10 +11,18 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_tensor(name: str, t, *, dims: tuple[int, ...]) -> None:
-    """Raise TypeError/ValueError unless ``t`` is a floating tensor with a dim in ``dims``."""
+def check_is_tensor(name: str, t, *, or_none: bool = False) -> None:
+    """TypeError unless ``t`` is a torch.Tensor; ValueError unless it is dense (strided): the
+    kernels read memory by strides, and a sparse one failed deep inside with another type."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if or_none else ''}, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def check_tensor(name: str, t, *, dims: tuple[int, ...]) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a floating dense tensor with a dim in ``dims``."""
+    check_is_tensor(name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
     if t.dim() not in dims:
@@ -35,8 +43,7 @@ def check_same(ref_name: str, ref: torch.Tensor, name: str, t: Optional[torch.Te
 def check_out(out, like_name: str, like: torch.Tensor, shape: list[int], shape_hint: str) -> None:
     """Raise unless ``out`` is a tensor of ``like``'s dtype and device with ``shape`` (the
     checks every ``out=`` takes; its layout is each op's own)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    check_is_tensor("out", out)
     if out.dtype != like.dtype:
         raise TypeError(f"out must have the dtype of {like_name} ({like.dtype}), got {out.dtype}")
     if list(out.shape) != shape:

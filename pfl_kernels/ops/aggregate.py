@@ -42,8 +42,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..reference import aggregate as ref
-from ._checks import (FLOAT_DTYPES, check_out, check_out_without_grad, copy_into_when_compiling, has_values,
-                      may_overlap, values_finite)
+from ._checks import (FLOAT_DTYPES, check_is_tensor, check_out, check_out_without_grad, copy_into_when_compiling,
+                      has_values, may_overlap, values_finite)
 from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
@@ -168,23 +168,30 @@ def gemm_finish(product: GemmProduct, row0_finite: bool, out: Optional[torch.Ten
     return out
 
 
-def _check_finite_weights(weights):
+# Every kernel checks the weights once rounded to the accumulation dtype, where they are used:
+# a float64 weight of 1e300 is Inf in float32 (the kernels said "NaN or Inf" of finite weights
+# and the reference returned Inf).
+NON_FINITE_WEIGHTS = ("weights must be finite (they hold NaN or Inf, or values beyond the accumulation "
+                      "dtype's range: float32's, float64's for float64 params)")
+
+
+def _check_finite_weights(weights, params):
     """The op's check of the weights' values (every kernel makes it: the C++ one while counting
     nonzeros, the Triton one in the same sync, the reference here), so the wrapper makes no
     second pass over K·M weights (300 ms of 1.3 s at K = M = 10^4 on 2 cores)."""
-    if not values_finite(weights):
-        raise ValueError("weights must be finite (they hold NaN or Inf)")
+    if not values_finite(weights.to(ref.accumulation_dtype(params.dtype))):
+        raise ValueError(NON_FINITE_WEIGHTS)
 
 
 def _reference(weights, params):
     _check_op_args(weights, params)
-    _check_finite_weights(weights)
+    _check_finite_weights(weights, params)
     return ref.weighted_average(weights, params)
 
 
 def _reference_out(weights, params, *, out):
     _check_op_args(weights, params, out)
-    _check_finite_weights(weights)
+    _check_finite_weights(weights, params)
     # The whole result exists before out is written, so out may overlap params.
     out.copy_(ref.weighted_average(weights, params))
     return out
@@ -227,8 +234,7 @@ register_autograd(WEIGHTED_AVERAGE, _backward, _setup_context)
 
 
 def _check_floating(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_is_tensor(name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float16/bfloat16/float32/float64), got {t.dtype}")
 

@@ -46,8 +46,8 @@ from typing import Optional
 import torch
 
 from ..reference import branch_aggregate as ref
-from ._checks import (
-    FLOAT_DTYPES, check_no_internal_overlap, check_out, check_out_without_grad, copy_into_when_compiling)
+from ._checks import (FLOAT_DTYPES, check_is_tensor, check_no_internal_overlap, check_out, check_out_without_grad,
+                      copy_into_when_compiling)
 from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
@@ -192,8 +192,7 @@ def branch_aggregate(branch_params: torch.Tensor, alpha: torch.Tensor, counts: t
         RuntimeError: out= with inputs that require grad (under grad mode).
     """
     for name, t in (("branch_params", branch_params), ("alpha", alpha), ("counts", counts)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_is_tensor(name, t)
     if branch_params.dtype not in FLOAT_DTYPES:
         raise TypeError(f"branch_params must be a floating tensor (float16/bfloat16/float32/float64), "
                         f"got {branch_params.dtype}")

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..reference import class_means as ref
-from ._checks import FLOAT_DTYPES, positive_int
+from ._checks import FLOAT_DTYPES, check_is_tensor, positive_int
 from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
@@ -202,8 +202,7 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
         (naming the label and its index).
     """
     for name, t in (("features", features), ("labels", labels)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_is_tensor(name, t)
     if features.dtype not in FLOAT_DTYPES:
         raise TypeError(f"features must be a floating tensor (float16/bfloat16/float32/float64), got {features.dtype}")
     if labels.dtype not in LABEL_DTYPES:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import pool as ref
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, check_is_tensor
 from ._library import define_op, has_kernel, register_autograd
 from ._vmap import fold_into_channels, fold_vmap_dim
 
@@ -172,8 +172,7 @@ def relu_max_pool2d(input: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: a non-tensor or non-floating input.  ValueError: input not 4-D.
     """
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    check_is_tensor("input", input)
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"input must be a floating tensor (float16/bfloat16/float32/float64), got {input.dtype}")
     if input.dim() != 4:

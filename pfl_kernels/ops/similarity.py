@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 
 from ..reference import similarity as ref
-from ._checks import FLOAT_DTYPES, check_same, check_tensor, values_finite
+from ._checks import FLOAT_DTYPES, check_is_tensor, check_same, check_tensor, values_finite
 from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
@@ -85,6 +85,17 @@ def _check_pair(x, y, eps=None):
     return [x.shape[0], y.shape[0]]
 
 
+def _scale_range_message(scale: float, dtype: torch.dtype) -> Optional[str]:
+    """Why ``scale`` cannot serve sim of ``dtype``, or None: the kernels scale in the
+    accumulation dtype, where a larger |scale| rounds to Inf and every weight became NaN."""
+    acc = ref.acc_dtype(dtype)
+    largest = torch.finfo(acc).max
+    if abs(scale) <= largest:
+        return None
+    return (f"scale must be within {str(acc).removeprefix('torch.')}'s range (|scale| <= {largest:.4g}), "
+            f"the accumulation dtype of {dtype} sim, got {scale}")
+
+
 @metadata_cached
 def _check_weights_args(sim, tau, scale, min_keep, self_index):
     """Checks of similarity_weights that also hold under tracing (none reads sim's values)."""
@@ -92,6 +103,8 @@ def _check_weights_args(sim, tau, scale, min_keep, self_index):
     torch._check_type(sim.dtype in FLOAT_DTYPES, lambda: f"sim must be a floating tensor, got {sim.dtype}")
     torch._check_value(-1.0 <= tau <= 1.0, lambda: f"tau must be in [-1, 1], got {tau}")
     torch._check_value(-math.inf < scale < math.inf, lambda: f"scale must be finite, got {scale}")
+    torch._check_value(_scale_range_message(scale, sim.dtype) is None,
+                       lambda: _scale_range_message(scale, sim.dtype))
     torch._check_value(min_keep >= 0, lambda: f"min_keep must be >= 0, got {min_keep}")
     if self_index is None:
         torch._check_value(sim.shape[0] == sim.shape[1],
@@ -405,7 +418,8 @@ def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep:
     Args:
         sim: [K, M] similarities (e.g. from ``pairwise_cosine``), finite, any float dtype.
         tau: threshold in [-1, 1] (Factorized-FL: 0.95 domain-heterogeneous, 0 permuted).
-        scale: the softmax's inverse temperature (Factorized-FL's ε, SimFed's α), finite.
+        scale: the softmax's inverse temperature (Factorized-FL's ε, SimFed's α), finite in
+            the accumulation dtype (float32 but for float64 sim).
         min_keep: keep at least this many entries per row (>= 0).
         self_index: None when row i's own column is column i (sim must be square); else an
             int64/int32 tensor [K] of column indices in [0, M), -1 for "no own column".
@@ -418,26 +432,29 @@ def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep:
     Raises:
         TypeError: sim not a floating tensor, self_index not an integer tensor, tau/scale
         not real numbers, min_keep not an int.  ValueError: sim not 2-D, NaN/Inf in sim, tau
-        outside [-1, 1], scale not finite, min_keep < 0, sim not square with self_index
-        None, self_index of the wrong shape, device, or with values outside [-1, M).
+        outside [-1, 1], scale not finite (in the accumulation dtype), min_keep < 0, sim not
+        square with self_index None, self_index of the wrong shape, device, or with values
+        outside [-1, M).
     """
     check_tensor("sim", sim, dims=(2,))
     tau = _real("tau", tau)
     if not -1.0 <= tau <= 1.0:
         raise ValueError(f"tau must be in [-1, 1], got {tau}")
     scale = _real("scale", scale)
+    if (message := _scale_range_message(scale, sim.dtype)) is not None:
+        raise ValueError(message)
     if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Integral):
         raise TypeError(f"min_keep must be an int, got {type(min_keep).__name__}")
     if min_keep < 0:
         raise ValueError(f"min_keep must be >= 0, got {min_keep}")
     k, m = sim.shape
+    min_keep = min(int(min_keep), m)  # more than the row keeps the row: the op's int is 64-bit
     if self_index is None:
         if k != m:
             raise ValueError(f"sim is [{k}, {m}], not square: pass self_index (row i's own column, "
                              f"-1 for none)")
     else:
-        if not isinstance(self_index, torch.Tensor):
-            raise TypeError(f"self_index must be a torch.Tensor or None, got {type(self_index).__name__}")
+        check_is_tensor("self_index", self_index, or_none=True)
         if self_index.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"self_index must be an int64 or int32 tensor, got {self_index.dtype}")
         if self_index.dim() != 1 or self_index.shape[0] != k:
@@ -445,4 +462,4 @@ def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep:
         if self_index.device != sim.device:
             raise ValueError(f"self_index must be on sim's device {sim.device}, got {self_index.device}")
     # NaN/Inf in sim and self_index values: checked by the op itself (every kernel), not here.
-    return kernel_for("similarity_weights", sim, self_index)(sim, tau, scale, int(min_keep), self_index)
+    return kernel_for("similarity_weights", sim, self_index)(sim, tau, scale, min_keep, self_index)

@@ -358,7 +358,7 @@ def _stats_of(read: EarlyRead) -> int:
     """The weights' nonzero count from a read of ``Compact.stats``; ValueError on NaN/Inf."""
     nonzeros, bad = read.tolist()
     if any(bad):
-        raise ValueError("weights must be finite (they hold NaN or Inf)")
+        raise ValueError(_ops.NON_FINITE_WEIGHTS)
     return sum(nonzeros)
 
 
@@ -432,7 +432,7 @@ def _speculative_gemm(w: torch.Tensor, params: torch.Tensor, out: torch.Tensor) 
     product = _ops.gemm_product(w, params, out)
     nnz, bad = stats.tolist()
     if bad:
-        raise ValueError("weights must be finite (they hold NaN or Inf)")
+        raise ValueError(_ops.NON_FINITE_WEIGHTS)
     k, m = w.shape
     if _path(k, m, int(nnz), params.dtype) != "gemm":
         return int(nnz)

@@ -97,7 +97,8 @@ def segment_keys(labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, 
     order, so the counts are deterministic."""
     k, n = labels.shape
     width = num_classes + 2
-    first_slots = torch.arange(k, device=labels.device) * width + 1  # each client's class 0 (none for K = 0)
+    # Each client's class 0; one launch, and empty for K = 0 (an end of k·width refused K = 0).
+    first_slots = torch.arange(1, k * width + 1, width, device=labels.device)
     keys = (labels.clamp(-1, num_classes) + first_slots[:, None]).reshape(-1)
     counts = torch.zeros(k * width, dtype=torch.int64, device=labels.device)
     counts.index_add_(0, keys, torch.ones((), dtype=torch.int64, device=labels.device).expand(k * n))

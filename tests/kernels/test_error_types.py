@@ -16,8 +16,10 @@ RuntimeError); the wrappers raise TypeError for both.
 from __future__ import annotations
 
 import pytest
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pfl_kernels import ops
 from pfl_kernels.ops._library import REFERENCE_KERNELS
 from pfl_kernels.triton import launchers_on_cpu
 from tests.kernels.error_cases import MISTAKES, Mistake, Tensors
@@ -75,3 +77,43 @@ def test_fake_kernel(name, through, tensors):
     args, kwargs = mistake.args(Tensors(mode.from_tensor))
     with mode:
         expect(mistake, lambda: mistake.function(through)(*args, **kwargs))
+
+
+SPARSE_ARGUMENTS = {  # wrapper -> a call with one sparse tensor (torch's dispatcher has no sparse kernel)
+    "weighted_average weights": lambda s: ops.weighted_average(s(torch.rand(2, 3)), torch.randn(3, 4)),
+    "weighted_average params": lambda s: ops.weighted_average(torch.rand(2, 3), s(torch.randn(3, 4))),
+    "weighted_average out": lambda s: ops.weighted_average(torch.rand(2, 3), torch.randn(3, 4),
+                                                           out=s(torch.ones(2, 4))),
+    "pairwise_cosine x": lambda s: ops.pairwise_cosine(s(torch.randn(3, 4))),
+    "similarity_weights sim": lambda s: ops.similarity_weights(s(torch.rand(3, 3)), tau=0.5, scale=1.0),
+    "similarity_weights self_index": lambda s: ops.similarity_weights(
+        torch.rand(3, 3), tau=0.5, scale=1.0, self_index=s(torch.tensor([0, 1, 2]))),
+    "class_means features": lambda s: ops.class_means(s(torch.randn(4, 2)), torch.tensor([0, 1, 1, 0]), 2),
+    "branch_aggregate counts": lambda s: ops.branch_aggregate(torch.randn(3, 2, 5), torch.rand(3, 2),
+                                                              s(torch.tensor([3, 1, 2]))),
+    "relu_max_pool2d input": lambda s: ops.relu_max_pool2d(s(torch.randn(1, 2, 4, 4))),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", [torch.Tensor.to_sparse, torch.Tensor.to_sparse_csr], ids=["coo", "csr"])
+@pytest.mark.parametrize("case", SPARSE_ARGUMENTS)
+def test_a_sparse_tensor_is_refused_naming_the_argument(case, layout):
+    """A sparse tensor failed deep inside (NotImplementedError from aten::linalg_vector_norm
+    for weighted_average's weights); every wrapper now refuses it in one line."""
+    name = case.split()[-1]
+
+    def sparse(t):
+        return layout(t) if t.dim() == 2 or layout is torch.Tensor.to_sparse else t.to_sparse()
+
+    with pytest.raises(ValueError, match=rf"^{name} must be a dense \(strided\) tensor, got layout torch\.sparse"):
+        SPARSE_ARGUMENTS[case](sparse)
+
+
+def test_a_min_keep_beyond_int64_keeps_the_whole_row():
+    """The docstring: a min_keep larger than the row keeps the whole row; 2**63 failed in the
+    dispatcher's multi-line message ("Expected a value of type 'int'")."""
+    sim = torch.rand(3, 3, generator=torch.Generator().manual_seed(0))
+    want = ops.similarity_weights(sim, tau=1.0, scale=2.0, min_keep=3)
+    for huge in (2**63, 2**70):
+        assert torch.equal(ops.similarity_weights(sim, tau=1.0, scale=2.0, min_keep=huge), want)
