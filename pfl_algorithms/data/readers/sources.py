@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -122,8 +123,12 @@ def read_mnist_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if data and not data.endswith(b"\n"):
         data += b"\n"
     try:
-        values = np.fromstring(data.replace(b"\n", f",{_END},".encode()), dtype=np.int32, sep=",")
-    except ValueError as error:  # numpy: "string or file could not be read to its end"
+        # numpy < 2.3 warned (DeprecationWarning) and returned the values before the bad field,
+        # where later releases raise: an error on every numpy.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            values = np.fromstring(data.replace(b"\n", f",{_END},".encode()), dtype=np.int32, sep=",")
+    except (ValueError, DeprecationWarning) as error:  # numpy: "string or file could not be read to its end"
         raise ValueError(f"{path}: not comma-separated integers (a label, then 784 pixels per row): {error}") from None
     width = 1 + _PIXELS + 1
     if values.size % width or (values.size and not np.all(values[width - 1::width] == _END)):
