@@ -10,9 +10,9 @@ from .heterogeneous import build_client_models, parse_architecture
 from .lenet5 import LeNet5
 from .mlp import MLP
 from .registry import MODELS, ModelSpec, build_model
-from .resnet9 import ResNet9
+from .resnet9 import ResNet9, ResNet9DAWNBench
 
 __all__ = [
     "MODELS", "ModelSpec", "build_model", "build_client_models", "parse_architecture", "head_parameter_names", "body_parameter_names",
-    "BodyHeadModel", "ResNet9", "LeNet5", "FedGenCNN", "DigitsCNN", "MLP",
+    "BodyHeadModel", "ResNet9", "ResNet9DAWNBench", "LeNet5", "FedGenCNN", "DigitsCNN", "MLP",
 ]

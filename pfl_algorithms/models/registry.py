@@ -12,7 +12,7 @@ from .fedgen_cnn import FedGenCNN
 from .lenet5 import LeNet5
 from .mlp import MLP
 from .pfedhn_cnn import PFedHNCNN
-from .resnet9 import ResNet9
+from .resnet9 import ResNet9, ResNet9DAWNBench
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ def _spec(name: str, description: str, builder, example_input_shape) -> ModelSpe
 MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     _spec("resnet9", "ResNet-9 of the Factorized-FL code (conv-BN-ReLU, two residual blocks, 256-d embedding; option width narrows it)",
           ResNet9, (3, 32, 32)),
+    _spec("resnet9-dawnbench", "ResNet-9 of widths 64-128-256-512 (the DAWNBench layout; FedDAF's CIFAR-10 "
+          "network; 512-d embedding; option width narrows it)", ResNet9DAWNBench, (3, 32, 32)),
     _spec("lenet5", "pFedMB's LeNet-5 CNN (two 5x5 convs, fc 120 and 84; 84-d embedding)", LeNet5, (3, 32, 32)),
     _spec("fedgen-cnn", "FedGen's MNIST network used by Fed-CMA (two stride-2 convs with BN, 32-d embedding)",
           FedGenCNN, (1, 28, 28)),

@@ -1,11 +1,20 @@
-"""ResNet-9 of the Factorized-FL released code (layer list in shared/papers/README.md).
+"""Two ResNet-9s.
 
+``ResNet9``, of the Factorized-FL released code (layer list in shared/papers/README.md):
 conv 3→64 k3 p1; conv 64→128 k5 s2 p2; residual(two 128→128 k3); conv 128→256 k3 p1;
 maxpool 2; residual(two 256→256 k3); conv 256→256 k3 p0; adaptive max pool 1; flatten;
-linear 256→classes.  Every conv is conv (no bias) + BatchNorm + ReLU.
+linear 256→classes.
 
-``width`` narrows it for CPU-scale runs: the widths 64, 128, 256 become width, 2·width,
-4·width (the paper's network is width 64).
+``ResNet9DAWNBench``, of widths 64-128-256-512 (FedDAF's CIFAR-10 network in the README of
+shared/papers; the widths are those of Page's DAWNBench ResNet-9, which this follows): conv
+3→64; conv 64→128, maxpool 2, residual(two 128→128); conv 128→256, maxpool 2; conv 256→512,
+maxpool 2, residual(two 512→512); adaptive max pool 1; flatten; linear 512→classes.  Every
+conv is k3 p1.  (Page's network also multiplies the logits by 0.125; the paper does not say
+that FedDAF did, so this keeps the plain linear head of the other models.)
+
+Every conv is conv (no bias) + BatchNorm + ReLU.  ``width`` narrows either for CPU-scale
+runs: the widths 64, 128, 256 (, 512) become width, 2·width, 4·width (, 8·width); the papers'
+networks are width 64.
 """
 from __future__ import annotations
 
@@ -56,3 +65,23 @@ class ResNet9(BodyHeadModel):
             nn.Flatten(),
         )
         super().__init__(body, w4, check_num_classes(num_classes))
+
+
+class ResNet9DAWNBench(BodyHeadModel):
+    """ResNet-9 of widths 64-128-256-512 with a 8·width-d embedding (512 at width 64); needs
+    inputs of at least 8x8 (three 2x2 max pools)."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, width: int = 64):
+        channels, _, _ = image_shape("resnet9-dawnbench", input_shape, 8)
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"resnet9-dawnbench option width must be a positive integer, got {width!r}")
+        w1, w2, w4, w8 = width, 2 * width, 4 * width, 8 * width
+        body = nn.Sequential(
+            conv_bn_relu(channels, w1),
+            conv_bn_relu(w1, w2), nn.MaxPool2d(2), Residual(w2),
+            conv_bn_relu(w2, w4), nn.MaxPool2d(2),
+            conv_bn_relu(w4, w8), nn.MaxPool2d(2), Residual(w8),
+            nn.AdaptiveMaxPool2d(1),
+            nn.Flatten(),
+        )
+        super().__init__(body, w8, check_num_classes(num_classes))

@@ -472,9 +472,9 @@ _FEDDAF_CPU_SCARCITIES = (0.05, 0.25)  # 0.5 left out for cost: with it the tabl
 _FEDDAF_CPU_K = (1.0, 10.0)
 _FEDDAF_TARGET_POOL = 2000  # MNIST's 10,000 test images, 20% for training
 # The released settings (README facts): 10 sources (Dirichlet(1)), the target's 10,000 images
-# split 20/80, ResNet-9, 50 rounds, sources SGD lr 0.01, batch 64, one epoch.
-_FEDDAF_PAPER = dict(dataset="cifar10", model="resnet9", clients=11, rounds=50, local_epochs=1, batch_size=64,
-                     lr=0.01, momentum=0.0, scenario="fda", eval_role="target")
+# split 20/80, ResNet-9 of widths 64-128-256-512, 50 rounds, sources SGD lr 0.01, batch 64, one epoch.
+_FEDDAF_PAPER = dict(dataset="cifar10", model="resnet9-dawnbench", clients=11, rounds=50, local_epochs=1,
+                     batch_size=64, lr=0.01, momentum=0.0, scenario="fda", eval_role="target")
 
 
 def _feddaf_label(scarcity: float, noise: float) -> str:

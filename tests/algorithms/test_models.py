@@ -6,11 +6,11 @@ from torch import nn
 from pfl_algorithms.models import MODELS, body_parameter_names, build_client_models, build_model, head_parameter_names
 from pfl_kernels.nn import factorize, factorized_layers, multibranch, multibranch_layers
 
-EMBEDDING = {"resnet9": 256, "lenet5": 84, "fedgen-cnn": 32, "digits-cnn": 64, "mlp": 128, "pfedhn-cnn": 84}
+EMBEDDING = {"resnet9": 256, "resnet9-dawnbench": 512, "lenet5": 84, "fedgen-cnn": 32, "digits-cnn": 64, "mlp": 128, "pfedhn-cnn": 84}
 
 
 # ResNet-9 at 16x16 (its smallest comfortable size) keeps the conversion tests fast.
-SMALL = {"resnet9": (3, 16, 16)}
+SMALL = {"resnet9": (3, 16, 16), "resnet9-dawnbench": (3, 16, 16)}
 
 
 def _build(name, num_classes=10, small=False, **options):
@@ -23,7 +23,7 @@ def _input(name, n=2, small=False):
 
 
 def test_registry_names():
-    assert set(MODELS) == {"resnet9", "lenet5", "fedgen-cnn", "digits-cnn", "mlp", "pfedhn-cnn"}
+    assert set(MODELS) == {"resnet9", "resnet9-dawnbench", "lenet5", "fedgen-cnn", "digits-cnn", "mlp", "pfedhn-cnn"}
     assert all(spec.description and "\n" not in spec.description for spec in MODELS.values())
 
 
@@ -50,6 +50,19 @@ def test_resnet9_parameter_count_by_hand():
     assert sum(p.numel() for p in model.body.parameters()) == convs + batchnorms == 2_568_768
     assert sum(p.numel() for p in model.head.parameters()) == 256 * 10 + 10
     assert not any(m.bias is not None for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
+def test_resnet9_dawnbench_layers_and_parameter_count_by_hand():
+    """FedDAF's ResNet-9 (64-128-256-512): convs k3 without bias, BatchNorm after each."""
+    convs = 3 * 64 * 9 + 64 * 128 * 9 + 2 * 128 * 128 * 9 + 128 * 256 * 9 + 256 * 512 * 9 + 2 * 512 * 512 * 9
+    batchnorms = 2 * (64 + 128 + 2 * 128 + 256 + 512 + 2 * 512)
+    model = _build("resnet9-dawnbench", num_classes=10)
+    assert sum(p.numel() for p in model.body.parameters()) == convs + batchnorms == 6_568_000
+    assert sum(p.numel() for p in model.head.parameters()) == 512 * 10 + 10
+    assert [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)] == [64, 128, 128, 128, 256, 512, 512, 512]
+    assert not any(m.bias is not None for m in model.modules() if isinstance(m, nn.Conv2d))
+    narrow = build_model("resnet9-dawnbench", input_shape=(1, 28, 28), num_classes=10, width=4)
+    assert narrow.embedding_dim == 32 and narrow(torch.randn(2, 1, 28, 28)).shape == (2, 10)
 
 
 def test_resnet9_width_narrows_every_layer():
@@ -148,7 +161,7 @@ def test_functional_call_and_vmap_over_stacked_parameters(name):
 
 
 # The image models' smallest input: what each accepts must run, one pixel less is refused.
-SMALLEST = {"lenet5": 16, "pfedhn-cnn": 16, "resnet9": 11, "digits-cnn": 2, "fedgen-cnn": 1}
+SMALLEST = {"lenet5": 16, "pfedhn-cnn": 16, "resnet9": 11, "resnet9-dawnbench": 8, "digits-cnn": 2, "fedgen-cnn": 1}
 
 
 @pytest.mark.parametrize("name", sorted(SMALLEST))
