@@ -235,3 +235,20 @@ def test_an_algorithm_sharing_the_body_refuses_a_mixed_federation_naming_it_and_
     assert "'fedavg' trains one architecture" in line
     assert "'digits-cnn(embedding_dim=32)': clients 0, 3" in line and "'fedgen-cnn': clients 2, 5" in line
     assert "fedavg-classifier, fedcma" in line and "Traceback" not in done.stderr
+
+
+def test_one_architecture_gets_bounded_embeddings_unless_the_run_names_an_activation():
+    """Assumption 2 (embeddings in [0, 1]): on one architecture the model's embedding takes a
+    sigmoid, recorded in the config; a named activation is kept; a mixed federation's options
+    are left to the per-architecture default."""
+    from pfl_algorithms.config import RunConfig, check
+
+    config = check(RunConfig(algorithm="fedcma", dataset="digits", scenario="dirichlet"))
+    assert config.model_options["embedding_activation"] == "sigmoid"
+    config = check(RunConfig(algorithm="fedcma", dataset="digits", scenario="dirichlet",
+                             model_options={"embedding_activation": "relu"}))
+    assert config.model_options["embedding_activation"] == "relu"
+    assert "embedding_activation" not in check(RunConfig(algorithm="fedavg", dataset="digits")).model_options
+    mixed = check(RunConfig(algorithm="fedcma", dataset="digits", scenario="dirichlet",
+                            scenario_options={"architectures": ["digits-cnn", "mlp"]}))
+    assert "embedding_activation" not in mixed.model_options
