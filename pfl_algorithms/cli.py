@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -117,6 +118,9 @@ def _algorithm_names(text: str) -> tuple[str, ...]:
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown algorithm(s) {unknown or [text]}; valid: {', '.join(ALGORITHMS)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a table would rank the same runs twice
+        raise argparse.ArgumentTypeError(f"algorithm(s) named more than once: {', '.join(twice)}")
     return names
 
 
@@ -239,25 +243,39 @@ def config_from_args(args) -> RunConfig:
 def _cmd_flower(args) -> int:
     """``pfl flower``: write ``run_config.toml`` (pfl-config, pfl-out = <out>/run) and
     ``federation.toml`` (one SuperNode per client) into --out (new, empty, or one it wrote
-    before), then print the ``flwr run`` commands."""
+    before), then print the ``flwr run`` commands.  ``flower.json`` records a digest of each
+    file it wrote: a file of those names that it did not write, or that was edited since (a
+    timeout added to the run config), is refused and kept, never replaced."""
+    from .atomic_io import atomic_write_bytes, atomic_write_json
     from .flower import require_flwr
     from .runner import default_run_name
 
     require_flwr()
     config = config_from_args(args)
     out = (Path(args.out) if args.out else Path("runs") / f"flower-{default_run_name(config)}").resolve()
-    mine = {"run_config.toml", "federation.toml", "run"}
-    if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir()) - mine):
+    marker = out / "flower.json"
+    if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir()) - {*_FLOWER_FILES, "run", marker.name}):
         raise ValueError(f"--out {out} is not empty and not an app folder of `pfl flower`; choose a new or empty --out")
+    written = _flower_digests(marker)
+    for name in _FLOWER_FILES:
+        path = out / name
+        if path.exists() and written.get(name) != hashlib.sha256(path.read_bytes()).hexdigest():
+            raise ValueError(f"--out {out}: {name} was not written by `pfl flower` or was edited since, so it is "
+                             f"kept; move it away or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     # A JSON string is a valid TOML basic string: the RunConfig's JSON, quoted once more.  The run
     # itself goes to <out>/run, a run directory of its own (refused if it already holds a run).
     text = json.dumps(config.as_dict(), sort_keys=True)
-    (out / "run_config.toml").write_text(f"pfl-config = {json.dumps(text)}\n"
-                                         f"pfl-out = {json.dumps(str(out / 'run'))}\n")
-    (out / "federation.toml").write_text("# flwr run's --federation-config: the simulation, one SuperNode per client\n"
-                                         f"num-supernodes = {config.clients}\n"
-                                         "client-resources-num-cpus = 1\nclient-resources-num-gpus = 0.0\n")
+    contents = {"run_config.toml": f"pfl-config = {json.dumps(text)}\npfl-out = {json.dumps(str(out / 'run'))}\n",
+                "federation.toml": "# flwr run's --federation-config: the simulation, one SuperNode per client\n"
+                                   f"num-supernodes = {config.clients}\n"
+                                   "client-resources-num-cpus = 1\nclient-resources-num-gpus = 0.0\n"}
+    digests = {name: hashlib.sha256(data.encode()).hexdigest() for name, data in contents.items()}
+    # The marker first: a kill before a file is written leaves that file's old bytes, which no
+    # longer match their digest, so the next call refuses it rather than overwrite it unseen.
+    atomic_write_json(marker, {"format": "pfl-flower", "written": digests})
+    for name, data in contents.items():
+        atomic_write_bytes(out / name, data.encode())
     print(f"wrote {out / 'run_config.toml'} and {out / 'federation.toml'}; launch from the project root:\n"
           f"  flwr run . local --run-config {out / 'run_config.toml'} --federation-config {out / 'federation.toml'}\n"
           f"or, on a SuperLink with {config.clients} SuperNodes (node-config partition-id=0..{config.clients - 1}) "
@@ -267,18 +285,31 @@ def _cmd_flower(args) -> int:
     return 0
 
 
+_FLOWER_FILES = ("run_config.toml", "federation.toml")
+
+
+def _flower_digests(marker: Path) -> dict:
+    """The sha256 of each file ``pfl flower`` wrote, from its marker ({} without a readable one)."""
+    try:
+        written = json.loads(marker.read_text()).get("written")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return written if isinstance(written, dict) else {}
+
+
 def _cmd_run(args) -> int:
     from .config import load_config_file
     from .engine.rundir import RunDirectory
     from .runner import default_run_name, run
 
-    if args.resume and args.out and not args.config and RunDirectory(args.out).is_run() \
-            and (Path(args.out) / "config.json").exists():
+    # --resume without --out resumes the run directory the flags name by default.
+    saved_dir = Path(args.out) if args.out else Path("runs") / default_run_name(config_from_args(args))
+    if args.resume and not args.config and RunDirectory(saved_dir).is_run() and (saved_dir / "config.json").exists():
         # Resume with the saved settings unless others are given explicitly.
-        saved = load_config_file(Path(args.out) / "config.json")
+        saved = load_config_file(saved_dir / "config.json")
         if saved.get("algorithm") != args.algorithm:
-            raise ValueError(f"--resume: {args.out} holds a {saved.get('algorithm')!r} run, not {args.algorithm!r}")
-        args.config = str(Path(args.out) / "config.json")
+            raise ValueError(f"--resume: {saved_dir} holds a {saved.get('algorithm')!r} run, not {args.algorithm!r}")
+        args.config = str(saved_dir / "config.json")
     config = config_from_args(args)
     out = Path(args.out) if args.out else Path("runs") / default_run_name(config)
     summary = run(config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
@@ -366,13 +397,18 @@ def main(argv=None) -> int:
     ...`` on stderr and exit status 2.  User input is checked where it enters (config types
     in ``config.check``, files in ``load_config_file`` and ``compare.read_summary``), so the
     errors caught here are ValueError (TOML and JSON decode errors are ValueErrors),
-    FileNotFoundError and ImportError (a missing optional package); a TypeError or KeyError
-    still shows its traceback, as the bug in pfl it then is.
+    FileNotFoundError, ImportError (a missing optional package) and the other OSErrors (a
+    folder that cannot be written); a TypeError or KeyError still shows its traceback, as the
+    bug in pfl it then is.  Ctrl-C stops with one line and status 130.
     """
     try:
         return _main(argv)
     except BrokenPipeError:
         return _reader_gone()
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the worker threads' traceback
+        print("pfl: interrupted; `pfl run` continues a run with the same command and --resume, `pfl demo` and "
+              "`pfl reproduce` keep their finished runs", file=sys.stderr)
+        return 128 + 2  # SIGINT, as a shell reports it
 
 
 def _main(argv) -> int:
@@ -388,6 +424,12 @@ def _main(argv) -> int:
             return commands[args.command](args)
         except (ValueError, FileNotFoundError, ImportError) as exc:
             print(f"pfl: error: {_one_line(exc)}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:
+            raise  # the reader went away: main() stops quietly
+        except OSError as exc:  # a folder that cannot be written (read-only, no permission, disk full)
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"pfl: error: {where}{exc.strerror or _one_line(exc)}", file=sys.stderr)
             return 2
 
 

@@ -70,7 +70,7 @@ class RunConfig:
     # FedDAF's tables report); None: every client.
     eval_role: Optional[str] = None
     checkpoint_every: PositiveInt = 1
-    seed: NonNegativeInt = 0
+    seed: Annotated[int, Range(ge=0, lt=2**64)] = 0  # torch.manual_seed takes [0, 2^64)
     device: str = "cpu"
     # Where client tasks run; None: threaded on a CPU, batched on CUDA (``engine.executors``).
     executor: Optional[Annotated[str, OneOf(EXECUTOR_CHOICES)]] = None

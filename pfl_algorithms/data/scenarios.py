@@ -181,6 +181,9 @@ def partition_with_shares(name: str, dataset: ArrayDataset, num_clients: int, *,
         raise ValueError(f"scenario {name!r} got unknown options {unknown}; valid options: {sorted(spec.defaults)}")
     if int(num_clients) != num_clients or num_clients < 1:
         raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
+    if num_clients > len(dataset):  # before dealing: 10^8 clients hung building their lists
+        raise ValueError(f"clients={num_clients} but {dataset.name} has {len(dataset)} samples: some client would get "
+                         f"no samples")
     resolved = {**spec.defaults, **options}
     fractions = check_split(resolved["split"])
     resolved["split"] = fractions

@@ -142,11 +142,12 @@ def _signature(phase: Phase) -> tuple:
 
 
 def chunk_size(fed, cohort, override: Optional[int]) -> int:
-    """Clients per chunk: ``override``, else what the device's free memory holds, by a deliberately
-    rough per-client estimate (its rows, gradients, two optimizer vectors and a copy each: 8 × P
-    values; activations: 64 values per input value of a batch), at most the cohort's size."""
+    """Clients per chunk, at most the cohort's size: ``override``, else what the device's free
+    memory holds, by a deliberately rough per-client estimate (its rows, gradients, two optimizer
+    vectors and a copy each: 8 × P values; activations: 64 values per input value of a batch)."""
     if override is not None:
-        return override
+        # A chunk's buffers are allocated for its capacity: 5000 for 2 clients took 1.1 GB.
+        return min(override, len(cohort.clients))
     device = fed.device
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 import math
+import re
 
 import pytest
 
@@ -32,12 +33,12 @@ RUN = ["run", "fedavg", "--quiet", "--rounds", "1"]
 
 @pytest.mark.parametrize("argv, expected", [
     (["--set", "lr=abc"], "lr must be a finite number > 0, or none, got 'abc'"),
-    (["--set", "seed=abc"], "seed must be an integer >= 0, got 'abc'"),
+    (["--set", "seed=abc"], "seed must be an integer in [0, 18446744073709551616), got 'abc'"),
     (["--set", "split=abc"], "scenario.split must be a list of 3 finite numbers in [0, 1], got 'abc'"),
     (["--scenario", "dirichlet", "--set", "alpha=nan"], "scenario.alpha must be a finite number > 0, got nan"),
     (["--scenario", "dirichlet", "--set", "alpha=inf"], "scenario.alpha must be a finite number > 0, got inf"),
     (["--set", "keep_head_local=maybe"], "keep_head_local must be true or false, or none, got 'maybe'"),
-    (["--set", "seed=1.5"], "seed must be an integer >= 0, got 1.5"),
+    (["--set", "seed=1.5"], "seed must be an integer in [0, 18446744073709551616), got 1.5"),
     (["--local-epochs", "0"], "local_epochs must be an integer >= 1, got 0"),
     (["--lr", "nan"], "lr must be a finite number > 0, or none, got nan"),
     (["--sample", "1.5"], "sample must be a finite number in (0, 1], got 1.5"),
@@ -219,3 +220,64 @@ def test_a_closed_pipe_stops_quietly(monkeypatch, capsys):
     # BrokenPipeError, which stops quietly as above.
     assert main(["run", "--help"]) == (0 if sys.version_info >= (3, 11) else 141)
     assert capsys.readouterr().err == ""
+
+
+def test_a_folder_that_cannot_be_written_is_one_line(capsys, tmp_path, monkeypatch):
+    """A read-only or forbidden --out gave a traceback in pfl demo, reproduce and flower."""
+    import pathlib
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
+    for argv in (["demo", "--algorithms", "fedavg", "--dataset", "digits", "--out", str(tmp_path / "d")],
+                 ["reproduce", "simfed", "--quick", "--out", str(tmp_path / "r")]):
+        assert f"{tmp_path}/{argv[-1][-1]}: Permission denied" in one_line_error(capsys, argv)
+
+
+def test_ctrl_c_stops_with_one_line(capsys, monkeypatch):
+    import pfl_algorithms.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_list", interrupted)
+    assert main(["list"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("pfl: interrupted; `pfl run` continues a run")
+
+
+def test_demo_refuses_an_algorithm_named_twice(capsys, tmp_path):
+    line = one_line_error(capsys, ["demo", "--algorithms", "fedavg,local,fedavg", "--out", str(tmp_path / "d")])
+    assert "algorithm(s) named more than once: fedavg" in line
+
+
+def test_demo_refuses_a_pfl_data_root_that_is_not_a_directory(capsys, tmp_path, monkeypatch):
+    # $PFL_DATA_ROOT mistyped: the demo quietly fell back from MNIST to digits.
+    monkeypatch.setenv("PFL_DATA_ROOT", str(tmp_path / "typo"))
+    line = one_line_error(capsys, ["demo", "--out", str(tmp_path / "d")])
+    assert f"$PFL_DATA_ROOT {tmp_path / 'typo'} is not a directory" in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", str(2**64)], r"seed must be an integer in \[0, 18446744073709551616\), got 18446744073709551616"),
+    (["--clients", "100000000"], "clients=100000000 but digits has 1797 samples: some client would get no samples"),
+])
+def test_sizes_beyond_what_can_run_are_refused_at_once(argv, message, capsys, tmp_path):
+    """A seed past 2^64 failed in torch ("Overflow when unpacking long long"); 10^8 clients hung
+    while their sample lists were built."""
+    line = one_line_error(capsys, ["run", "fedavg", "--dataset", "digits", "--rounds", "1", *argv,
+                                   "--out", str(tmp_path / "r")])
+    assert re.search(message, line), line
+
+
+def test_resume_without_out_takes_the_saved_settings(capsys, tmp_path, monkeypatch):
+    """--resume without --out resumes the default run directory with its saved config.json (the
+    message said so; before, the flags' defaults were compared with it and refused)."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--dataset", "digits", "--clients", "3", "--local-steps", "1", "--quiet"]
+    assert main(["run", "fedavg", "--rounds", "1", *small]) == 0
+    assert main(["run", "fedavg", "--resume", "--rounds", "2", "--quiet"]) == 0, capsys.readouterr().err
+    (run,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run / "summary.json").read_text())["rounds"] == 2
+    assert json.loads((run / "config.json").read_text())["clients"] == 3

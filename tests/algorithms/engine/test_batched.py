@@ -123,6 +123,16 @@ def test_chunk_is_checked():
         BatchedExecutor(chunk=0)
 
 
+def test_a_chunk_holds_at_most_the_cohort():
+    """A chunk's buffers are allocated for its capacity: --chunk-clients 5000 for 2 clients took
+    1.1 GB, and 10^20 overflowed in new_empty."""
+    from pfl_algorithms.engine.batched import chunk_size
+
+    fed = make_federation(ALGORITHMS["fedavg"](), clients=3, executor="batched")
+    cohort = fed.cohorts[0]
+    assert [chunk_size(fed, cohort, n) for n in (1, 2, 3, 5000, 10**20)] == [1, 2, 3, 3, 3]
+
+
 def _metrics(out):
     import json
 

@@ -36,9 +36,27 @@ def test_pfl_flower_never_writes_into_a_users_folder(tmp_path, capsys):
     assert "is not empty and not an app folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     app = tmp_path / "app"
-    for _ in range(2):  # its own folder again: the configs are rewritten
-        assert main(["flower", "fedavg", "--clients", "3", "--out", str(app)]) == 0
-    assert sorted(p.name for p in app.iterdir()) == ["federation.toml", "run_config.toml"]
+    for clients in (3, 4):  # its own folder again: the configs are rewritten
+        assert main(["flower", "fedavg", "--clients", str(clients), "--out", str(app)]) == 0
+    assert sorted(p.name for p in app.iterdir()) == ["federation.toml", "flower.json", "run_config.toml"]
+    assert "num-supernodes = 4" in (app / "federation.toml").read_text()
+
+
+@pytest.mark.parametrize("name", ["run_config.toml", "federation.toml"])
+def test_pfl_flower_keeps_a_config_it_did_not_write_or_that_was_edited(tmp_path, capsys, name):
+    """A user's run_config.toml (or one the README's recipe edited: a timeout added) was replaced."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / name).write_text('my = "precious"\n')
+    app = tmp_path / "app"
+    assert main(["flower", "fedavg", "--out", str(app)]) == 0
+    with (app / name).open("a") as f:
+        f.write("pfl-timeout-s = 60.0\n")
+    edited = (app / name).read_text()
+    for folder, kept in ((mine, 'my = "precious"\n'), (app, edited)):
+        assert main(["flower", "fedavg", "--rounds", "3", "--out", str(folder)]) == 2
+        assert f"{name} was not written by `pfl flower` or was edited since, so it is kept" in capsys.readouterr().err
+        assert (folder / name).read_text() == kept
 
 
 def test_the_server_app_refuses_a_folder_that_is_not_ours_or_already_holds_a_run(tmp_path):
