@@ -237,6 +237,9 @@ def config_from_args(args) -> RunConfig:
         if value is not None:
             setattr(config, flag, value)
     apply_sets(config, args.sets)
+    if config.algorithm != args.algorithm:  # the positional names the run; a --set would silently replace it
+        raise ValueError(f"--set algorithm={config.algorithm} contradicts the algorithm {args.algorithm!r}; "
+                         "name the algorithm once, as the first argument")
     return check(config)
 
 

@@ -278,6 +278,13 @@ def check(config: RunConfig) -> RunConfig:
     if config.clients_per_round is not None and config.clients_per_round > config.clients:
         raise ValueError(f"clients_per_round={config.clients_per_round} but only clients={config.clients}")
     config.optimizer_settings()  # raises on settings the optimizer refuses
+    if config.optimizer != "sgd" and config.momentum != RunConfig.momentum:
+        # optimizer_settings passes momentum to SGD only: another value would be recorded and ignored
+        raise ValueError(f"momentum is SGD's; optimizer {config.optimizer!r} does not take it "
+                         f"(got momentum={config.momentum}); leave it out")
+    if config.data_root is not None and not Path(config.data_root).expanduser().is_dir():
+        # a data root you name must exist (a typo would read the installed packages, or digits)
+        raise ValueError(f"data_root {config.data_root} is not a directory")
     ALGORITHMS[config.algorithm].check_config(config)
     _check_scenario_values(config)
     _check_architectures(config)

@@ -281,3 +281,15 @@ def test_resume_without_out_takes_the_saved_settings(capsys, tmp_path, monkeypat
     (run,) = (tmp_path / "runs").iterdir()
     assert json.loads((run / "summary.json").read_text())["rounds"] == 2
     assert json.loads((run / "config.json").read_text())["clients"] == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "algorithm=fedprox"], "--set algorithm=fedprox contradicts the algorithm 'fedavg'"),  # ran fedprox
+    (["--optimizer", "adam", "--momentum", "0.5"], "momentum is SGD's; optimizer 'adam' does not take it"),  # ignored
+    (["--data-root", "/nonexistent-pfl-root"], "data_root /nonexistent-pfl-root is not a directory"),  # digits ran
+])
+def test_settings_that_would_be_ignored_are_refused(argv, message, capsys, tmp_path):
+    line = one_line_error(capsys, ["run", "fedavg", "--dataset", "digits", "--rounds", "1", *argv,
+                                   "--out", str(tmp_path / "r")])
+    assert message in line
+    assert not (tmp_path / "r").exists()
