@@ -216,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--quick", action="store_true",
                            help="a quick variant of --scale cpu: the paper's quick column(s) at 10 rounds, 3 seeds")
     reproduce.add_argument("--out", default=None, help="folder of the runs and report.md (default: "
-                                                       "runs/reproduce-<paper>-<scale>)")
+                                                       "runs/reproduce-<paper>-<scale>, -quick added for --quick)")
     reproduce.add_argument("--data-root", default=None, help="the data root (default: $PFL_DATA_ROOT, else ./data)")
     reproduce.add_argument("--device", default="cpu", help="where runs train, e.g. cuda")
     reproduce.add_argument("--dry-run", action="store_true",
