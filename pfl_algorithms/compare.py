@@ -1,8 +1,9 @@
 """``pfl compare``: a table like the papers' over run directories, mean ± std over seeds.
 
 A row pools the runs of one experiment: runs whose resolved configs (``summary.json``'s
-``config``, option tables completed with their defaults) agree in everything but the fields
-of ``config.NOT_IN_IDENTITY`` (the seed, and what cannot change the numbers).  Where several
+``config``, every setting at its effective value: option tables completed with their
+defaults, a None that stands for a default resolved) agree in everything but the fields of
+``config.NOT_IN_IDENTITY`` (the seed, and what cannot change the numbers).  Where several
 rows share algorithm, scenario, dataset and model, a ``settings`` column names what tells
 them apart (``lr=0.1, rounds=5``).  A run directory is counted once however often it is
 reached (given twice, or as ``runs/`` and ``runs/a``), and a second run of the same
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import warnings
 from collections import defaultdict
@@ -21,10 +23,13 @@ from typing import Optional
 from .algorithms import ALGORITHMS
 from .config import NOT_IN_IDENTITY, RunConfig, with_defaults
 from .data import DATASETS, SCENARIOS
+from .data.augment import parse_augmentation_spec
 from .models import MODELS
+from .option_types import check_value, field_hints
 
 NAMES = ("algorithm", "scenario", "dataset", "model")
-# Keys every summary.json has (``pfl compare`` refuses a file without one, naming it).
+# Keys every summary.json has (``pfl compare`` refuses a file without one, naming it):
+# accuracies are fractions in [0, 1] (null: the run diverged), costs finite numbers >= 0.
 _NUMBER_OR_NULL = ("final_mean_accuracy", "best_mean_accuracy")
 _NUMBER = ("comm_gb.up", "comm_gb.down", "train_wall_s_total")
 _TABLE_PREFIX = {"algorithm_settings": "algorithm", "scenario_options": "scenario", "dataset_options": "dataset",
@@ -38,7 +43,11 @@ class DuplicateSeedWarning(UserWarning):
 def mean_std(values: list[float]) -> tuple[float, Optional[float]]:
     """(mean, sample std) of at least one value; the std is None for one value (one seed has
     no spread, not 0).  The tables of compare, reproduce and the demo all use it."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+    try:
+        mean = statistics.fmean(values)
+    except OverflowError:  # fmean's float sum overflowed (values near the largest float): sum exactly
+        mean = float(statistics.mean(values))
+    return mean, statistics.stdev(values) if len(values) > 1 else None
 
 
 def find_summaries(paths: list[str]) -> list[dict]:
@@ -89,7 +98,16 @@ def _summary_files(path: Path) -> list[Path]:
 
 
 def read_summary(file: Path) -> dict:
-    """A run's summary.json after checking it has every key ``pfl compare`` reads."""
+    """A run's summary.json after checking it has every key ``pfl compare`` reads, of the type
+    it reads it as: accuracies finite fractions in [0, 1] or null, costs finite numbers >= 0,
+    and every ``config`` field of the type ``RunConfig`` declares for it (names strings, the
+    seed an integer, option tables tables; see ``option_types``).  Fields this version does
+    not know are kept as they are.
+
+    Raises:
+        ValueError: one line naming the file and the key, e.g. ``"runs/a/summary.json:
+            config.algorithm must be a string, got 5"``.
+    """
     try:
         summary = json.loads(Path(file).read_text())
     except (OSError, ValueError) as error:
@@ -97,17 +115,42 @@ def read_summary(file: Path) -> dict:
     if not isinstance(summary, dict):
         raise ValueError(f"{file}: a summary must be a JSON object, not {type(summary).__name__}")
     for key in _NUMBER_OR_NULL + _NUMBER:
-        value = _lookup(file, summary, key)
-        if not (value is None and key in _NUMBER_OR_NULL) and (isinstance(value, bool)
-                                                                or not isinstance(value, (int, float))):
-            raise ValueError(f"{file}: key {key!r} must be a number{' or null' if key in _NUMBER_OR_NULL else ''}, "
-                             f"got {value!r}")
+        _check_number(file, key, _lookup(file, summary, key), accuracy=key in _NUMBER_OR_NULL)
+    if "target_best_accuracy" in summary:  # fda runs only
+        _check_number(file, "target_best_accuracy", summary["target_best_accuracy"], accuracy=True)
     config = _lookup(file, summary, "config")
     if not isinstance(config, dict):
         raise ValueError(f"{file}: key 'config' must be the run's resolved config (an object), got {config!r}")
     for key in (*NAMES, "seed"):
         _lookup(file, summary, f"config.{key}")
+    for key, hint in field_hints(RunConfig).items():
+        if key not in config:  # a summary from before the field existed: its default applies
+            continue
+        try:  # the same check as `pfl run`'s (``config.check``), so the same message
+            config[key] = check_value(f"config.{key}", config[key], hint)
+        except ValueError as error:
+            raise ValueError(f"{file}: {error}") from None
     return summary
+
+
+def _check_number(file, key: str, value, accuracy: bool) -> None:
+    """Refuse ``value`` unless it is a finite number (an accuracy: in [0, 1], or null; else >= 0)."""
+    if accuracy and value is None:
+        return
+    if not _finite(value) or not (0 <= value <= 1 if accuracy else value >= 0):
+        expected = "a number in [0, 1] or null" if accuracy else "a finite number >= 0"
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        raise ValueError(f"{file}: key {key!r} must be {expected}, got {shown}")
+
+
+def _finite(value) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool, which JSON keeps apart)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # JSON integers parse as Python ints of any size, past any float
+        return False
 
 
 def _lookup(file, summary: dict, dotted: str):
@@ -121,15 +164,32 @@ def _lookup(file, summary: dict, dotted: str):
 
 def experiment(config: dict) -> dict:
     """The identity of a run's experiment: its resolved config without ``NOT_IN_IDENTITY``,
-    with the option tables completed by their declared defaults (an option left at its
-    default and one set to the same value are the same experiment) and ``keep_head_local``
-    resolved, as JSON values."""
+    every setting at its effective value, as JSON values.  An option or field left at its
+    default and one set to the same value are the same experiment: the option tables are
+    completed by their declared defaults, and the fields whose None stands for a default
+    resolved (``keep_head_local``, ``finetune_epochs``, ``augment``)."""
     identity = {k: v for k, v in with_defaults(config).items() if k not in NOT_IN_IDENTITY}
     for table, prefix in _TABLE_PREFIX.items():
         identity[table] = {**_option_defaults(prefix, config.get(prefix)), **dict(identity.get(table) or {})}
     identity["keep_head_local"] = RunConfig(scenario=config.get("scenario"),
                                             keep_head_local=config.get("keep_head_local")).head_local()
+    if identity["finetune_epochs"] is None and identity["algorithm"] in ALGORITHMS:
+        identity["finetune_epochs"] = RunConfig(algorithm=identity["algorithm"]).finetune()
+    identity["augment"] = _augmentation(identity["augment"])
     return json.loads(json.dumps(identity, sort_keys=True))
+
+
+def _augmentation(spec):
+    """The augmentation ``spec`` runs, as one canonical spec: every step with all its options
+    (``"crop,flip"`` and ``"crop(padding=4), flip"`` alike), presets expanded; None for no
+    augmentation (None, ``""`` and ``"none"`` alike).  A spec this version cannot parse (a
+    step added later) is kept as it is."""
+    try:
+        steps = parse_augmentation_spec(spec)
+    except (ValueError, TypeError):
+        return spec
+    return ", ".join(f"{name}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+                     for name, options in steps) or None
 
 
 def _option_defaults(prefix: str, owner) -> dict:

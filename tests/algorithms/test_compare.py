@@ -3,6 +3,7 @@ seed), names what tells rows apart, and never counts a run twice."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -56,11 +57,12 @@ def test_options_and_algorithm_settings_tell_rows_apart(tmp_path):
 def test_seeds_of_one_experiment_are_pooled(tmp_path):
     for seed, accuracy in ((0, 0.4), (1, 0.6), (2, 0.8)):
         # workers, data_root and checkpoint_every cannot change the numbers; an option set to
-        # its default is the same experiment as one left at it.
-        write_run(tmp_path / f"s{seed}", accuracy, seed=seed, workers=seed + 1, checkpoint_every=seed + 1,
-                  data_root=f"/data{seed}", algorithm="fedprox",
+        # its default is the same experiment as one left at it.  (A data root must exist.)
+        (tmp_path / f"data{seed}").mkdir()
+        write_run(tmp_path / "runs" / f"s{seed}", accuracy, seed=seed, workers=seed + 1, checkpoint_every=seed + 1,
+                  data_root=str(tmp_path / f"data{seed}"), algorithm="fedprox",
                   algorithm_settings={"mu": 0.01} if seed else {})
-    [row] = rows_of(tmp_path)
+    [row] = rows_of(tmp_path / "runs")
     assert row["seeds"] == [0, 1, 2] and row["settings"] == {}
     assert row["final_accuracy"] == pytest.approx((60.0, 20.0))
 
@@ -130,3 +132,100 @@ def test_a_truncated_summary_is_named(tmp_path):
     (tmp_path / "a" / "summary.json").write_text(text[:40])
     with pytest.raises(ValueError, match=f"{tmp_path / 'a' / 'summary.json'}: not a readable summary.json"):
         find_summaries([str(tmp_path)])
+
+
+def edit_summary(run, dotted, value):
+    """Set the key ``dotted`` (``"config.seed"``) of the run's summary.json to ``value``."""
+    summary = json.loads((run / "summary.json").read_text())
+    *outer, last = dotted.split(".")
+    table = summary
+    for part in outer:
+        table = table[part]
+    table[last] = value
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_setting_at_its_default_is_the_same_experiment(tmp_path):
+    """A None that stands for a default equals that default set explicitly: finetune_epochs
+    (the algorithm's own), augment ("none" and "" are no augmentation; a step's options at
+    their defaults are the step)."""
+    write_run(tmp_path / "ft" / "s0", 0.4)
+    write_run(tmp_path / "ft" / "s1", 0.6, seed=1, finetune_epochs=0)
+    write_run(tmp_path / "aug" / "s0", 0.4, augment="none", scenario="iid")
+    write_run(tmp_path / "aug" / "s1", 0.6, seed=1, augment="", scenario="iid")
+    write_run(tmp_path / "aug" / "s2", 0.8, seed=2, scenario="iid")
+    write_run(tmp_path / "crop" / "s0", 0.4, augment="crop,flip", scenario="dirichlet")
+    write_run(tmp_path / "crop" / "s1", 0.6, seed=1, augment="crop(padding=4), flip(p=0.5)", scenario="dirichlet")
+    write_run(tmp_path / "fedavg-ft" / "s0", 0.4, algorithm="fedavg-ft", scenario="iid", keep_head_local=True)
+    write_run(tmp_path / "fedavg-ft" / "s1", 0.6, seed=1, algorithm="fedavg-ft", scenario="iid",
+              keep_head_local=True, finetune_epochs=1)
+    for folder, seeds in (("ft", [0, 1]), ("aug", [0, 1, 2]), ("crop", [0, 1]), ("fedavg-ft", [0, 1])):
+        [row] = rows_of(tmp_path / folder)
+        assert row["seeds"] == seeds, folder
+
+
+def test_a_default_that_differs_still_tells_rows_apart(tmp_path):
+    """fedavg-ft fine-tunes 1 epoch by default: 0 set explicitly is another experiment, and
+    so is an augmentation against none."""
+    write_run(tmp_path / "a", 0.4, algorithm="fedavg-ft", scenario="iid", keep_head_local=True)
+    write_run(tmp_path / "b", 0.6, algorithm="fedavg-ft", scenario="iid", keep_head_local=True, finetune_epochs=0)
+    write_run(tmp_path / "c", 0.6, algorithm="fedavg-ft", scenario="iid", keep_head_local=True, augment="flip")
+    settings = {json.dumps(r["settings"], sort_keys=True) for r in rows_of(tmp_path)}
+    assert settings == {json.dumps(s, sort_keys=True) for s in ({"augment": None, "finetune_epochs": 0},
+                                                                {"augment": None, "finetune_epochs": 1},
+                                                                {"augment": "flip(p=0.5)", "finetune_epochs": 1})}
+
+
+def test_real_runs_with_options_at_their_defaults_are_one_experiment(tmp_path, capsys):
+    """End to end (the reported case): --finetune-epochs 0 and --augment none are fedavg's
+    defaults, so the second run repeats the first."""
+    base = ["run", "fedavg", "--dataset", "gaussian-mixture", "--model", "mlp", "--scenario", "iid", "--clients", "2",
+            "--rounds", "1", "--local-steps", "1", "--set", "samples=60", "--quiet"]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert main([*base, "--finetune-epochs", "0", "--augment", "none", "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    with pytest.warns(DuplicateSeedWarning, match="repeats the run"):
+        [row] = rows_of(tmp_path / "a", tmp_path / "b")
+    assert row["seeds"] == [0]
+
+
+# (key, the value it is corrupted to, what the error says)
+CORRUPTIONS = [
+    ("config.seed", "a", "config.seed must be an integer"),
+    ("config.seed", 1.5, "config.seed must be an integer"),
+    ("config.algorithm_settings", [1, 2], r"config.algorithm_settings must be a table \(key = value\), got \[1, 2\]"),
+    ("config.scenario_options", "abc", r"config.scenario_options must be a table \(key = value\), got 'abc'"),
+    ("config.algorithm", 5, "config.algorithm must be a string, got 5"),
+    ("config.scenario", ["x"], r"config.scenario must be a string, got \['x'\]"),
+    ("config.keep_head_local", "yes", "config.keep_head_local must be true or false"),
+    ("config.finetune_epochs", -1, "config.finetune_epochs must be an integer >= 0"),
+    ("final_mean_accuracy", 10 ** 400, r"key 'final_mean_accuracy' must be a number in \[0, 1\] or null, got 1000"),
+    ("best_mean_accuracy", 1.5, r"key 'best_mean_accuracy' must be a number in \[0, 1\] or null, got 1.5"),
+    ("final_mean_accuracy", True, r"key 'final_mean_accuracy' must be a number in \[0, 1\] or null, got True"),
+    ("target_best_accuracy", "high", r"key 'target_best_accuracy' must be a number in \[0, 1\] or null"),
+    ("comm_gb.up", -1, "key 'comm_gb.up' must be a finite number >= 0, got -1"),
+    ("train_wall_s_total", 10 ** 400, "key 'train_wall_s_total' must be a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("key, value, message", CORRUPTIONS,
+                         ids=[f"{key}={value!r}"[:48] for key, value, _ in CORRUPTIONS])
+def test_a_corrupt_summary_is_one_line_naming_the_file_and_key(tmp_path, capsys, key, value, message):
+    """A summary.json edited by hand (or by a bug) stops ``pfl compare`` with one line naming
+    the file, the key and what was expected, never a traceback."""
+    write_run(tmp_path / "good", 0.4)
+    bad = write_run(tmp_path / "bad", 0.6, seed=1)
+    edit_summary(bad, key, value)
+    assert main(["compare", str(tmp_path)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"pfl: error: {bad / 'summary.json'}: ")
+    assert re.search(message, line), line
+
+
+def test_huge_but_finite_costs_do_not_overflow_the_mean(tmp_path):
+    """Costs near the largest float are valid numbers: their mean is taken exactly, not
+    through a float sum that overflows."""
+    for seed in (0, 1):
+        edit_summary(write_run(tmp_path / f"s{seed}", 0.5, seed=seed), "train_wall_s_total", 1.5e308)
+    [row] = rows_of(tmp_path)
+    assert row["wall_s"] == (1.5e308, 0.0)
