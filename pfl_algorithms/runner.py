@@ -104,9 +104,10 @@ def run(config: RunConfig, out: Path, *, resume: bool = False, overwrite: bool =
     for the whole run, and checked before any data loads.  ``resume``: continue from
     ``out/checkpoint.pt``, which must belong to this directory's run and hold ``config``
     (and the same settings as ``config.json``); a run that stopped before its first
-    checkpoint restarts from round 0, said on stderr.  ``overwrite``: replace the run in
-    ``out`` (never a directory that is not a run).  ``stop_after``: stop after that many
-    rounds of this call (tests use it to simulate a kill).
+    checkpoint restarts from round 0, said on stderr, and must still hold config.json's
+    settings (the round count alone may change either way).  ``overwrite``: replace the run in
+    ``out`` (never a directory that is not a run; files in it the run did not write are kept).
+    ``stop_after``: stop after that many rounds of this call (tests use it to simulate a kill).
 
     With ``executor='distributed'`` under torchrun, every rank calls this: rank 0 alone
     touches ``out`` (it checks the directory, reads the checkpoint and sends its config and
@@ -139,6 +140,10 @@ def _lead(config: RunConfig, out: Path, *, resume, overwrite, progress, stop_aft
                 state = rundir.load_checkpoint()
                 saved_rounds = _check_resumable(rundir, state, identity["run_id"], config)
             elif resume:
+                # Nothing to load, but the settings are checked as a checkpoint's would be: a
+                # restart must not take other settings and rewrite config.json with them.
+                if rundir.config.exists():  # absent: killed before begin() wrote it, nothing to hold to
+                    _check_same_settings(config, _saved_config(rundir))
                 print(f"pfl: {out} has no checkpoint (the run stopped before its first one): restarting it from "
                       f"round 0", file=sys.stderr, flush=True)
             # The other ranks build from rank 0's config and load its checkpoint: they never read --out.
@@ -315,11 +320,7 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
         raise ValueError(f"--resume: {rundir.checkpoint} belongs to another run (run id {state['run_id']}), not to "
                          f"the run in {rundir.root} (run id {run_id} in {rundir.marker.name}); put back this run's "
                          f"checkpoint, or start over with --overwrite")
-    try:
-        saved = json.loads(rundir.config.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"--resume: cannot read {rundir.config} ({error})") from None
-    saved, in_checkpoint = with_defaults(saved), with_defaults(state["config"])
+    saved, in_checkpoint = _saved_config(rundir), with_defaults(state["config"])
     # rounds alone may change on --resume (a run continued to more rounds, _more_rounds): config.json
     # then names the new count before the first checkpoint of the extra rounds is written.
     edited = setting_differences(_but_rounds(saved), _but_rounds(in_checkpoint), ("config.json", "checkpoint"))
@@ -327,11 +328,7 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
         raise ValueError(f"--resume: {rundir.config} differs from the settings saved in {rundir.checkpoint} in "
                          f"{', '.join(edited)}; it was changed after the run started: restore it, or start over "
                          f"with --overwrite")
-    changed = setting_differences(_but_rounds(json_value(config.as_dict())), _but_rounds(in_checkpoint),
-                                  ("given", "saved"))
-    if changed:
-        raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
-                         f"the same settings (or none: the saved config is used; --rounds may change)")
+    _check_same_settings(config, in_checkpoint)
     try:
         done = int(state["federation"]["round"])
     except (KeyError, TypeError, ValueError):
@@ -341,6 +338,24 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
         raise ValueError(f"--resume: {rundir.root} has run {done} rounds already; rounds must be at least {done}, "
                          f"got {config.rounds}")
     return saved["rounds"]
+
+
+def _saved_config(rundir: RunDirectory) -> dict:
+    """The run's ``config.json``, with the fields it lacks at their defaults (``with_defaults``);
+    a missing or unreadable one is a one-line ValueError naming it."""
+    try:
+        return with_defaults(json.loads(rundir.config.read_text()))
+    except (OSError, ValueError, TypeError) as error:  # TypeError: JSON that is not an object
+        raise ValueError(f"--resume: cannot read {rundir.config} ({error})") from None
+
+
+def _check_same_settings(config: RunConfig, saved: dict) -> None:
+    """Refuse to resume with ``config`` when a setting other than the round count differs from
+    ``saved`` (a saved config, with defaults), naming each difference."""
+    changed = setting_differences(_but_rounds(json_value(config.as_dict())), _but_rounds(saved), ("given", "saved"))
+    if changed:
+        raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
+                         f"the same settings (or none: the saved config is used; --rounds may change)")
 
 
 def _but_rounds(config: dict) -> dict:

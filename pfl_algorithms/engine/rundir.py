@@ -11,6 +11,7 @@
                      with the run id and the config (see ``checkpoint.py``: checksummed, and
                      read without unpickling anything but tensors and plain values)
     plots/           accuracy vs round, accuracy vs communicated bits, per-client accuracy
+                     (``PLOT_FILES``; any other file there is the user's and is kept)
     metrics.jsonl.unused-<time>   lines a resume could not use, set aside (never deleted)
 
 A directory is one of our runs when it holds a valid ``run.json``; any other non-empty
@@ -26,7 +27,6 @@ import datetime
 import fcntl
 import json
 import os
-import shutil
 import sys
 import time
 import uuid
@@ -41,6 +41,9 @@ RUN_FORMAT = "pfl-run"
 RUN_FORMAT_VERSION = 1
 # What a run writes, removed when a new run replaces it (the set-aside metrics are kept).
 _RUN_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoint.pt")
+# The PNGs ``plots.write_plots`` writes into plots/, removed likewise: a user's file put there is
+# not the run's to delete.
+PLOT_FILES = ("accuracy_vs_round.png", "accuracy_vs_bits.png", "client_accuracy.png")
 
 
 def warn(message: str) -> None:
@@ -153,14 +156,20 @@ class RunDirectory:
         """Make the directory a new run: a new ``run.json`` (written first, so that a kill
         from here on leaves a directory recognized as ours), then the files of a run it
         replaces removed (its temporary files went when the lock was taken: :meth:`claimed`,
-        under which every run begins).  Returns the new run id."""
+        under which every run begins).  Only the files a run writes go: any other file in the
+        directory or in plots/ is kept, and plots/ itself only goes when that leaves it empty.
+        Returns the new run id."""
         identity = {"format": RUN_FORMAT, "version": RUN_FORMAT_VERSION, "run_id": uuid.uuid4().hex,
                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         atomic_write_json(self.marker, identity)
         for name in _RUN_FILES:
             with contextlib.suppress(FileNotFoundError):
                 (self.root / name).unlink()
-        shutil.rmtree(self.plots, ignore_errors=True)
+        for name in PLOT_FILES:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # no plots/, or a file so named
+                (self.plots / name).unlink()
+        with contextlib.suppress(OSError):  # not empty (a user's file) or absent: left as it is
+            self.plots.rmdir()
         return identity["run_id"]
 
     def _remove_temporaries(self) -> None:

@@ -231,6 +231,34 @@ def test_resuming_a_run_without_a_checkpoint_restarts_it(tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["final_mean_accuracy"] == whole["final_mean_accuracy"]
 
 
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_other_settings_are_refused_with_or_without_a_checkpoint(tmp_path, capsys, checkpoint):
+    """A run stopped before its first checkpoint holds to its config.json as one with a
+    checkpoint does: other settings are refused (the same line), nothing is rewritten."""
+    out = tmp_path / "r"
+    if checkpoint:
+        run(tiny_config(), out, progress=False, stop_after=2)
+    else:
+        killed_before_first_checkpoint(tiny_config(), out)
+    before = {name: (out / name).read_bytes() for name in ("run.json", "config.json", "metrics.jsonl")}
+    capsys.readouterr()
+    assert main(["run", "fedavg", "--out", str(out), "--resume", "--quiet", "--rounds", "3", "--lr", "0.2",
+                 "--seed", "7"]) == 2
+    one_line_error(capsys, "--resume: the settings differ from the saved run in", "lr (given 0.2, saved 0.1)",
+                   "seed (given 7, saved 0)")
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_a_run_without_a_checkpoint_resumes_with_more_rounds(tmp_path, capsys):
+    """--rounds alone may change on a restart from round 0, as on a resume from a checkpoint."""
+    out = tmp_path / "r"
+    killed_before_first_checkpoint(tiny_config(), out)
+    assert main(["run", "fedavg", "--out", str(out), "--resume", "--quiet", "--rounds", "5"]) == 0
+    assert "restarting it from round 0" in capsys.readouterr().err
+    assert metric_rounds(out) == [0, 1, 2, 3, 4]
+    assert json.loads((out / "config.json").read_text())["rounds"] == 5
+
+
 def test_the_demo_restarts_a_run_killed_before_its_first_checkpoint(tmp_path, capsys):
     from pfl_algorithms.demo import TESTBEDS, demo_config
 

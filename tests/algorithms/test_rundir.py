@@ -14,6 +14,7 @@ import pytest
 
 from pfl_algorithms import runner
 from pfl_algorithms.cli import main
+from pfl_algorithms.engine.rundir import PLOT_FILES
 from pfl_algorithms.runner import run
 from tests.algorithms.test_cli import TINY, tiny_config
 
@@ -143,16 +144,18 @@ def test_a_second_process_cannot_resume_a_running_run(tmp_path):
     assert [json.loads(line)["round"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
 
 
-def test_a_failed_start_leaves_nothing_behind(tmp_path, capsys):
+def test_a_failed_start_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
+    def load_run_data(*args, **kwargs):  # the data fails to load once the directory is claimed
+        raise ValueError("mnist: nothing under the data root")
+
+    monkeypatch.setattr(runner, "load_run_data", load_run_data)
     out = tmp_path / "new" / "r"
-    assert main(["run", "fedavg", "--dataset", "mnist", "--data-root", str(tmp_path / "nothing"), "--quiet",
-                 "--out", str(out)]) == 2
+    assert main(["run", "fedavg", *TINY, "--out", str(out)]) == 2
     assert "nothing" in capsys.readouterr().err
     assert not out.exists()
     # ... and an existing empty directory stays empty.
     out.mkdir()
-    assert main(["run", "fedavg", "--dataset", "mnist", "--data-root", str(tmp_path / "nothing"), "--quiet",
-                 "--out", str(out)]) == 2
+    assert main(["run", "fedavg", *TINY, "--out", str(out)]) == 2
     assert list(out.iterdir()) == []
 
 
@@ -205,3 +208,28 @@ def test_a_refused_second_run_leaves_the_running_ones_temporary_files(tmp_path, 
 
     run(tiny_config(), out, progress=False, on_round=second_run)
     assert outcome == [2, True]
+
+
+def test_overwrite_replaces_the_runs_plots_and_keeps_the_users_files(tmp_path, capsys):
+    """--overwrite removes the files the old run wrote, plots/'s PNGs included, and nothing
+    else: a user's file in plots/ or beside it survives."""
+    out = tmp_path / "r"
+    run(tiny_config(rounds=1), out, progress=False)
+    assert sorted(p.name for p in (out / "plots").iterdir()) == sorted(PLOT_FILES)  # what begin() removes
+    mine = {out / "NOTES.md": "my notes\n", out / "plots" / "mynote.txt": "about the plots\n"}
+    for path, text in mine.items():
+        path.write_text(text)
+    # A replacing run stopped before its plots: none of the old run's is left beside the new one.
+    run(tiny_config(rounds=2), out, overwrite=True, progress=False, stop_after=1)
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["mynote.txt"]
+    assert all(path.read_text() == text for path, text in mine.items())
+    assert main(["run", "fedavg", *TINY, "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in (out / "plots").iterdir()) == sorted([*PLOT_FILES, "mynote.txt"])
+    assert all(path.read_text() == text for path, text in mine.items())
+
+
+def test_overwrite_removes_a_plots_folder_it_empties(tmp_path):
+    out = tmp_path / "r"
+    run(tiny_config(rounds=1), out, progress=False)
+    run(tiny_config(rounds=2), out, overwrite=True, progress=False, stop_after=1)
+    assert not (out / "plots").exists()
