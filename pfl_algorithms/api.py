@@ -109,6 +109,10 @@ class Capabilities:
             (``--keep-head-local true``, or a scenario that keeps it local by default) is
             refused; ``"local"``: it keeps the head local by definition, so
             ``--keep-head-local false`` is refused; None: the run's setting decides.
+        bounded_embeddings: its analysis assumes embeddings in [0, 1] (Fed-CMA's Assumption
+            2): on one architecture, a model with an ``embedding_activation`` option takes
+            'sigmoid' unless the run names one (``config.check`` makes it explicit, so
+            config.json records it), as a mixed federation's models do by default.
     """
 
     needs_validation: bool = False
@@ -116,6 +120,7 @@ class Capabilities:
     batchable: bool = True
     roles: tuple[str, ...] = ()
     head: Optional[str] = None
+    bounded_embeddings: bool = False
 
     def __post_init__(self):
         if self.head not in (None, "shared", "local"):

@@ -103,22 +103,8 @@ class FedCMA(Algorithm):
     name = "fedcma"
     description = "private extractors of any architecture; classifiers and class-mean embeddings aligned (Eq. 5-7)"
     Settings = FedCMASettings
-    capabilities = Capabilities(mixed_architectures=True, head="shared")
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        """Bounded embeddings, as the paper's analysis assumes (Assumption 2: g_i(x) in [0, 1]):
-        on one architecture, a model with an ``embedding_activation`` option takes 'sigmoid'
-        unless the run names one, made explicit in the config (config.json records it), as the
-        models of a mixed federation already get (``models.heterogeneous``).  With the models'
-        ReLU the alignment term drove a digits Dirichlet run down: `pfl run fedcma --dataset
-        digits --scenario dirichlet --rounds 5`, one seed, 54.8% against 72.1% with sigmoid."""
-        from ..models import MODELS
-        from ..models.heterogeneous import EMBEDDING_BOUND
-
-        one_architecture = config.scenario_options.get("architectures") is None
-        if one_architecture and "embedding_activation" in MODELS[config.model].defaults:
-            config.model_options.setdefault("embedding_activation", EMBEDDING_BOUND)
+    # Bounded embeddings: the paper's analysis assumes them (Assumption 2; config.check applies it).
+    capabilities = Capabilities(mixed_architectures=True, head="shared", bounded_embeddings=True)
 
     def prepare_model(self, model):
         if not (callable(getattr(model, "embed", None)) or isinstance(getattr(model, "body", None), torch.nn.Module)):
