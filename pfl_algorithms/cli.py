@@ -230,6 +230,9 @@ def config_from_args(args) -> RunConfig:
     from .config import apply_sets, check, config_from, load_config_file
 
     values = load_config_file(args.config) if args.config else {}
+    if values.get("algorithm", args.algorithm) != args.algorithm:  # one of the two would be ignored
+        raise ValueError(f"--config {args.config} names the algorithm {values['algorithm']!r}, the command "
+                         f"{args.algorithm!r}; name the same one, or leave it out of the file")
     values = dict(values, algorithm=args.algorithm)
     config = config_from(values)
     for flag in FLAGS:

@@ -293,3 +293,11 @@ def test_settings_that_would_be_ignored_are_refused(argv, message, capsys, tmp_p
                                    "--out", str(tmp_path / "r")])
     assert message in line
     assert not (tmp_path / "r").exists()
+
+
+def test_a_config_file_naming_another_algorithm_is_refused(capsys, tmp_path):
+    """The positional algorithm silently replaced the file's."""
+    toml = tmp_path / "run.toml"
+    toml.write_text('algorithm = "fedprox"\nrounds = 1\n')
+    line = one_line_error(capsys, ["run", "fedavg", "--config", str(toml), "--out", str(tmp_path / "r")])
+    assert f"--config {toml} names the algorithm 'fedprox', the command 'fedavg'" in line
