@@ -82,4 +82,3 @@ def keep_requires_grad(layer: nn.Module, module: nn.Module, made_from: dict[str,
             param = layer._parameters.get(name)
             if param is not None:
                 param.requires_grad_(source.requires_grad)
-

@@ -32,7 +32,7 @@ class _Conversion:
 
 
 _FACTORIZE = _Conversion("factorize", "use FactorizedConv2d.from_dense or FactorizedLinear.from_dense on it",
-                         {"weight": ("u", "v", "mu"), "bias": ("bias",)})
+                         FactorizedConv2d.made_from)
 _MULTIBRANCH = _Conversion("multibranch", "use MultiBranchConv2d.from_dense or MultiBranchLinear.from_dense on it",
                            {"weight": ("branch_weight",), "bias": ("branch_bias",)}, ("alpha_param",))
 
