@@ -308,14 +308,16 @@ def _cmd_run(args) -> int:
     from .engine.rundir import RunDirectory
     from .runner import default_run_name, run
 
-    # --resume without --out resumes the run directory the flags name by default.
-    saved_dir = Path(args.out) if args.out else Path("runs") / default_run_name(config_from_args(args))
-    if args.resume and not args.config and RunDirectory(saved_dir).is_run() and (saved_dir / "config.json").exists():
-        # Resume with the saved settings unless others are given explicitly.
-        saved = load_config_file(saved_dir / "config.json")
-        if saved.get("algorithm") != args.algorithm:
-            raise ValueError(f"--resume: {saved_dir} holds a {saved.get('algorithm')!r} run, not {args.algorithm!r}")
-        args.config = str(saved_dir / "config.json")
+    if args.resume and not args.config:
+        # Resume with the saved settings unless others are given explicitly; without --out, those
+        # of the run directory the flags name by default.
+        saved_dir = Path(args.out) if args.out else Path("runs") / default_run_name(config_from_args(args))
+        if RunDirectory(saved_dir).is_run() and (saved_dir / "config.json").exists():
+            saved = load_config_file(saved_dir / "config.json")
+            if saved.get("algorithm") != args.algorithm:
+                raise ValueError(f"--resume: {saved_dir} holds a {saved.get('algorithm')!r} run, not "
+                                 f"{args.algorithm!r}")
+            args.config = str(saved_dir / "config.json")
     config = config_from_args(args)
     out = Path(args.out) if args.out else Path("runs") / default_run_name(config)
     summary = run(config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)

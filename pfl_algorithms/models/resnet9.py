@@ -32,6 +32,13 @@ def conv_bn_relu(cin: int, cout: int, kernel: int = 3, stride: int = 1, padding:
                          nn.BatchNorm2d(cout), nn.ReLU(inplace=False))
 
 
+def _check_width(model: str, width) -> int:
+    """``width`` if it is a positive integer (not a bool), else ValueError naming the model."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"{model} option width must be a positive integer, got {width!r}")
+    return width
+
+
 class Residual(nn.Module):
     """x + two conv-BN-ReLU blocks (k3 p1, same width) applied to x."""
 
@@ -50,9 +57,7 @@ class ResNet9(BodyHeadModel):
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, *, width: int = 64):
         channels, _, _ = image_shape("resnet9", input_shape, 11)
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(f"resnet9 option width must be a positive integer, got {width!r}")
-        w1, w2, w4 = width, 2 * width, 4 * width
+        w1, w2, w4 = (k * _check_width("resnet9", width) for k in (1, 2, 4))
         body = nn.Sequential(
             conv_bn_relu(channels, w1),
             conv_bn_relu(w1, w2, kernel=5, stride=2, padding=2),
@@ -73,9 +78,7 @@ class ResNet9DAWNBench(BodyHeadModel):
 
     def __init__(self, input_shape: Sequence[int], num_classes: int, *, width: int = 64):
         channels, _, _ = image_shape("resnet9-dawnbench", input_shape, 8)
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(f"resnet9-dawnbench option width must be a positive integer, got {width!r}")
-        w1, w2, w4, w8 = width, 2 * width, 4 * width, 8 * width
+        w1, w2, w4, w8 = (k * _check_width("resnet9-dawnbench", width) for k in (1, 2, 4, 8))
         body = nn.Sequential(
             conv_bn_relu(channels, w1),
             conv_bn_relu(w1, w2), nn.MaxPool2d(2), Residual(w2),
