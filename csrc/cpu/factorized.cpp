@@ -29,6 +29,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -287,7 +288,11 @@ void soft_threshold_cpu(at::Tensor& mu, double threshold) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mu.scalar_type(), "soft_threshold_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Rounded to mu's dtype first, as torch does with a Python scalar (mu.abs() - threshold).
-    const acc_t t = static_cast<acc_t>(static_cast<scalar_t>(threshold));
+    // A threshold beyond the dtype acts as its largest finite value: +-inf stays +-inf (an
+    // inf threshold would make it inf - inf = NaN), and the cast stays in range (a double
+    // beyond the float range cast to float is undefined behaviour).
+    const double largest = static_cast<double>(std::numeric_limits<scalar_t>::max());
+    const acc_t t = static_cast<acc_t>(static_cast<scalar_t>(std::min(threshold, largest)));
     auto shrink = [t](scalar_t x) {
       const acc_t a = static_cast<acc_t>(x);
       return cast_to<scalar_t>(a - std::min(std::max(a, -t), t));

@@ -61,5 +61,11 @@ def factorized_weight_backward(grad_w, u, v, mu, mask, *, shape, layout, output_
 
 
 def soft_threshold_(mu: torch.Tensor, threshold: float) -> None:
-    """In place: mu <- sign(mu) * max(|mu| - threshold, 0) (proximal step of an L1 penalty)."""
+    """In place: mu <- sign(mu) * max(|mu| - threshold, 0) (proximal step of an L1 penalty).
+
+    A finite threshold beyond mu's dtype acts as its largest finite value, which gives the
+    exact result: every finite entry becomes 0 and +-inf stays +-inf (rounded to inf, the
+    threshold would turn +-inf into inf - inf = NaN).
+    """
+    threshold = min(float(threshold), torch.finfo(mu.dtype).max)
     mu.copy_(torch.sign(mu) * torch.clamp(mu.abs() - threshold, min=0))

@@ -454,7 +454,10 @@ def soft_threshold_triton_(mu: torch.Tensor, threshold: float) -> None:
     if n == 0:
         return
     # No tensor for the threshold (a fill kernel and an allocation per call): its float64 bits.
-    thr_bits = struct.unpack("<q", struct.pack("<d", float(threshold)))[0]
+    # A threshold beyond mu's dtype acts as its largest finite value (the reference's rule:
+    # +-inf stays +-inf rather than becoming inf - inf = NaN).
+    threshold = min(float(threshold), torch.finfo(mu.dtype).max)
+    thr_bits = struct.unpack("<q", struct.pack("<d", threshold))[0]
     if _dense_span(mu):
         flat = mu.as_strided((n,), (1,), mu.storage_offset())
         target, sizes, strides = flat, [n, 1, 1, 1], [1, 0, 0, 0]

@@ -221,6 +221,26 @@ def test_soft_threshold_matches_reference(dtype, threshold):
         assert (mu[expected == 0] == 0).all(), "entries below the threshold must become exact zeros"
 
 
+@pytest.mark.parametrize("path", ["op", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("threshold", [1e300, 1e39, 7e4])
+def test_soft_threshold_beyond_the_dtype_keeps_infinities(path, dtype, threshold):
+    """A finite threshold too large for mu's dtype: |inf| - threshold is still inf, and every
+    finite entry (at most the dtype's largest) becomes 0.  Rounded to inf, the threshold gave
+    inf - inf = NaN on every backend."""
+    if threshold < torch.finfo(dtype).max:
+        pytest.skip("the threshold fits this dtype")
+    big = torch.finfo(dtype).max
+    values = [float("inf"), -float("inf"), big, -big, 3.0, -0.5, 0.0]
+    mu = torch.tensor(values, dtype=torch.float64).to(dtype)
+    want = torch.tensor([float("inf"), -float("inf"), 0, 0, 0, 0, 0], dtype=dtype)
+    (soft_threshold_ if path == "op" else ref.soft_threshold_)(mu, threshold)
+    assert torch.equal(mu, want), mu
+    nan = torch.full((3,), float("nan"), dtype=dtype)
+    (soft_threshold_ if path == "op" else ref.soft_threshold_)(nan, threshold)
+    assert nan.isnan().all()
+
+
 def test_soft_threshold_non_contiguous_view_leaves_the_rest_untouched():
     base = torch.randn(4, 9, 10)
     before = base.clone()

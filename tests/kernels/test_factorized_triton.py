@@ -249,6 +249,18 @@ def test_soft_threshold_rounds_the_threshold_as_the_reference(dtype, threshold):
     assert torch.equal(x, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_soft_threshold_beyond_the_dtype_keeps_infinities(dtype):
+    """A finite threshold beyond mu's dtype acts as its largest finite value, as the reference
+    and C++ do: +-inf stays +-inf (it was inf - inf: NaN), finite entries become 0."""
+    big = torch.finfo(dtype).max
+    x = torch.tensor([float("inf"), -float("inf"), big, -big, 2.0, float("nan")], dtype=F64).to(DEVICE, dtype)
+    want = _soft_reference(x, 1e300)
+    tf.soft_threshold_triton_(x, 1e300)
+    assert torch.equal(want[:5].cpu(), torch.tensor([float("inf"), -float("inf"), 0, 0, 0], dtype=dtype))
+    assert torch.equal(x[:5], want[:5]) and x[5].isnan()
+
+
 def test_soft_threshold_rejects_overlap():
     assert_rejects_overlap(tf.soft_threshold_triton_, 0.1)
 
