@@ -128,6 +128,15 @@ def claim_files(kind: FolderKind, out: Path, files: Iterable[Path]) -> None:
         atomic_write_json(out / kind.marker, {**marker, "written": written + new})
 
 
+def remove_written(kind: FolderKind, out: Path, files: Iterable[Path]) -> None:
+    """Delete those of ``files`` (in ``out``) that the command wrote (listed in the marker's
+    ``written``); a file not listed there is not the command's and is left as it is."""
+    written = set(read_marker(kind, out)["written"])
+    for path in files:
+        if str(Path(path).relative_to(out)) in written:
+            Path(path).unlink(missing_ok=True)
+
+
 def plots_of(out: Path) -> list:
     """The ``plots/*.png`` of an adopted folder, as names relative to it."""
     return sorted(str(p.relative_to(out)) for p in (out / "plots").glob("*.png"))

@@ -263,6 +263,10 @@ def run_demo(*, out: Path, rounds: int, seeds: int, algorithms=None, dataset: st
                         print(f"{run_dir}: finished earlier, kept")
     claimed.claim_files(FOLDER, out, [out / "report.md", *(out / "plots" / f"{key}.png"
                                                           for key, table in tables.items() if table.members)])
+    # plots/ shows what report.md shows: the demo's own plot of a table this call leaves out
+    # (an earlier call's --algorithms) goes; a plot the marker does not list is the user's.
+    claimed.remove_written(FOLDER, out, [out / "plots" / f"{key}.png" for key, table in tables.items()
+                                         if not table.members])
     report = format_report(tables, testbed, out, rounds=rounds, seeds=seeds)
     atomic_write_bytes(out / "report.md", (report + "\n").encode())
     return report

@@ -55,6 +55,20 @@ def test_the_demos_folder_is_reused_and_a_file_it_did_not_write_is_refused(tmp_p
     assert (out / "plots" / "mixed.png").read_bytes() == b"the user's"
 
 
+def test_a_plot_of_a_table_the_call_leaves_out_goes_unless_it_is_the_users(tmp_path, capsys):
+    """plots/ shows what report.md shows: a rerun with other --algorithms removes the demo's own
+    plot of a table it no longer reports (it stayed, describing runs the report left out)."""
+    out = tmp_path / "demo"
+    assert main([*DEMO, "--out", str(out)]) == 0
+    assert (out / "plots" / "mixed.png").is_file()
+    only_permuted = ["demo", "--algorithms", "fedprox", "--rounds", "1", "--dataset", "digits", "--quiet"]
+    (out / "plots" / "fda.png").write_bytes(b"the user's")  # not listed in demo.json: not the demo's
+    assert main([*only_permuted, "--out", str(out)]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["fda.png", "permuted.png"]
+    assert (out / "plots" / "fda.png").read_bytes() == b"the user's"
+    assert "plots/mixed.png" not in (out / "report.md").read_text()
+
+
 def test_a_folder_an_older_demo_made_is_adopted_only_if_every_entry_is_the_demos(tmp_path):
     out = tmp_path / "old"
     (out / "plots").mkdir(parents=True)
