@@ -416,9 +416,12 @@ def _check_architectures(config: RunConfig) -> None:
 
 def _check_scenario_values(config: RunConfig) -> None:
     """What the scenario options' types cannot say: fractions that sum to 1, architecture
-    entries that parse and whose options are of their model's declared types."""
-    from .data.scenarios import check_split
+    entries that parse and whose options are of their model's declared types, no option
+    given where it has no effect (before any data is loaded)."""
+    from .data.scenarios import check_split, refuse_idle_options
     from .models.heterogeneous import parse_architecture
+
+    refuse_idle_options(config.scenario, config.scenario_options)
 
     for key in ("split", "target_split"):
         if key in config.scenario_options:

@@ -22,7 +22,10 @@ Scenario-specific options are in ``SCENARIOS[name].defaults`` (their declared ty
 the scenario's function) and the docstrings of
 ``label_skew.py``, ``multi_domain.py``, ``fda.py`` and ``natural.py``.  Scenarios that shift
 inputs (feature-shift domains, fda's noisy target) record the shifts in the partition;
-``Partition.apply_transforms(dataset)`` gives the inputs the clients see.
+``Partition.apply_transforms(dataset)`` gives the inputs the clients see.  An option given
+where it has no effect is refused (``refuse_idle_options``): fda's ``alpha``, ``min_samples``
+and ``target_share`` with a ``target_domain``; multi-domain's ``shifts`` outside
+``domains='feature-shift'`` and its ``min_samples`` without ``alpha``.
 """
 from __future__ import annotations
 
@@ -61,12 +64,16 @@ class ScenarioSpec:
         fn: ``fn(dataset, num_clients, generator, **specific) -> Deal``: each client's
             (shuffled) indices before the train/val/test split, and what it records.
         defaults: every option it accepts (common ones included) and its default.
+        idle: ``idle(resolved options) -> {option: why}``: the options that have no effect at
+            these settings (e.g. fda's ``alpha`` with a ``target_domain``); one the caller
+            gives is refused, so that partition.json never records a setting that did nothing.
     """
 
     name: str
     description: str
     fn: Callable[..., Deal]
     defaults: dict = field(default_factory=dict)
+    idle: Callable[[dict], dict] = lambda options: {}
 
     @property
     def hints(self) -> dict:
@@ -92,8 +99,28 @@ def _label_skew(partitioner, permute_labels: bool):
     return deal
 
 
-def _spec(name, description, fn, **specific) -> ScenarioSpec:
-    return ScenarioSpec(name, description, fn, {**COMMON_DEFAULTS, **specific})
+def _spec(name, description, fn, idle=None, **specific) -> ScenarioSpec:
+    return ScenarioSpec(name, description, fn, {**COMMON_DEFAULTS, **specific}, idle or (lambda options: {}))
+
+
+def _fda_idle(options: dict) -> dict:
+    """fda's options that do nothing: with a ``target_domain`` the sources are dealt evenly by
+    class within their domains, and the target holds that domain."""
+    if options["target_domain"] is None:
+        return {}
+    why = f"with target_domain={options['target_domain']!r} (its sources are dealt evenly by class in each domain)"
+    return {"alpha": why, "min_samples": why, "target_share": why}
+
+
+def _multi_domain_idle(options: dict) -> dict:
+    """multi-domain's options that do nothing: ``shifts`` outside feature-shift domains, and
+    ``min_samples`` without a Dirichlet ``alpha`` (the even split has no minimum to keep)."""
+    idle = {}
+    if options["domains"] != "feature-shift":
+        idle["shifts"] = f"with domains={options['domains']!r} (only domains='feature-shift' shifts inputs)"
+    if options["alpha"] is None:
+        idle["min_samples"] = "without alpha (each domain is dealt evenly by class; min_samples is for Dirichlet shares)"
+    return idle
 
 
 SCENARIOS: dict[str, ScenarioSpec] = {spec.name: spec for spec in (
@@ -107,14 +134,27 @@ SCENARIOS: dict[str, ScenarioSpec] = {spec.name: spec for spec in (
     _spec("permuted-dirichlet", "dirichlet plus a random permutation of class ids per client",
           _label_skew(dirichlet, True), alpha=0.5, min_samples=10),
     _spec("multi-domain", "clients on different domains: a dataset's domains, CIFAR-100 superclasses, feature shifts",
-          multi_domain, domains="dataset", shifts=DEFAULT_SHIFTS, alpha=None, min_samples=1, relabel=None,
+          multi_domain, _multi_domain_idle, domains="dataset", shifts=DEFAULT_SHIFTS, alpha=None, min_samples=1, relabel=None,
           permute_labels=False),
     _spec("fda", "FedDAF: Dirichlet sources and one scarce, noisy or domain-shifted target (the last client)",
-          fda, alpha=1.0, min_samples=10, target_domain=None, noise=0.0, target_fraction=1.0,
+          fda, _fda_idle, alpha=1.0, min_samples=10, target_domain=None, noise=0.0, target_fraction=1.0,
           target_split=(0.2, 0.0, 0.8), target_share=None),
     _spec("natural", "one client per writer (FEMNIST), with the writers' official test samples",
           natural, min_samples=10, official_split=True),
 )}
+
+
+def refuse_idle_options(name: str, options: dict) -> None:
+    """Refuse any of the given ``options`` of scenario ``name`` that has no effect at these
+    settings (``ScenarioSpec.idle``): a setting partition.json records must be one that acted.
+
+    Raises:
+        ValueError: one line naming the first such option and why it does nothing.
+    """
+    idle = SCENARIOS[name].idle({**SCENARIOS[name].defaults, **options})
+    given = [option for option in options if option in idle]
+    if given:
+        raise ValueError(f"scenario {name!r}: {given[0]} has no effect {idle[given[0]]}; leave it out")
 
 
 def split_sizes(n: int, fractions) -> tuple[int, int, int]:
@@ -193,6 +233,7 @@ def partition_with_shares(name: str, dataset: ArrayDataset, num_clients: int, *,
 
     architectures = _check_architectures(resolved["architectures"])
     resolved["architectures"] = architectures
+    refuse_idle_options(name, options)
 
     gen = torch.Generator().manual_seed(int(seed))
     specific = {k: v for k, v in resolved.items() if k not in COMMON_DEFAULTS}

@@ -58,6 +58,10 @@ RUN = ["run", "fedavg", "--quiet", "--rounds", "1"]
     (["--samples-per-client", "1"], "--samples-per-client 1 is too small: scenario.split (0.8, 0.1, 0.1) leaves "
                                     "each client's validation and test split empty (no test samples: no accuracy to "
                                     "measure); the minimum is 3"),
+    (["--scenario", "multi-domain", "--set", "domains=feature-shift", "--set", "min_samples=4"],
+     "scenario 'multi-domain': min_samples has no effect without alpha"),
+    (["--scenario", "fda", "--dataset", "pacs", "--set", "target_domain=photo", "--set", "alpha=0.1"],
+     "scenario 'fda': alpha has no effect with target_domain='photo'"),
     (["--samples-per-client", "1", "--set", "split=[0.5, 0, 0.5]"],
      "--samples-per-client 1 is too small: scenario.split (0.5, 0.0, 0.5) leaves each client's train split empty; "
      "the minimum is 2"),

@@ -283,6 +283,27 @@ def test_fda_errors():
         make_partition("fda", DIGITS_LIKE, 1, seed=0)
 
 
+@pytest.mark.parametrize("name,options,idle", [
+    ("fda", {"target_domain": "sketch", "alpha": 0.05}, "alpha"),
+    ("fda", {"target_domain": 0, "min_samples": 1}, "min_samples"),
+    ("fda", {"target_domain": "art", "target_share": 0.5}, "target_share"),
+    ("multi-domain", {"domains": "dataset", "shifts": ("invert",)}, "shifts"),
+    ("multi-domain", {"domains": "dataset", "min_samples": 3}, "min_samples"),
+])
+def test_an_option_with_no_effect_at_these_settings_is_refused(name, options, idle):
+    """Such an option was accepted and recorded in partition.json, though the partition was
+    the same whatever its value; the same options with the setting they need still work."""
+    data = _domains_dataset()
+    with pytest.raises(ValueError, match=rf"^scenario '{name}': {idle} has no effect with"):
+        make_partition(name, data, 3, seed=0, **options)
+    if name == "multi-domain":
+        needs = {"shifts": {"domains": "feature-shift"}, "min_samples": {"alpha": 1.0}}[idle]
+        assert make_partition(name, data, 5, seed=0, **{**options, **needs}).options[idle] == options[idle]
+    else:
+        alone = {k: v for k, v in options.items() if k != "target_domain"}
+        assert make_partition(name, data, 3, seed=0, **alone).options[idle] == options[idle]
+
+
 # ------------------------------------------------------------------ natural (writers)
 
 def _writers_dataset():
