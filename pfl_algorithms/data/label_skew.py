@@ -45,9 +45,11 @@ def iid(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator
 def dirichlet(labels: Tensor, num_classes: int, num_clients: int, gen: torch.Generator, *,
               alpha: PositiveFloat = 0.5, min_samples: NonNegativeInt = 10) -> list[Tensor]:
     """Label skew: for each class, the clients' shares are drawn from Dirichlet(α·1) and the
-    class's (shuffled) samples cut at floor(cumulative share · count), as the released code
-    (and NIID-Bench) do.  The whole draw is repeated, from the same generator, until every
-    client has at least ``min_samples`` samples (at most 1000 draws)."""
+    class's (shuffled) samples cut at floor(cumulative share · count), the last client taking
+    the rounding remainder.  The whole draw is repeated, from the same generator, until every
+    client has at least ``min_samples`` samples (at most 1000 draws), as NIID-Bench does.
+    (Factorized-FL's released code floors each share alone, drops the remainders and never
+    redraws: its clients hold slightly fewer samples.)"""
     if not alpha > 0:
         raise ValueError(f"alpha must be > 0, got {alpha!r}")
     if int(min_samples) != min_samples or min_samples < 0:
