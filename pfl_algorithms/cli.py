@@ -333,19 +333,20 @@ def _cmd_run(args) -> int:
 
 
 def _evaluation_warnings(config, summary: dict) -> list[str]:
-    """Why the final accuracy is not the mean over every client: clients whose evaluation
-    diverged (a non-finite loss: NaN accuracy, never scored) or that had nothing to evaluate."""
+    """What the final mean accuracy holds besides the clients' own accuracies: clients whose
+    evaluation diverged (a non-finite loss: NaN accuracy, counted as 0; no mean when no client
+    scored) and clients left out because they had nothing to evaluate."""
     diverged = list(summary.get("final_diverged_clients") or [])
     accuracy = summary.get("final_client_accuracy") or {}
     empty = sorted(int(c) for c, a in accuracy.items() if a is None and int(c) not in diverged)
     lines = []
     if diverged:
-        rest = len(accuracy) - len(diverged) - len(empty)
+        scored = len(accuracy) - len(diverged) - len(empty)
         lines.append(f"{config.algorithm}: the model diverged for {len(diverged)} of {len(accuracy)} client(s) "
                      f"(a non-finite evaluation loss in the final round: client(s) "
                      f"{', '.join(map(str, diverged[:10]))}{', ...' if len(diverged) > 10 else ''}); their accuracy "
-                     "is NaN, never scored, so " + ("there is no mean accuracy" if not rest else
-                                                   f"the mean accuracy is over the other {rest} client(s)")
+                     "is NaN (no prediction from NaN logits), " + ("so there is no mean accuracy" if not scored else
+                                                                  "and they count as 0 in the mean accuracy")
                      + " (a smaller learning rate may help)")
     if empty:
         lines.append(f"{config.algorithm}: {len(empty)} of {len(accuracy)} client(s) had no test samples to "

@@ -33,7 +33,7 @@ from . import claimed_folder as claimed
 from .atomic_io import atomic_write_bytes
 from .compare import mean_std
 from .config import RunConfig, check
-from .plots import series_style
+from .plots import seeds_curve_label, series_style
 
 CHANCE = 0.1  # ten classes in every demo dataset
 
@@ -292,7 +292,8 @@ def _history(run_dir: Path, metric: str) -> list[tuple[int, float]]:
 
 def _cell(values: list[float], runs: int = 0) -> str:
     """A mean, with its spread only where there are several seeds, and how many of the
-    ``runs`` seeds it is over where some have no accuracy (diverged: never scored)."""
+    ``runs`` seeds it is over where some have no accuracy (every client it scores diverged,
+    or nothing was evaluated)."""
     if not values:
         text = "-" if not runs else "n/a"
     else:
@@ -311,7 +312,10 @@ def scenario_rows(table: Scenario, out: Path, seeds: int) -> list[dict]:
                      "baseline": row.label in table.baselines,
                      "gb": statistics.fmean(s["comm_gb"]["up"] + s["comm_gb"]["down"] for s in summaries),
                      "wall_s": statistics.fmean(s["train_wall_s_total"] for s in summaries)})
-    rows.sort(key=lambda r: -statistics.fmean(r["accuracy"]) if r["accuracy"] else math.inf)
+    # A row with an accuracy for every seed ranks above one missing some (a mean over fewer
+    # seeds is not the same measurement), then the higher mean first.
+    rows.sort(key=lambda r: (len(r["accuracy"]) < r["runs"], -statistics.fmean(r["accuracy"]) if r["accuracy"]
+                             else math.inf))
     return rows
 
 
@@ -368,9 +372,11 @@ def write_plot(table: Scenario, out: Path, seeds: int) -> Optional[Path]:
     for index, row in enumerate(table.members):
         histories = [_history(out / table.key / f"{row.folder}-seed{s}", table.metric) for s in range(seeds)]
         rounds = [r for r, _ in histories[0]]
+        # NaN (a gap) at a round some seed did not score: never a mean over the seeds left.
         mean = [statistics.fmean(h[i][1] for h in histories) for i in range(len(rounds))]
         baseline = row.label in table.baselines
-        ax.plot(rounds, mean, "--" if baseline else "-", label=row.label, linewidth=2 if baseline else 1.2,
+        label = seeds_curve_label(row.label, [h[-1][1] if h else math.nan for h in histories])
+        ax.plot(rounds, mean, "--" if baseline else "-", label=label, linewidth=2 if baseline else 1.2,
                 **series_style(index))
     ax.set_xlabel("round")
     ax.set_ylabel("target accuracy (%)" if table.metric.startswith("target_") else "mean client accuracy (%)")

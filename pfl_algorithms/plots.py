@@ -15,6 +15,15 @@ def series_style(index: int) -> dict:
     return {"color": f"C{index % 10}", "marker": ("", "o", "s", "^")[(index // 10) % 4], "markersize": 3}
 
 
+def seeds_curve_label(label: str, last_accuracies: list[float]) -> str:
+    """The legend label of a mean-over-seeds curve, given each seed's last accuracy: ``label``,
+    and how many seeds end without one (NaN: every client diverged, or nothing was evaluated)
+    where some do.  The mean is drawn only at rounds every seed scored, so the label says why a
+    curve stops or is missing."""
+    ended = sum(1 for a in last_accuracies if a != a)
+    return label if not ended else f"{label} ({ended}/{len(last_accuracies)} seeds end without accuracy)"
+
+
 def _percent(accuracy) -> float:
     """An accuracy in %; NaN (a gap in the plot) for one with no value (null in metrics.jsonl)."""
     return float("nan") if accuracy is None else 100 * accuracy

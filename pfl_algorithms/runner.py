@@ -402,7 +402,7 @@ def summarize(config: RunConfig, history: list[dict], fed: Federation, wall_s: f
         "best_mean_accuracy": best,
         "final_client_accuracy": final["accuracy"] if final else None,
         # The clients whose evaluation diverged in the final round (a non-finite loss): their
-        # accuracy is NaN, left out of the mean.
+        # accuracy is NaN, counted as 0 in the mean.
         "final_diverged_clients": list(final.get("diverged", [])) if final else [],
         "comm_gb": fed.comm.gigabits(),
         "wall_s_this_run": wall_s,

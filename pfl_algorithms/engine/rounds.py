@@ -224,13 +224,15 @@ def evaluation_summary(results: list[EvalResult], split: str = "test") -> dict:
     """The ``eval`` of a round's record from its evaluation ``results`` (a client that could not
     be evaluated has NaN accuracy and loss): per client, the mean accuracy over the clients
     evaluated, and ``diverged``: the clients whose model diverged (samples to evaluate, but a
-    non-finite loss), whose accuracy is NaN (never the argmax of NaN logits) and not in the mean."""
+    non-finite loss).  A diverged client's accuracy is NaN (never the argmax of NaN logits)
+    and it counts as 0 in the mean, so that an unstable method is not scored on the clients
+    that survived it alone; with no client scored (all diverged) there is no mean (NaN)."""
     diverged = sorted(r.client for r in results if r.samples > 0 and not math.isfinite(r.loss))
     acc = {r.client: math.nan if r.client in diverged else r.accuracy for r in results}
     loss = {r.client: r.loss for r in results}
     valid = [a for a in acc.values() if a == a]
-    return {"split": split, "accuracy": acc, "loss": loss,
-            "mean_accuracy": sum(valid) / len(valid) if valid else float("nan"), "diverged": diverged}
+    mean = sum(valid) / (len(valid) + len(diverged)) if valid else float("nan")
+    return {"split": split, "accuracy": acc, "loss": loss, "mean_accuracy": mean, "diverged": diverged}
 
 
 def evaluate_all(fed: Federation, algorithm, split: str = "test") -> dict:

@@ -8,7 +8,9 @@ above B" is judged on the per-seed differences d_s = acc_A(s) − acc_B(s) over 
 finished: mean d̄, sample std s_d, and the two-sided 95% Student-t interval d̄ ± t(0.975, n−1)·
 s_d/√n over the n seed pairs (a paired t-interval).  The verdict is "holds", "does not hold"
 or "inconclusive" by where that interval lies (``Claim.verdict``); one seed pair gives no
-interval and is inconclusive."""
+interval and is inconclusive.  A seed that finished without an accuracy for either method
+(every client it scores diverged) makes the verdict inconclusive: the seeds left would judge
+an unstable method on the seeds it survived alone."""
 from __future__ import annotations
 
 import json
@@ -19,7 +21,7 @@ from typing import Optional
 
 from ..atomic_io import atomic_write_bytes
 from ..compare import mean_std
-from ..plots import series_style
+from ..plots import seeds_curve_label, series_style
 from .campaign import PlannedRun, budget_lines, settings_of, slug
 from .folder import claim_files
 from .papers import Claim, Paper
@@ -113,7 +115,7 @@ def _metrics(run: PlannedRun) -> list[dict]:
 
 
 def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]:
-    """The evaluated rounds of a finished run: (round, accuracy %, Gb so far); the accuracy is
+    """The evaluated rounds of a finished run: (round, accuracy %, gigabits so far); the accuracy is
     the clients' mean, or the target client's for a paper that reports the target's."""
     target = None
     if metric.startswith("target_"):
@@ -123,7 +125,7 @@ def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]
         if "eval" in record:
             try:
                 accuracy = record["eval"]["mean_accuracy"] if target is None else record["eval"]["accuracy"][target]
-                # null: nothing evaluated or diverged (NaN, a gap in the plot)
+                # null: every client diverged or nothing was evaluated (NaN, a gap in the plot)
                 percent = math.nan if accuracy is None else 100 * accuracy
                 rows.append((record["round"] + 1, percent, record["comm_gb"]["up"] + record["comm_gb"]["down"]))
             except (KeyError, TypeError) as error:
@@ -165,7 +167,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def claim_results(paper: Paper, scale: str, cells: dict, quick: bool = False) -> list[dict]:
     """Each claim on each setting it names: the two cells' mean ± std and the paired
-    difference over seeds with its interval and verdict ("not measured" without both cells)."""
+    difference over seeds with its interval and verdict ("not measured" without a finished run
+    in both cells; "inconclusive" where a finished seed of either has no accuracy, which
+    ``without_accuracy`` counts per method)."""
     results = []
     for claim in paper.claims:
         for setting in settings_of(paper, scale, quick):
@@ -176,11 +180,16 @@ def claim_results(paper: Paper, scale: str, cells: dict, quick: bool = False) ->
             row = {"setting": setting.label, "method": claim.method, "relation": claim.relation,
                    "other": claim.other, "claim": f"{claim.method} {claim.text} {claim.other}",
                    "accuracy": a.get("accuracy"), "other_accuracy": b.get("accuracy")}
-            if a.get("accuracy") is None or b.get("accuracy") is None:
+            if not a.get("seeds") or not b.get("seeds"):
                 row.update(verdict="not measured", seeds=[], differences=[], mean=None, std=None, interval=None,
-                           interval_method=INTERVAL_METHOD)
+                           interval_method=INTERVAL_METHOD, without_accuracy={})
             else:
                 row.update(judge(claim, a["per_seed"], b["per_seed"]))
+                row["without_accuracy"] = {label: cell["seeds"] - len(cell["per_seed"])
+                                           for label, cell in ((claim.method, a), (claim.other, b))
+                                           if cell["seeds"] > len(cell["per_seed"])}
+                if row["without_accuracy"]:
+                    row["verdict"] = "inconclusive"
             results.append(row)
     return results
 
@@ -194,11 +203,14 @@ def claim_lines(paper: Paper, scale: str, cells: dict, quick: bool = False) -> l
             lines.append(f"- {r['setting']}: {r['claim']}: not measured")
             continue
         n = len(r["seeds"])
-        interval = ("no interval (one seed pair)" if r["interval"] is None
-                    else f"95% CI [{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]")
+        interval = (f"95% CI [{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]" if r["interval"] is not None
+                    else "no interval (one seed pair)")
+        difference = ("no seed pair" if r["mean"] is None
+                      else f"paired difference {r['mean']:+.2f} points over {n} seed(s), {interval}")
+        missing = "".join(f"; {k} seed(s) of {label} without an accuracy (every client diverged)"
+                          for label, k in r["without_accuracy"].items())
         lines.append(f"- {r['setting']}: {r['claim']}: **{r['verdict']}** ({_pm(r['accuracy'])} vs "
-                     f"{_pm(r['other_accuracy'])}; paired difference {r['mean']:+.2f} points over {n} seed(s), "
-                     f"{interval})")
+                     f"{_pm(r['other_accuracy'])}; {difference}{missing})")
     return lines
 
 
@@ -221,14 +233,17 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path, 
             length = min((len(h) for h in histories), default=0)
             if not length:
                 continue
+            # NaN (a gap) at a round some seed did not score: never a mean over the seeds left.
             mean = lambda i, k: statistics.fmean(h[i][k] for h in histories)
             rounds = [histories[0][i][0] for i in range(length)]
             accuracy = [mean(i, 1) for i in range(length)]
-            gigabits = [mean(i, 2) for i in range(length)]
-            figures["accuracy_vs_round"][1].plot(rounds, accuracy, label=method.label, **series_style(index))
-            figures["accuracy_vs_bits"][1].plot(gigabits, accuracy, label=method.label, **series_style(index))
+            label = seeds_curve_label(method.label, [h[length - 1][1] for h in histories])
+            # In gigabytes, as the report's cost table (the papers' "Gb"); the ledger counts gigabits.
+            gigabytes = [mean(i, 2) / 8 for i in range(length)]
+            figures["accuracy_vs_round"][1].plot(rounds, accuracy, label=label, **series_style(index))
+            figures["accuracy_vs_bits"][1].plot(gigabytes, accuracy, label=label, **series_style(index))
         for name, (fig, ax) in figures.items():
-            ax.set(xlabel="round" if name.endswith("round") else "communicated (Gb, up + down)",
+            ax.set(xlabel="round" if name.endswith("round") else "communicated (GB = 10⁹ bytes, up + down)",
                    ylabel=("target" if paper.metric.startswith("target_") else "mean personalized")
                    + " accuracy (%)", title=f"{setting.label}")
             ax.grid(alpha=0.3)
@@ -277,8 +292,9 @@ def write_report(paper: Paper, scale: str, seeds: int, runs: list[PlannedRun], o
         rows.append(row)
     partial = any(not s.runs(m) for s in settings for m in methods)
     lines += ["## Accuracy (%)", "", *(["`·`: the column's table has no such row."] if partial else []),
-              *(["`(k/n seeds)`: the mean is over the k seeds with an accuracy; the others' model diverged (a "
-                 "non-finite loss: never scored) or they had nothing to evaluate."] if short else []),
+              *(["`(k/n seeds)`: the mean is over the k seeds with an accuracy; in the others every client "
+                 "scored diverged (a non-finite loss: never scored) or none had anything to evaluate."]
+                if short else []),
               *_table(header, rows), ""]
     rows = []
     for method in methods:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,6 +82,23 @@ def test_a_table_is_ranked_with_the_baseline_marked_and_a_spread_only_for_seeds(
     text = format_table(table, rows).splitlines()
     assert "local (baseline)" in text[2] and "80.00" in text[2] and "±" not in text[2]
     assert "91.00 ± 1.41" in text[3] and "+11.00" in text[3]
+
+
+def test_a_row_missing_seeds_ranks_below_rows_with_every_seed(tmp_path):
+    """A method scored on 1 of its 3 seeds (the others: no accuracy) ranked first at 95% over
+    FedAvg's 92 ± 1 on all three."""
+    from pfl_algorithms.demo import scenario_rows
+    from tests.algorithms.test_compare import write_run
+
+    table = Scenario("permuted", "t", "final_mean_accuracy", ("fedavg",), "x")
+    table.members.extend(SimpleNamespace(label=name, folder=name) for name in ("shaky", "fedavg"))
+    accuracy = {"fedavg": (0.91, 0.92, 0.93), "shaky": (0.95, None, None)}
+    for name, values in accuracy.items():
+        for seed, value in enumerate(values):
+            write_run(tmp_path / "permuted" / f"{name}-seed{seed}", value, algorithm="fedavg", seed=seed)
+    rows = scenario_rows(table, tmp_path, 3)
+    assert [r["algorithm"] for r in rows] == ["fedavg", "shaky"]
+    assert "95.00 (1/3 seeds)" in format_table(table, rows).splitlines()[3]
 
 
 def test_the_demo_writes_ranked_tables_plots_and_the_target_metric(tmp_path):

@@ -1,5 +1,6 @@
 """Issue 32, items 6 and 7: a diverged model is never scored (NaN accuracy, counted in the
-round's ``eval.diverged``, the summary's ``final_diverged_clients`` and a warning line), the
+round's ``eval.diverged``, the summary's ``final_diverged_clients`` and a warning line; 0 in
+the mean of the clients that did score, and no mean where none did), the
 tables print a mean alone where one seed gives no spread, a truncated JSON file of a reproduce
 folder is one line naming it, and a --samples-per-client that leaves a split empty is refused."""
 from __future__ import annotations
@@ -65,11 +66,16 @@ def test_a_diverged_target_is_not_scored(tmp_path, capsys):
 
 
 def test_evaluation_summary_marks_a_non_finite_loss_diverged():
-    """A client's NaN or infinite loss is diverged (its accuracy NaN, out of the mean); a
-    client with nothing to evaluate (0 samples) is not diverged, just not evaluated."""
+    """A client's NaN or infinite loss is diverged (its accuracy NaN, 0 in the mean: the mean
+    was over the survivors alone, so 9 of 10 clients diverged with the tenth at 95% read 95%);
+    a client with nothing to evaluate (0 samples) is not diverged, just not evaluated."""
     nan = math.nan
     summary = evaluation_summary([EvalResult(0, 0.5, 1.0, 10), EvalResult(1, 0.125, nan, 10),
                                   EvalResult(2, 0.25, math.inf, 10), EvalResult(3, nan, nan, 0)])
     assert summary["diverged"] == [1, 2]
-    assert summary["mean_accuracy"] == 0.5
+    assert summary["mean_accuracy"] == pytest.approx(0.5 / 3)
+    nine = evaluation_summary([EvalResult(0, 0.95, 0.1, 10), *(EvalResult(c, 0.1, nan, 10) for c in range(1, 10))])
+    assert nine["mean_accuracy"] == pytest.approx(0.095)
+    none = evaluation_summary([EvalResult(0, 0.3, nan, 10), EvalResult(1, nan, nan, 0)])
+    assert none["diverged"] == [0] and math.isnan(none["mean_accuracy"])  # no client scored: no mean
     assert math.isnan(summary["accuracy"][1]) and math.isnan(summary["accuracy"][2])
