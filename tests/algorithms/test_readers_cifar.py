@@ -232,3 +232,42 @@ def test_label_arrays_and_names_lists(tmp_path):
     (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": written["names"][:9] + [[0] * 3]}))
     with pytest.raises(ValueError, match=r"batches.meta: 'label_names'\[9\] must be a string, got list"):
         load_dataset("cifar10", root=tmp_path)
+
+
+@pytest.mark.parametrize("variant, file, meta, message", [
+    ("cifar10", "batches.meta", {"label_names": [str(i) for i in range(11)]},
+     "batches.meta: 'label_names' must list 10 class names, got 11"),
+    ("cifar10", "batches.meta", {"label_names": [str(i) for i in range(9)]},
+     "batches.meta: 'label_names' must list 10 class names, got 9"),
+    ("cifar100", "meta", {"fine_label_names": [str(i) for i in range(99)],
+                          "coarse_label_names": [str(i) for i in range(20)]},
+     "meta: 'fine_label_names' must list 100 class names, got 99"),
+    ("cifar100", "meta", {"fine_label_names": [str(i) for i in range(100)],
+                          "coarse_label_names": [str(i) for i in range(21)]},
+     "meta: 'coarse_label_names' must list 20 class names, got 21"),
+    ("cifar100", "meta", {"fine_label_names": [str(i) for i in range(100)],
+                          "coarse_label_names": [str(i) for i in range(19)]},
+     "meta: 'coarse_label_names' must list 20 class names, got 19"),
+])
+def test_the_meta_file_must_name_the_variants_classes(tmp_path, variant, file, meta, message):
+    write_cifar(tmp_path, variant, (2, 2), np.random.default_rng(12))
+    path = tmp_path / ("cifar-10-batches-py" if variant == "cifar10" else "cifar-100-python") / file
+    path.write_bytes(py2_pickle(meta))
+    with pytest.raises(ValueError, match=message) as error:
+        load_dataset(variant, root=tmp_path)
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("labels, message", [
+    (np.array([[1, 2], [3, 4]]), r"'labels' must be a 1-D array of integers \(or an \[n, 1\] column\), got shape "
+                                 r"\(2, 2\)"),
+    (np.array([[1, 2, 3, 4]]), r"'labels' must be a 1-D array .*got shape \(1, 4\)"),
+    ([True, False, True, 1], r"'labels'\[0\] must be an integer, got bool"),
+])
+def test_label_columns_of_another_shape_or_booleans_are_refused(tmp_path, labels, message):
+    write_cifar(tmp_path, "cifar10", (2, 2), np.random.default_rng(13))
+    path = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    path.write_bytes(pickle.dumps({"data": np.zeros((4, 3072), np.uint8), "labels": labels}, protocol=2))
+    with pytest.raises(ValueError, match=message) as error:
+        load_dataset("cifar10", root=tmp_path)
+    assert str(path) in str(error.value)

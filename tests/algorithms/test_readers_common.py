@@ -71,6 +71,16 @@ def test_pool_splits():
         RawData(torch.zeros(2, 1, 2, 2), torch.zeros(2, dtype=torch.int64), 2, domains=torch.zeros(3))
 
 
+
+def test_pool_splits_names_both_sources_when_the_images_differ():
+    test = RawData(torch.zeros(2, 3, 2, 2, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match=r"train and test images differ: a/train holds torch.uint8 \(1, 2, 2\), b/test "
+                                         r"holds torch.uint8 \(3, 2, 2\)$"):
+        pool_splits(_raw(3), test, sources=("a/train", "b/test"))
+    with pytest.raises(ValueError, match=r"differ: the train split holds torch.uint8 \(1, 2, 2\), the test split "
+                                         r"holds torch.uint8 \(3, 2, 2\)$"):
+        pool_splits(_raw(3), test)
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
 def test_normalize_images_over_chunks(dtype):
     gen = torch.Generator().manual_seed(0)

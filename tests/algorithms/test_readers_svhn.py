@@ -70,8 +70,26 @@ def test_missing_and_corrupt(tmp_path):
     with pytest.raises(ValueError, match="2 images in X but 3 labels in y"):
         load_dataset("svhn", root=tmp_path)
     scipy_io.savemat(str(path), {"X": np.zeros((32, 32, 3, 2), np.uint8), "y": np.array([[1], [11]])})
-    with pytest.raises(ValueError, match=r"test_32x32.mat: labels must lie in \[0, 10\), found 1..11"):
+    with pytest.raises(ValueError, match=r"test_32x32.mat: y must hold the labels 1..10 \(10 for the digit 0\), found "
+                                         r"1..11"):
         load_dataset("svhn", root=tmp_path)
+
+
+@pytest.mark.parametrize("y, message", [
+    ([[0.0], [1.0]], r"y must hold the labels 1..10 \(10 for the digit 0\), found 0..1"),  # 0 was read as the digit 0
+    ([[2.7], [1.0]], r"y must hold whole numbers \(the labels 1..10\), found 2.7"),  # 2.7 was read as 2
+    ([[float("nan")], [1.0]], r"y must hold whole numbers \(the labels 1..10\), found nan"),
+    ([[float("inf")], [1.0]], r"y must hold the labels 1..10 \(10 for the digit 0\), found 1..inf"),
+    (np.array([[1], [11]], np.uint8), r"y must hold the labels 1..10 \(10 for the digit 0\), found 1..11"),
+    (np.array(["1", "2"]), "y must hold numbers \\(the labels 1..10\\), got <U1"),  # a MATLAB char array
+])
+def test_labels_must_be_whole_numbers_1_to_10_as_stored(tmp_path, y, message):
+    write_svhn(tmp_path, {"train": 3}, np.random.default_rng(6))
+    path = tmp_path / "test_32x32.mat"
+    scipy_io.savemat(str(path), {"X": np.zeros((32, 32, 3, 2), np.uint8), "y": np.asarray(y)})
+    with pytest.raises(ValueError, match=message) as error:
+        load_dataset("svhn", root=tmp_path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
 def test_download_needs_torchvision(tmp_path):

