@@ -18,6 +18,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Optional
 
 # Nothing here imports torch at import time (``.config`` and the registries do): `pfl list` and
 # the --help pages answer from ``catalog`` in a fraction of the 1.5 s of CPU that costs.
@@ -258,11 +259,23 @@ def _cmd_flower(args) -> int:
 
     require_flwr()
     config = config_from_args(args)
+    # The nodes run each client's tasks one at a time (the sequential executor), whatever these say.
+    unused = [f"{name}={value}" for name, value in (("executor", config.executor), ("workers", config.workers),
+                                                      ("chunk_clients", config.chunk_clients))
+              if value is not None and (name, value) != ("executor", "sequential")]
+    if unused:
+        raise ValueError(f"{unused[0]}: `pfl flower` runs each client's tasks on its own SuperNode, one at a time "
+                         "(the sequential executor); leave it out")
+    if config.data_root is not None:  # the app reads it from the project root `flwr run` starts in
+        config.data_root = str(Path(config.data_root).expanduser().resolve())
     out = (Path(args.out) if args.out else Path("runs") / f"flower-{default_run_name(config)}").resolve()
     marker = out / "flower.json"
     if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir()) - {*_FLOWER_FILES, "run", marker.name}):
         raise ValueError(f"--out {out} is not empty and not an app folder of `pfl flower`; choose a new or empty --out")
     written = _flower_digests(marker)
+    if written is None:
+        raise ValueError(f"--out {out}: {marker.name} was not written by `pfl flower`, so it is kept; move it away "
+                         "or choose another --out")
     for name in _FLOWER_FILES:
         path = out / name
         if path.exists() and written.get(name) != hashlib.sha256(path.read_bytes()).hexdigest():
@@ -294,13 +307,17 @@ def _cmd_flower(args) -> int:
 _FLOWER_FILES = ("run_config.toml", "federation.toml")
 
 
-def _flower_digests(marker: Path) -> dict:
-    """The sha256 of each file ``pfl flower`` wrote, from its marker ({} without a readable one)."""
-    try:
-        written = json.loads(marker.read_text()).get("written")
-    except (OSError, ValueError, AttributeError):
+def _flower_digests(marker: Path) -> Optional[dict]:
+    """The sha256 of each file ``pfl flower`` wrote, from its marker: {} without one, None
+    when the file there is not a marker ``pfl flower`` wrote (someone else's flower.json)."""
+    if not marker.exists():
         return {}
-    return written if isinstance(written, dict) else {}
+    try:
+        value = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    ours = isinstance(value, dict) and value.get("format") == "pfl-flower" and isinstance(value.get("written"), dict)
+    return value["written"] if ours else None
 
 
 def _cmd_run(args) -> int:

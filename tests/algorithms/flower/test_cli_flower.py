@@ -59,6 +59,39 @@ def test_pfl_flower_keeps_a_config_it_did_not_write_or_that_was_edited(tmp_path,
         assert (folder / name).read_text() == kept
 
 
+@pytest.mark.parametrize("contents", ['{"my": "important settings"}', "not json", '{"format": "pfl-flower"}'])
+def test_pfl_flower_keeps_a_flower_json_it_did_not_write(tmp_path, capsys, contents):
+    """A folder holding only the user's own flower.json was taken as an app folder and the file
+    replaced by the marker."""
+    (tmp_path / "flower.json").write_text(contents)
+    assert main(["flower", "fedavg", "--out", str(tmp_path)]) == 2
+    assert "flower.json was not written by `pfl flower`, so it is kept" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flower.json"]
+    assert (tmp_path / "flower.json").read_text() == contents
+
+
+def test_pfl_flower_writes_the_data_root_absolute(tmp_path, monkeypatch):
+    """A relative --data-root was written as given, so the app, started from the project root,
+    read another folder or refused it."""
+    (tmp_path / "datadir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["flower", "fedavg", "--data-root", "datadir", "--out", str(tmp_path / "app")]) == 0
+    config = config_from_key(tomllib.loads((tmp_path / "app" / "run_config.toml").read_text())["pfl-config"])
+    assert config.data_root == str(tmp_path.resolve() / "datadir")
+
+
+@pytest.mark.parametrize("flags, named", [(["--executor", "batched"], "executor=batched"),
+                                          (["--workers", "2"], "workers=2"),
+                                          (["--chunk-clients", "4"], "chunk_clients=4")])
+def test_pfl_flower_refuses_executor_settings_its_nodes_never_use(tmp_path, capsys, flags, named):
+    """They were recorded in the run's config.json, though every node runs sequentially."""
+    assert main(["flower", "fedavg", *flags, "--out", str(tmp_path / "app")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"pfl: error: {named}: `pfl flower` runs each client's tasks")
+    assert not (tmp_path / "app").exists()
+    assert main(["flower", "fedavg", "--executor", "sequential", "--out", str(tmp_path / "app")]) == 0
+
+
 def test_the_server_app_refuses_a_folder_that_is_not_ours_or_already_holds_a_run(tmp_path):
     from pfl_algorithms.flower.app import run_server
     from pfl_algorithms.flower.loopback import LoopbackGrid
