@@ -91,11 +91,73 @@ def run_steps(run: PlannedRun) -> Optional[int]:
     return optimizer_steps(run.config.algorithm, run.config.local_steps, run.config.algorithm_settings)
 
 
+# The roles a scenario's clients take, whose training a budget line gives apart (FedDAF's
+# sources and target: the target of feddaf, fedgp, feddwa and target-only trains by their
+# target_* settings, target-only's sources not at all).
+ROLE_SCENARIOS = ("fda",)
+
+
+def role_plans(run: PlannedRun) -> dict[str, tuple]:
+    """A source's and the target's phases of a round of an ``fda`` run, from the algorithm's own
+    ``plan`` without data: the fda algorithms keep their target client in ``target`` (set by
+    ``setup`` through ``target_only.the_target``), set here to client 1, client 0 a source."""
+    from ..algorithms import ALGORITHMS
+
+    algorithm = ALGORITHMS[run.config.algorithm](**run.config.algorithm_settings)
+    algorithm.target = 1
+    return {"source": tuple(algorithm.plan(0)), "target": tuple(algorithm.plan(1))}
+
+
+def _phase_text(phase, config: RunConfig) -> tuple[Optional[int], str]:
+    """(optimizer steps or None for epochs, words) of one phase of a run's round."""
+    batch = phase.batch_size if phase.batch_size is not None else config.batch_size
+    lr = "" if phase.lr is None or phase.lr == config.lr else f", lr {phase.lr:g}"
+    if phase.steps is not None:
+        return phase.steps, f"{phase.steps} steps{lr}"
+    epochs = phase.epochs if phase.epochs is not None else (None if config.local_steps is not None
+                                                              else config.local_epochs)
+    if epochs is None:
+        return config.local_steps, f"{config.local_steps} steps{lr}"
+    return None, f"{epochs} epoch{'s' if epochs != 1 else ''} of its training data at batch {batch}{lr}"
+
+
+def role_text(run: PlannedRun, phases: tuple) -> str:
+    """A role's round in words: "10 optimizer steps", "1 epoch of its training data at batch 16,
+    lr 0.001", "10 + 10 optimizer steps" or "2 passes of ..." (two phases), "nothing" (no step)."""
+    parts = [(steps, text) for steps, text in (_phase_text(phase, run.config) for phase in phases) if steps != 0]
+    if not parts:
+        return "nothing"
+    if all(steps is not None for steps, _ in parts) and len({text.partition(",")[2] for _, text in parts}) == 1:
+        return " + ".join(str(steps) for steps, _ in parts) + " optimizer steps" + parts[0][1].partition(",")[1] \
+            + parts[0][1].partition(",")[2]
+    if len({text for _, text in parts}) == 1 and len(parts) > 1:
+        return f"{len(parts)} passes of {parts[0][1]}"
+    return " + ".join(text for _, text in parts)
+
+
+def _role_line(label: str, cell: list[PlannedRun]) -> str:
+    """A setting with roles: what a source and what the target train per round, by method."""
+    plans = [(r, role_plans(r)) for r in cell]
+    parts = []
+    for role, name in (("source", "a source"), ("target", "the target")):
+        by_text: dict[str, list[str]] = {}
+        for run, phases in plans:
+            by_text.setdefault(role_text(run, phases[role]), []).append(run.method.label)
+        parts.append(f"{name} trains " + (next(iter(by_text)) + " (every method)" if len(by_text) == 1 else
+                                          ", ".join(f"{text} ({', '.join(methods)})"
+                                                    for text, methods in by_text.items())))
+    return f"{label}: per round, " + "; ".join(parts)
+
+
 def budget_lines(runs: list[PlannedRun]) -> list[str]:
-    """Each setting's budget per client and round, and which methods split it over phases."""
+    """Each setting's budget per client and round, and which methods split it over phases; in a
+    scenario with roles (``fda``), a source's and the target's apart, by method."""
     lines = []
     for label in dict.fromkeys(r.setting.label for r in runs):
         cell = [r for r in runs if r.setting.label == label]
+        if cell[0].config.scenario in ROLE_SCENARIOS:
+            lines.append(_role_line(label, cell))
+            continue
         steps = {run_steps(r) for r in cell}
         if None in steps:
             epochs = sorted({r.config.local_epochs for r in cell})

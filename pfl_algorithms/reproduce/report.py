@@ -179,7 +179,7 @@ def claim_results(paper: Paper, scale: str, cells: dict, quick: bool = False) ->
             b = cells.get((claim.other, setting.label), {})
             row = {"setting": setting.label, "method": claim.method, "relation": claim.relation,
                    "other": claim.other, "claim": f"{claim.method} {claim.text} {claim.other}",
-                   "accuracy": a.get("accuracy"), "other_accuracy": b.get("accuracy")}
+                   "accuracy": a.get("accuracy"), "other_accuracy": b.get("accuracy"), "note": claim.note}
             if not a.get("seeds") or not b.get("seeds"):
                 row.update(verdict="not measured", seeds=[], differences=[], mean=None, std=None, interval=None,
                            interval_method=INTERVAL_METHOD, without_accuracy={})
@@ -199,8 +199,10 @@ def claim_lines(paper: Paper, scale: str, cells: dict, quick: bool = False) -> l
     interval, and the verdict."""
     lines = []
     for r in claim_results(paper, scale, cells, quick):
+        # Where the paper's own table contradicts the claim, the note says so beside the verdict.
+        note = f" (note: {r['note']})" if r["note"] else ""
         if r["verdict"] == "not measured":
-            lines.append(f"- {r['setting']}: {r['claim']}: not measured")
+            lines.append(f"- {r['setting']}: {r['claim']}: not measured{note}")
             continue
         n = len(r["seeds"])
         interval = (f"95% CI [{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]" if r["interval"] is not None
@@ -210,7 +212,7 @@ def claim_lines(paper: Paper, scale: str, cells: dict, quick: bool = False) -> l
         missing = "".join(f"; {k} seed(s) of {label} without an accuracy (every client diverged)"
                           for label, k in r["without_accuracy"].items())
         lines.append(f"- {r['setting']}: {r['claim']}: **{r['verdict']}** ({_pm(r['accuracy'])} vs "
-                     f"{_pm(r['other_accuracy'])}; {difference}{missing})")
+                     f"{_pm(r['other_accuracy'])}; {difference}{missing}){note}")
     return lines
 
 

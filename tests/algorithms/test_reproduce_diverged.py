@@ -90,3 +90,16 @@ def test_the_communication_plot_is_in_the_reports_gigabytes(monkeypatch, tmp_pat
     assert by_bits[0][1][0] == 51.0 and math.isnan(by_bits[0][1][1])  # a gap where a seed has none
     assert by_bits[1]["label"] == f"{method.label} (1/2 seeds end without accuracy)"
     assert "communicated (GB = 10⁹ bytes, up + down)" in labels
+
+
+def test_a_claim_the_papers_table_contradicts_carries_its_note_beside_the_verdict():
+    paper = PAPERS["factorized-fl"]
+    claim = next(c for c in paper.claims if c.note)
+    setting = next(s for s in settings_of(paper, "cpu") if claim.setting_contains in s.label)
+    cells = {(claim.method, setting.label): _cell({0: 1.0, 1: 2.0}, 2),
+             (claim.other, setting.label): _cell({0: 3.0, 1: 5.0}, 2)}
+    row = _row(paper, claim, setting, cells)
+    assert row["note"] == claim.note
+    line = next(l for l in report.claim_lines(paper, "cpu", cells)
+                if l.startswith(f"- {setting.label}: {claim.method} {claim.text} {claim.other}:"))
+    assert line.endswith(f"(note: {claim.note})")
