@@ -3,10 +3,19 @@ averages their shared groups weighted by training-set size, w ← Σ_i (n_i / n)
 
 BatchNorm statistics travel and are averaged with the parameters (as averaging whole
 state_dicts does); what stays local (the head in permuted scenarios) is never sent.
+
+In the ``fda`` scenario the target client trains by ``target_lr``, ``target_batch_size`` and
+``target_epochs`` where given (``target_only.TargetTraining``): FedDAF's paper trains every
+method's target with the same learning rate, batch and one epoch (§5.2.4), FedAvg's included.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..api import Algorithm, Evaluation, Message
+from .target_only import TargetTraining, target_phase, the_target
+
+TARGET_SETTINGS = ("target_lr", "target_batch_size", "target_epochs")
 
 
 class FedAvg(Algorithm):
@@ -14,9 +23,21 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     description = "clients train from the global model; the server averages them weighted by data size"
+    Settings = TargetTraining
 
     def setup(self, server) -> None:
+        self.target: Optional[int] = the_target(server, self.name, required=False)
+        given = [name for name in TARGET_SETTINGS if getattr(self.settings, name, None) is not None]
+        if self.target is None and given:
+            raise ValueError(f"{self.name}: {', '.join(given)} need a target client (the fda scenario)")
         self.global_model = server.initial_model()
+
+    def plan(self, client):
+        """The run's training; the target's by its target settings (a subclass with other
+        settings trains every client alike)."""
+        if client == self.target and isinstance(self.settings, TargetTraining):
+            return (target_phase(self.settings),)
+        return super().plan(client)
 
     def configure(self, round_, clients):
         return Message(self.global_model)

@@ -25,9 +25,8 @@ client and round (``local_steps``; Per-FedAvg and pFedMe count their outer steps
 whose plan trains in several phases splits the budget over them (:func:`split_budget`, the
 algorithm's ``split_step_budget``: pFedMB's α and weights half each, FedRep's head 10 of every
 11 steps), so its phases sum to the budget.  FedDAF's table has roles: its sources make
-``CPU_STEPS`` steps (FedDWA's guidance look-ahead 10 more, Target only's none), while the target
-of FedDAF, FedGP, FedDWA and Target only trains one epoch of its data (the paper's target
-training) and FedAvg's and FedAvg FT's, a client like any other, ``CPU_STEPS`` steps; the report's
+``CPU_STEPS`` steps (FedDWA's guidance look-ahead 10 more, Target only's none), while every
+method's target trains one epoch of its data (the paper's target training, §5.2.4); the report's
 budget gives each role apart (``campaign.budget_lines``).
 """
 from __future__ import annotations
@@ -550,6 +549,9 @@ def _feddaf_domain_settings() -> tuple[Setting, ...]:
         for name, dataset, domains in _FEDDAF_DOMAINS for letter, domain in domains)
 
 
+# The paper trains every method's target with the same lr and batch, one epoch (§5.2.4).
+_FEDDAF_TARGET_TRAINERS = ("fedavg", "fedavg-ft", "feddwa", "fedgp", "target-only", "feddaf")
+
 FEDDAF = Paper(
     name="feddaf",
     title="FedDAF: Federated Domain Adaptation Using Model Functional Distance",
@@ -563,23 +565,20 @@ FEDDAF = Paper(
     base={"cpu": _FEDDAF_CPU, "paper": _FEDDAF_PAPER},
     # The paper (§5.2.4): "For all the methods, we use a source learning rate and a target learning
     # rate of [illegible]", batch 16 for the target (8 on the domain datasets), "one local epoch".
-    # The methods with target settings (target_lr, target_batch_size, target_epochs: FedDAF, FedGP,
-    # FedDWA, Target only) train the target alike, one epoch at the same lr and batch.  FedAvg and
-    # FedAvg FT have no such settings: their target trains as any of their clients, CPU_STEPS steps
-    # at CPU scale and one epoch at the sources' batch 64 and lr 0.01 at paper scale, not the paper's
-    # target training (giving them target settings is a change to those algorithms, not made here).
+    # Every method's target trains alike (target_lr, target_batch_size, target_epochs, which FedAvg
+    # and FedAvg FT take too): one epoch at the same lr and batch.
     settings={
-        # One epoch at the run's lr and batch for the methods with target settings.
+        # One epoch at the run's lr and batch.
         "cpu": tuple(replace_settings(s, {name: {"target_lr": _FEDDAF_CPU["lr"],
                                                  "target_batch_size": _FEDDAF_CPU["batch_size"], "target_epochs": 1}
-                                          for name in ("feddaf", "fedgp", "feddwa", "target-only")})
+                                          for name in _FEDDAF_TARGET_TRAINERS})
                      for s in _feddaf_grid((_FEDDAF_CPU_NOISE,), _FEDDAF_CPU_K, _FEDDAF_CPU_SCARCITIES)),
         # FedDAF's target settings (lr 1e-3, batch 16 or 8, one epoch) for the fda baselines.
         "paper": tuple(replace_settings(s, {name: {"target_lr": 1e-3, "target_batch_size": 16, "target_epochs": 1}
-                                            for name in ("fedgp", "feddwa", "target-only")})
+                                            for name in _FEDDAF_TARGET_TRAINERS if name != "feddaf"})
                        for s in _feddaf_grid()) + tuple(
             replace_settings(s, {name: {"target_lr": 1e-3, "target_batch_size": 8, "target_epochs": 1}
-                                 for name in ("fedgp", "feddwa", "target-only")})
+                                 for name in _FEDDAF_TARGET_TRAINERS if name != "feddaf"})
             for s in _feddaf_domain_settings()),
     },
     metric="target_best_accuracy",
@@ -615,16 +614,12 @@ FEDDAF = Paper(
         + f", Gaussian noise σ = {_FEDDAF_CPU_NOISE} on its images (scarcity 0.5, the other noise levels and Table 3's "
         "k other than 1, 5 and 10 are left out for cost); LeNet-5 with BatchNorm; only the target is evaluated (the "
         "sources are not), every 3 rounds and the last, and its best over those is reported. Sources make "
-        f"{CPU_STEPS} steps a round; every method that trains the target itself (FedDAF, FedGP, FedDWA, Target "
-        "only) trains it one epoch (FedDAF's setting) at the run's lr and batch: "
+        f"{CPU_STEPS} steps a round (Target only's train nothing); every method's target trains one epoch (the "
+        "paper's target training, §5.2.4) at the run's lr and batch: "
         + ", ".join(f"{-(-round(s * _FEDDAF_TARGET_POOL) // _FEDDAF_CPU['batch_size'])} steps at scarcity {s}"
                     for s in _FEDDAF_CPU_SCARCITIES)
-        + f" (FedDWA twice: its guidance look-ahead pass; Target only's sources train nothing); FedAvg's and "
-        f"FedAvg FT's target is one of their clients ({CPU_STEPS} steps). At paper scale the targets of FedDAF, "
-        "FedGP, FedDWA and Target only train at the README facts' lr 1e-3 with batch 16 (8 on the domain "
-        "datasets), one epoch; FedAvg's and FedAvg FT's target is one of their clients, at the run's settings (one epoch at the sources' lr 0.01 "
-        "and batch 64, 32 on the domain datasets), where the paper (§5.2.4) gives every method the target's lr and "
-        "batch: those two algorithms have no target settings.",
+        + " (FedDWA twice: its guidance look-ahead pass). At paper scale every method's target trains one epoch "
+        "at the README facts' lr 1e-3 with batch 16 (8 on the domain datasets).",
     ),
 )
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pfl_algorithms.demo import Scenario, demo_config, format_table, run_demo, scenario_of, TESTBEDS
+from pfl_algorithms.demo import Scenario, demo_config, format_table, run_demo, scenario_of, scenarios, TESTBEDS
 
 pytest.importorskip("sklearn")
 
@@ -73,6 +73,27 @@ def test_every_method_takes_the_testbeds_optimizer_steps_in_a_round():
     fedrep = demo_config(bed, "fedrep", "permuted", rounds=1, seed=0, data_root=None)
     assert (fedrep.local_steps, fedrep.algorithm_settings) == (1, {"head_steps": 9})
     assert demo_config(bed, "pfedmb", "permuted", rounds=1, seed=0, data_root=None).local_steps == 5
+
+
+def test_every_fda_method_trains_the_target_alike():
+    """The target's round, as the engine runs it: FedDAF's target took 4 steps at lr 0.001 and
+    batch 16 (its own defaults), the others' 10 at the testbed's lr 0.05 and batch 32."""
+    from pfl_algorithms.runner import build
+
+    bed = TESTBEDS["digits"]
+    targets = {}
+    for algorithm in ("fedavg", "target-only", "fedgp", "feddwa", "feddaf"):  # fedavg: the fda table's extra
+        assert scenario_of(algorithm) == "fda" or algorithm in scenarios()["fda"].extra
+        config = demo_config(bed, algorithm, "fda", rounds=1, seed=0, data_root=None)
+        fed, built, _ = build(config)
+        target = int(fed.roles["target"][0])
+        lrs = {(phase.lr, phase.batch_size, phase.epochs) for phase in built.plan(target)}
+        targets[algorithm] = (lrs, _optimizer_steps_of_a_round(config, client=target))
+    steps = {n for _, n in targets.values()}
+    assert {lr for lrs, _ in targets.values() for lr in lrs} == {(bed.lr, bed.batch_size, 1)}, targets
+    one_epoch = targets["fedavg"][1]
+    assert one_epoch > 1 and steps == {one_epoch, 2 * one_epoch}  # FedDWA: its look-ahead pass again
+    assert targets["feddwa"][1] == 2 * one_epoch
 
 
 def test_a_table_is_ranked_with_the_baseline_marked_and_a_spread_only_for_seeds():

@@ -212,6 +212,24 @@ def test_feddwa_in_fda_trains_the_target_with_its_settings_and_refuses_them_with
         make_federation(FedDWA(target_lr=0.02, target_batch_size=4))
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedavg-ft", "fedper"])
+def test_fedavg_trains_the_target_with_its_settings_and_refuses_them_without_a_target(name):
+    """FedDAF's paper trains every method's target alike (§5.2.4): FedAvg's target took the run's
+    local steps while the other methods' took one epoch at the target's lr and batch."""
+    from pfl_algorithms.algorithms import ALGORITHMS
+
+    algo = ALGORITHMS[name](target_lr=0.02, target_batch_size=4, target_epochs=1)
+    make_federation(algo, roles={"source": [0, 1], "target": [2]})
+    (target,), (source,) = algo.plan(2), algo.plan(0)
+    assert (target.lr, target.batch_size, target.epochs) == (0.02, 4, 1)
+    assert (source.lr, source.batch_size, source.epochs) == (None, None, None)
+    with pytest.raises(ValueError, match="target_lr, target_batch_size, target_epochs need a target client"):
+        make_federation(ALGORITHMS[name](target_lr=0.02, target_batch_size=4, target_epochs=1))
+    plain = ALGORITHMS[name]()  # without the settings, the target trains as any client
+    make_federation(plain, roles={"source": [0, 1], "target": [2]})
+    assert plain.plan(2) == plain.plan(0)
+
+
 # ---------------------------------------------------------------- target-only
 
 
