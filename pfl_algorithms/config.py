@@ -277,6 +277,11 @@ def check(config: RunConfig) -> RunConfig:
                          f"(local_steps={config.local_steps}, local_epochs={config.local_epochs})")
     if config.clients_per_round is not None and config.clients_per_round > config.clients:
         raise ValueError(f"clients_per_round={config.clients_per_round} but only clients={config.clients}")
+    if config.clients_per_round is not None and config.sample != RunConfig.sample:
+        # clients_per_round decides the cohort: a sample would be recorded and ignored
+        raise ValueError("sample and clients_per_round conflict: give one of them "
+                         f"(sample={config.sample}, clients_per_round={config.clients_per_round})")
+    _check_executor_options(config)
     config.optimizer_settings()  # raises on settings the optimizer refuses
     if config.optimizer != "sgd" and config.momentum != RunConfig.momentum:
         # optimizer_settings passes momentum to SGD only: another value would be recorded and ignored
@@ -412,6 +417,24 @@ def _check_architectures(config: RunConfig) -> None:
     raise ValueError(f"{config.algorithm!r} trains one architecture on every client (it shares more than the "
                      f"classifier), but architectures gives {len(cohorts)} cohorts ({named}); use one architecture, "
                      f"or an algorithm that shares only the classifier: {', '.join(allowed)}")
+
+
+def _check_executor_options(config: RunConfig) -> None:
+    """An option of executors other than the one named is refused, not recorded and ignored:
+    ``workers`` (threaded, batched, distributed), ``chunk_clients`` and ``batched_conv``
+    (batched).  With no executor named (the device decides) every option may apply."""
+    executor = config.executor
+    if executor in (None, "auto"):
+        return
+    ignored = [(name, value) for name, value, users in (
+        ("workers", config.workers, ("threaded", "batched", "distributed")),
+        ("chunk_clients", config.chunk_clients, ("batched",)),
+        ("batched_conv", None if config.batched_conv == RunConfig.batched_conv else config.batched_conv, ("batched",)))
+        if value is not None and executor not in users]
+    if ignored:
+        name, value = ignored[0]
+        raise ValueError(f"{name}={value} has no effect with executor={executor!r}; leave it out or choose an "
+                         "executor that uses it")
 
 
 def _check_scenario_values(config: RunConfig) -> None:

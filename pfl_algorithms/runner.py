@@ -138,7 +138,7 @@ def _lead(config: RunConfig, out: Path, *, resume, overwrite, progress, stop_aft
             state = None
             if resume and rundir.checkpoint.exists():
                 state = rundir.load_checkpoint()
-                saved_rounds = _check_resumable(rundir, state, identity["run_id"], config)
+                saved = _check_resumable(rundir, state, identity["run_id"], config)
             elif resume:
                 # Nothing to load, but the settings are checked as a checkpoint's would be: a
                 # restart must not take other settings and rewrite config.json with them.
@@ -158,7 +158,7 @@ def _lead(config: RunConfig, out: Path, *, resume, overwrite, progress, stop_aft
                 _load_state(rundir, fed, algorithm, state)
                 run_id = identity["run_id"]
                 history = rundir.resume_metrics(fed.round)
-                _more_rounds(rundir, config, fed.round, saved_rounds)
+                _record_resumed_settings(rundir, config, fed.round, saved)
             else:
                 if resume:
                     rundir.resume_metrics(0)  # a restart sets the lines of the stopped attempt aside
@@ -206,7 +206,7 @@ def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
     """Make sure ``out`` holds ``config``'s finished run: keep a finished run made with the same
     settings (True), resume a stopped one (from round 0 if it has no checkpoint), or start it
     (False).  A finished run with fewer rounds and otherwise the same settings is continued to
-    ``config.rounds`` (bitwise a run started with them, ``_more_rounds``).  A finished run with
+    ``config.rounds`` (bitwise a run started with them, ``_record_resumed_settings``).  A finished run with
     other settings is refused: a campaign (``pfl demo``, ``pfl reproduce``) never mixes settings
     into one directory; where and how it ran (``NOT_IN_IDENTITY``: the executor, workers, ...)
     are not settings of the experiment, and a field the saved config lacks (added since) counts
@@ -215,7 +215,7 @@ def run_or_keep(config: RunConfig, out: Path, *, progress: bool = True) -> bool:
     if previous.is_run() and previous.summary.exists():
         # load_config_file: a missing or truncated config.json is one line naming it
         now, then = json_value(config.as_dict()), with_defaults(load_config_file(previous.config))
-        identity = [{k: v for k, v in c.items() if k not in NOT_IN_IDENTITY or k == "seed"} for c in (now, then)]
+        identity = [_but_where(c) for c in (now, then)]
         differences = setting_differences(*identity, ("now", "then"))
         more_rounds = not setting_differences(*map(_but_rounds, identity), ("now", "then")) \
             and now["rounds"] > then["rounds"]
@@ -311,8 +311,8 @@ def setting_differences(a: dict, b: dict, names: tuple[str, str], prefix: str = 
 def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: RunConfig) -> int:
     """Refuse a checkpoint of another run, a config.json edited since it was written, settings
     other than the checkpoint's (naming what differs), and fewer rounds than it has run.  The
-    round count alone may change: the run then continues to the new count (``_more_rounds``).
-    Returns the rounds config.json names."""
+    round count may change, the run then continuing to the new count, and where it runs
+    (``_record_resumed_settings``).  Returns config.json's settings (with defaults)."""
     missing = sorted({"run_id", "config", "federation", "algorithm"} - set(state))
     if missing:
         raise ValueError(f"--resume: {rundir.checkpoint} is not a checkpoint of a pfl run (no {missing})")
@@ -321,9 +321,10 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
                          f"the run in {rundir.root} (run id {run_id} in {rundir.marker.name}); put back this run's "
                          f"checkpoint, or start over with --overwrite")
     saved, in_checkpoint = _saved_config(rundir), with_defaults(state["config"])
-    # rounds alone may change on --resume (a run continued to more rounds, _more_rounds): config.json
-    # then names the new count before the first checkpoint of the extra rounds is written.
-    edited = setting_differences(_but_rounds(saved), _but_rounds(in_checkpoint), ("config.json", "checkpoint"))
+    # rounds and where the run runs may change on --resume (_record_resumed_settings): config.json
+    # then names them before the next checkpoint is written.
+    edited = setting_differences(_but_where(_but_rounds(saved)), _but_where(_but_rounds(in_checkpoint)),
+                                 ("config.json", "checkpoint"))
     if edited:
         raise ValueError(f"--resume: {rundir.config} differs from the settings saved in {rundir.checkpoint} in "
                          f"{', '.join(edited)}; it was changed after the run started: restore it, or start over "
@@ -337,7 +338,7 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
     if config.rounds < done:
         raise ValueError(f"--resume: {rundir.root} has run {done} rounds already; rounds must be at least {done}, "
                          f"got {config.rounds}")
-    return saved["rounds"]
+    return saved
 
 
 def _saved_config(rundir: RunDirectory) -> dict:
@@ -350,9 +351,12 @@ def _saved_config(rundir: RunDirectory) -> dict:
 
 
 def _check_same_settings(config: RunConfig, saved: dict) -> None:
-    """Refuse to resume with ``config`` when a setting other than the round count differs from
-    ``saved`` (a saved config, with defaults), naming each difference."""
-    changed = setting_differences(_but_rounds(json_value(config.as_dict())), _but_rounds(saved), ("given", "saved"))
+    """Refuse to resume with ``config`` when a setting of the experiment other than the round
+    count differs from ``saved`` (a saved config, with defaults), naming each difference.
+    Where and how it runs (``NOT_IN_IDENTITY`` but the seed: the data root, the executor, its
+    workers, ...) may change, as ``run_or_keep`` keeps a finished run whatever they were."""
+    changed = setting_differences(*(_but_where(_but_rounds(c)) for c in (json_value(config.as_dict()), saved)),
+                                  ("given", "saved"))
     if changed:
         raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
                          f"the same settings (or none: the saved config is used; --rounds may change)")
@@ -362,16 +366,22 @@ def _but_rounds(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "rounds"}
 
 
-def _more_rounds(rundir: RunDirectory, config: RunConfig, done: int, saved_rounds: int) -> None:
-    """A resumed run whose round count changed (``--resume --rounds N``, N at least the rounds
-    done): config.json takes the new count, and a finished run's summary.json goes until the
-    run finishes again (a campaign keeps a run with a summary as finished).  ``saved_rounds``:
-    config.json's count, as ``_check_resumable`` read it."""
-    if saved_rounds == config.rounds:
+def _but_where(config: dict) -> dict:
+    """``config`` without where and how the run runs (``NOT_IN_IDENTITY``), its seed kept."""
+    return {k: v for k, v in config.items() if k not in NOT_IN_IDENTITY or k == "seed"}
+
+
+def _record_resumed_settings(rundir: RunDirectory, config: RunConfig, done: int, saved: dict) -> None:
+    """config.json takes a resumed run's settings where they changed: a round count (``--resume
+    --rounds N``, N at least the rounds done), whose finished run's summary.json then goes until
+    it finishes again (a campaign keeps a run with a summary as finished), or where it runs (the
+    data root, the executor, ...).  ``saved``: config.json as ``_check_resumable`` read it."""
+    if json_value(config.as_dict()) == saved:
         return
     atomic_write_json(rundir.config, config.as_dict())
-    rundir.summary.unlink(missing_ok=True)
-    print(f"pfl: {rundir.root}: {done} rounds done, continuing to {config.rounds}", file=sys.stderr, flush=True)
+    if saved["rounds"] != config.rounds:
+        rundir.summary.unlink(missing_ok=True)
+        print(f"pfl: {rundir.root}: {done} rounds done, continuing to {config.rounds}", file=sys.stderr, flush=True)
 
 
 def _best(accuracies) -> Optional[float]:

@@ -11,6 +11,7 @@ cohort that has it, since the server combines it across them.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
@@ -316,11 +317,13 @@ class Federation:
         return stream_generator(self.settings.seed, stream, round_, client)
 
     def sample_clients(self, round_: int) -> torch.Tensor:
-        """The clients of round ``round_`` (sorted), drawn without replacement."""
+        """The clients of round ``round_`` (sorted), drawn without replacement: ``clients_per_round``
+        of them, or ``sample`` · K rounded half up (as the splits round), at least one."""
         k = self.num_clients
         count = self.settings.clients_per_round
         if count is None:
-            count = max(1, round(self.settings.sample * k))
+            # Half up, not Python's round to even (0.5 of 5 clients was 2, of 3 was 2).
+            count = max(1, math.floor(self.settings.sample * k + 0.5))
         if count > k:
             raise ValueError(f"clients_per_round asks for {count} clients per round but there are {k}")
         if count == k:

@@ -227,6 +227,36 @@ def test_a_diverged_client_is_logged_and_the_run_goes_on(tmp_path, capsys, monke
     assert summary["rounds"] == 3
 
 
+@pytest.mark.parametrize("clients, sample, count", [(3, 0.5, 2), (5, 0.5, 3), (7, 0.5, 4), (9, 0.5, 5),
+                                                    (10, 0.25, 3), (10, 0.1, 1), (9, 0.1, 1), (4, 0.1, 1)])
+def test_a_sample_fraction_rounds_half_up_to_a_client_count(clients, sample, count):
+    """As the splits round (scenarios.split_sizes); Python's round gave 2 of 5 and 4 of 9 at 0.5."""
+    from types import SimpleNamespace
+
+    from pfl_algorithms.engine.federation import EngineSettings, Federation
+
+    fed = SimpleNamespace(settings=EngineSettings(sample=sample), num_clients=clients)
+    fed.generator = lambda *args: Federation.generator(fed, *args)
+    drawn = Federation.sample_clients(fed, 0)
+    assert drawn.numel() == count and drawn.unique().numel() == count
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sample", "0.5", "--clients-per-round", "2"], "sample and clients_per_round conflict: give one of them"),
+    (["--executor", "sequential", "--workers", "2"], "workers=2 has no effect with executor='sequential'"),
+    (["--executor", "threaded", "--chunk-clients", "2"], "chunk_clients=2 has no effect with executor='threaded'"),
+    (["--executor", "sequential", "--set", "batched_conv=gemm"],
+     "batched_conv=gemm has no effect with executor='sequential'"),
+])
+def test_options_that_would_be_recorded_and_ignored_are_refused(argv, message, capsys, tmp_path):
+    from pfl_algorithms.cli import main
+
+    assert main(["run", "fedavg", "--clients", "4", "--rounds", "1", *argv, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("how", ["flag", "set", "toml"])
 def test_sample_1_means_every_client_on_every_path(tmp_path, how):
     """``sample`` is a fraction wherever it is given (1 and 1.0: every client); a count of

@@ -249,6 +249,28 @@ def test_other_settings_are_refused_with_or_without_a_checkpoint(tmp_path, capsy
     assert {name: (out / name).read_bytes() for name in before} == before
 
 
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_where_a_run_runs_may_change_on_resume_and_config_json_records_it(tmp_path, checkpoint):
+    """The data root, executor and workers are not settings of the experiment (a campaign keeps
+    a finished run whatever they were), but --resume refused them: a stopped campaign could not
+    go on after its data moved.  The run continues bitwise, config.json names the new values,
+    and a second resume holds to them."""
+    data_a, data_b = tmp_path / "a", tmp_path / "b"
+    data_a.mkdir(), data_b.mkdir()
+    whole = run(tiny_config(data_root=str(data_a)), tmp_path / "whole", progress=False)
+    out = tmp_path / "r"
+    if checkpoint:
+        run(tiny_config(data_root=str(data_a), executor="sequential"), out, progress=False, stop_after=2)
+    else:
+        killed_before_first_checkpoint(tiny_config(data_root=str(data_a), executor="sequential"), out)
+    moved = tiny_config(data_root=str(data_b), executor="threaded", workers=2)
+    resumed = run(moved, out, resume=True, progress=False)
+    assert resumed["final_mean_accuracy"] == whole["final_mean_accuracy"]
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["data_root"], saved["executor"], saved["workers"]) == (str(data_b), "threaded", 2)
+    assert run(moved, out, resume=True, progress=False)["final_mean_accuracy"] == whole["final_mean_accuracy"]
+
+
 def test_a_run_without_a_checkpoint_resumes_with_more_rounds(tmp_path, capsys):
     """--rounds alone may change on a restart from round 0, as on a resume from a checkpoint."""
     out = tmp_path / "r"

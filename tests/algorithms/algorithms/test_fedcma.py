@@ -220,7 +220,7 @@ def test_three_architectures_give_the_same_numbers_under_both_executors(tmp_path
         # each run; the command line itself is checked by the other tests here.
         out = tmp_path / executor
         args = _parser().parse_args(["run", algorithm, *MIXED, "--rounds", "2", "--executor", executor,
-                                     "--workers", "2"])
+                                     *(["--workers", "2"] if executor == "threaded" else [])])
         run(config_from_args(args), out, progress=False)
         runs[executor] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(runs["threaded"], runs["sequential"]):
