@@ -29,9 +29,9 @@ server side
 client side (run by an executor, wherever the client is)
   ``plan(client)``    the phases of local training
   ``upload(view)``    what the client sends back (None: nothing); a :class:`Statistic` request in
-                      its extras is answered after training by the executor, for all senders of
-                      a cohort at once (Fed-CMA's :class:`ClassMeans`; a Statistic subclass
-                      computes its kind from :class:`Senders`)
+                      its extras is answered after training by the executor, for each sender
+                      alone (Fed-CMA's :class:`ClassMeans`; a Statistic subclass computes its
+                      kind from :class:`Senders`)
 
 Client state, on the :class:`ClientView` every client hook gets (a loss term: ``batch.view``),
 so that no hook reads what another left behind: ``view.state(name)`` across rounds (declared by

@@ -1,6 +1,6 @@
 """Post-training statistics an upload may ask for (``api.Statistic``), each answered by the
-executor for all senders of a cohort at once (``engine.cohort_stats``); an algorithm may define
-its own the same way.
+executor for each sender alone (``engine.cohort_stats``); an algorithm may define its own the
+same way.
 """
 from __future__ import annotations
 

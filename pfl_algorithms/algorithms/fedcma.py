@@ -10,8 +10,8 @@ with p_i = n_i / N its share of all samples, p_i^k = n_i^k / Σ_j n_j^k its shar
 and B_i^k a minibatch of b_i^k samples of class k chosen once, at the start, and used in every
 round.  The client keeps its own v_i (the penalty pulls it towards v̄; it is never replaced).
 After training it sends v_i and e_i^k = (1/b_i^k)·Σ_{x ∈ B_i^k} g_i(u_i, x) with the counts b_i^k
-(a :class:`ClassMeans` statistic: the executor answers all senders of a cohort with one
-``pfl.class_means``).  No extractor weight leaves the client.
+(a :class:`ClassMeans` statistic: the executor answers it with ``pfl.class_means`` from the
+client's stored model, the same bits wherever the client runs).  No extractor weight leaves the client.
 
 The server's global classifier v̄ and class means e^k follow the moving averages of Eq. 7,
 η the run's client learning rate:

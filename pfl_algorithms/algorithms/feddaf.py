@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Optional
 
 import torch
 
@@ -89,7 +89,9 @@ class FedDAF(Algorithm):
         initial = server.initial_model()
         self.groups = [g for g in initial if g != BUFFERS]
         self.global_model = initial
-        self.last = torch.full((2,), float("nan"), dtype=torch.float64)  # the target's latest (α, θ)
+        # The target's latest (α, θ), [2] float64; None until it has sent them (the server state
+        # holds no NaN unless it diverged).
+        self.last: Optional[torch.Tensor] = None
 
     def source_model(self) -> dict:
         return {name: t.clone() for name, t in self.global_model.items()}
@@ -147,7 +149,8 @@ class FedDAF(Algorithm):
             self.global_model[name] = weighted_average(weights.to(value.dtype), stacked)[0]
 
     def round_metrics(self, round_):
-        alpha, theta = (None if math.isnan(v) else v for v in self.last.tolist())
+        last = [math.nan, math.nan] if self.last is None else self.last.tolist()
+        alpha, theta = (None if math.isnan(v) else v for v in last)
         return {"target_alpha": alpha, "target_theta": theta}
 
     def state_dict(self) -> dict:
@@ -155,4 +158,5 @@ class FedDAF(Algorithm):
 
     def load_state_dict(self, state: dict) -> None:
         self.global_model = {name: t.clone() for name, t in state["global_model"].items()}
-        self.last = state["last"].clone()
+        last = state["last"]  # all NaN: a checkpoint from before None meant "not sent yet"
+        self.last = None if last is None or bool(torch.isnan(last).all()) else last.clone()

@@ -37,7 +37,7 @@ summary reports the target's accuracy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Optional
 
 import torch
 from torch import nn
@@ -101,7 +101,9 @@ class FedGP(FedAvg):
             if sum(self.tensor_sizes.get(group, ())) != self.global_model[group].numel():
                 raise ValueError(f"{self.name}: group {group!r} does not hold the model's "
                                  f"{group} tensors; it projects tensor by tensor")
-        self.positive = float("nan")  # the share of (source, tensor) pairs with cos > 0 in the last round
+        # The share of (source, tensor) pairs with cos > 0 in the last round; None where it was not
+        # measured (no target upload, or no source): the server state holds no NaN unless it diverged.
+        self.positive: Optional[float] = None
         self.lr = server.lr
 
     def plan(self, client):
@@ -120,7 +122,7 @@ class FedGP(FedAvg):
         return (target_lr * steps[t]) / (self.lr * steps[sources]).clamp_min(torch.finfo(torch.float64).tiny)
 
     def aggregate(self, round_, uploads):
-        self.positive = float("nan")
+        self.positive = None
         if round_ < self.settings.fedavg_rounds:
             return super().aggregate(round_, uploads)
         senders = uploads.clients.tolist()
@@ -147,14 +149,15 @@ class FedGP(FedAvg):
             self.global_model[group] = old + torch.cat(new)
         if BUFFERS in self.global_model:
             self.global_model[BUFFERS] = uploads.messages[t].dense(BUFFERS).to(self.global_model[BUFFERS].dtype)
-        self.positive = positive / pairs if pairs else float("nan")
+        self.positive = positive / pairs if pairs else None
 
     def round_metrics(self, round_):
-        return {"positive_cosines": None if self.positive != self.positive else self.positive}
+        return {"positive_cosines": self.positive}
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "positive": self.positive}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.positive = float(state["positive"])
+        positive = state["positive"]  # NaN: a checkpoint from before None meant "not measured"
+        self.positive = None if positive is None or positive != positive else float(positive)

@@ -27,27 +27,16 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from .cohort_stats import answer_statistics
+from .intra_op import one_intra_op_thread
 
 Task = TypeVar("Task")
 Result = TypeVar("Result")
-
-
-@contextmanager
-def one_intra_op_thread():
-    """Run the body with ``torch.set_num_threads(1)``, restoring the previous count after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _on_one_intra_op_thread(run_one: Callable[[Task], Result], task: Task) -> Result:

@@ -76,8 +76,8 @@ Payload = Union[Tensor, Sparse]
 
 
 class Statistic:
-    """A statistic an upload asks for in its extras, computed after training for all senders of
-    a cohort at once (``engine.cohort_stats``): Fed-CMA's class-mean embeddings.  A subclass holds
+    """A statistic an upload asks for in its extras, computed after training for each sender
+    alone (``engine.cohort_stats``): Fed-CMA's class-mean embeddings.  A subclass holds
     what the client asks about (its inputs) and defines ``compute(senders, requests)``, a
     classmethod giving the answers of a cohort's requests of its kind, in order, from a
     :class:`~pfl_algorithms.engine.cohort_stats.Senders` (the senders' models after training,

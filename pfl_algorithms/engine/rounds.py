@@ -126,7 +126,7 @@ def prepare_kept_state(fed: Federation, tasks: list[TrainTask]) -> None:
 
 def train_on_executor(fed: Federation, algorithm, tasks: list[TrainTask]) -> list[TrainResult]:
     """The training tasks of a round run by ``fed``'s executor, in task order, the statistics
-    their uploads ask for answered (by the executor, per cohort at once)."""
+    their uploads ask for answered (by the executor, per sender)."""
     prepare_kept_state(fed, tasks)
     return fed.executor.run_train(fed, algorithm, tasks, lambda task: run_train_task(fed, algorithm, task))
 

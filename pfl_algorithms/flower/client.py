@@ -31,7 +31,7 @@ import torch
 from ..config import RunConfig, check, config_from
 from ..engine.client import EvalTask, TrainTask, message_finite, run_eval_task, run_train_task
 from ..engine.cohort_stats import answer_statistics
-from ..engine.executors import one_intra_op_thread
+from ..engine.intra_op import one_intra_op_thread
 from ..engine.rounds import evaluation_task, prepare_kept_state
 from . import records
 

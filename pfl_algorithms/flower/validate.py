@@ -22,7 +22,10 @@ The rules:
   too: when ``aggregate`` leaves a non-finite server state, or raises on what it was given (an
   extra an algorithm reads in its own way), the server restores its state and ledger and
   finishes the round without the round's uploads, every sender failed with the reason
-  (:func:`finish_round_checked`).
+  (:func:`finish_round_checked`).  The server state is ``algorithm.state_dict()`` whole, so an
+  algorithm keeps no NaN there on purpose: a number it did not measure this round (FedGP's
+  share of positive cosines without the target's upload, FedDAF's α and θ before the target
+  sent them) is None, as ``round_metrics`` writes it to ``metrics.jsonl``.
 * evaluation metrics (``pfl.eval``): ``samples`` equal to the client's split in the partition;
   ``accuracy`` NaN (nothing scored: an empty split or a diverged model) or in [0, 1] with a
   finite loss; anything else is that client's evaluation failed (NaN, out of the mean).
