@@ -24,9 +24,10 @@ class FedAvg(Algorithm):
     name = "fedavg"
     description = "clients train from the global model; the server averages them weighted by data size"
     Settings = TargetTraining
+    target: Optional[int] = None  # the fda scenario's target client, known from setup on
 
     def setup(self, server) -> None:
-        self.target: Optional[int] = the_target(server, self.name, required=False)
+        self.target = the_target(server, self.name, required=False)
         given = [name for name in TARGET_SETTINGS if getattr(self.settings, name, None) is not None]
         if self.target is None and given:
             raise ValueError(f"{self.name}: {', '.join(given)} need a target client (the fda scenario)")
