@@ -137,7 +137,7 @@ def role_text(run: PlannedRun, phases: tuple) -> str:
 
 def _role_line(label: str, cell: list[PlannedRun]) -> str:
     """A setting with roles: what a source and what the target train per round, by method."""
-    plans = [(r, role_plans(r)) for r in cell]
+    plans = [(r, role_plans(r)) for r in cell if r.seed == cell[0].seed]  # one run per method: seeds train alike
     parts = []
     for role, name in (("source", "a source"), ("target", "the target")):
         by_text: dict[str, list[str]] = {}

@@ -457,6 +457,7 @@ def test_feddaf_budget_line_gives_each_role_as_the_engine_trains_it(tmp_path):
             "FedDAF, FedDAF k=1, FedDAF k=10)") in line
     assert "2 passes of 1 epoch of its training data at batch 32 (FedDWA)" in line
     assert all(f"budget: {b}" in describe(paper, "cpu", 1, tmp_path, runs) for b in lines)  # the dry run
+    assert budget_lines(plan(paper, "cpu", 3, tmp_path)) == lines  # each method named once, whatever the seeds
     # The paper scale: epochs, the target's own batch and lr for the methods with target settings.
     paper_line = budget_lines(plan(paper, "paper", 1, tmp_path))[0]
     assert ("the target trains 1 epoch of its training data at batch 16, lr 0.001 (FedAvg, FedAvg FT, FedGP, "
