@@ -139,6 +139,9 @@ def _payload_record(value, spec: dict):
     from flwr.common import ArrayRecord
 
     tensor = value.tensor if isinstance(value, Sparse) else value
+    if _dtype_name(tensor.dtype) not in DTYPES:  # refused here, not by the receiver's decode
+        raise TypeError(f"a {_dtype_name(tensor.dtype)} tensor cannot be sent: a message carries "
+                        f"{', '.join(DTYPES)}")
     spec.update(dtype=_dtype_name(tensor.dtype), shape=list(tensor.shape))
     record = ArrayRecord()
     if isinstance(value, Sparse):
@@ -227,7 +230,7 @@ def encode(message: Message, prefix: str) -> dict:
 
     Raises:
         TypeError: the extras hold a :class:`Statistic` request (answer it first) or a value
-            no message can carry.
+            no message can carry, or a tensor is of a dtype outside :data:`DTYPES` (complex).
     """
     from flwr.common import ConfigRecord, MetricRecord
 

@@ -88,6 +88,18 @@ def test_a_class_means_request_must_be_resolved_before_sending():
         encode(Message({}, {"means": request}), "up")
 
 
+@pytest.mark.parametrize("where", ["tensor", "extra", "sparse"])
+def test_a_tensor_no_receiver_can_decode_is_refused_when_sent(where):
+    """A complex tensor was encoded, then refused by the receiver's decode (its dtype is none of
+    DTYPES): the sender learns it at once, naming the dtype."""
+    value = torch.ones(3, dtype=torch.complex64)
+    message = {"tensor": Message({"body": value}),
+               "extra": Message({"body": torch.ones(3)}, extras={"z": value}),
+               "sparse": Message({"body": Sparse(value, 0.5)})}[where]
+    with pytest.raises(TypeError, match="a complex64 tensor cannot be sent: a message carries bool, "):
+        encode(message, "p")
+
+
 def test_no_message_under_a_prefix_decodes_to_none():
     assert decode(RecordDict(), "down") is None
 
