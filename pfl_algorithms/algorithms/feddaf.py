@@ -27,7 +27,7 @@ to the sources and to the target.
 The target's model lives in its bank row, which the engine checkpoints, so it is the previous
 model of the next round.  Defaults are the README facts: k = 5, target lr 1e-3, batch 16, one
 epoch, μ = 1e-3; the sources use the run's settings (the paper: SGD lr 0.01, batch 64, one
-epoch).  A target without training data takes w_S (α = 1).  Every client is evaluated with
+epoch).  A target without training data takes w_S (α = 1) and reports no θ.  Every client is evaluated with
 its own model; the run's summary reports the target's final and best accuracy.
 """
 from __future__ import annotations
@@ -116,15 +116,16 @@ class FedDAF(Algorithm):
         source = self._source_parameters(view)
         g_target = view.mean_gradient("train", self.settings.target_batch_size)
         g_source = view.mean_gradient("train", self.settings.target_batch_size, at=source)
-        if torch.isnan(g_target).all():  # no training data: nothing to weigh against
-            alpha, theta = 1.0, float("nan")
+        if torch.isnan(g_target).all():  # no training data: nothing to weigh against, no angle
+            alpha, measured = 1.0, []
         else:
             theta = gradient_angle(g_source, g_target)
-            alpha = gompertz_weight(theta, self.settings.k)
+            alpha, measured = gompertz_weight(theta, self.settings.k), [theta]
         with torch.no_grad():
             for g, t in source.items():
                 view.group(g).copy_(alpha * t + (1.0 - alpha) * view.group(g))
-        view.report("fda", torch.tensor([alpha, theta], dtype=torch.float64))
+        # (α, θ), or (α,) without an angle: an upload holding NaN would be dropped as diverged.
+        view.report("fda", torch.tensor([alpha, *measured], dtype=torch.float64))
 
     def upload(self, view):
         return view.message(self.groups)
@@ -149,8 +150,8 @@ class FedDAF(Algorithm):
             self.global_model[name] = weighted_average(weights.to(value.dtype), stacked)[0]
 
     def round_metrics(self, round_):
-        last = [math.nan, math.nan] if self.last is None else self.last.tolist()
-        alpha, theta = (None if math.isnan(v) else v for v in last)
+        last = [] if self.last is None else self.last.tolist()
+        alpha, theta = (last + [None, None])[:2]  # None: not sent yet, or no angle (no training data)
         return {"target_alpha": alpha, "target_theta": theta}
 
     def state_dict(self) -> dict:
@@ -158,5 +159,7 @@ class FedDAF(Algorithm):
 
     def load_state_dict(self, state: dict) -> None:
         self.global_model = {name: t.clone() for name, t in state["global_model"].items()}
-        last = state["last"]  # all NaN: a checkpoint from before None meant "not sent yet"
-        self.last = None if last is None or bool(torch.isnan(last).all()) else last.clone()
+        last = state["last"]  # a checkpoint from before None and (α,) wrote NaN for "not sent", "no angle"
+        if last is not None:
+            last = last[~torch.isnan(last)].clone()
+        self.last = None if last is None or last.numel() == 0 else last

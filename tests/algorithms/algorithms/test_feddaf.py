@@ -92,6 +92,29 @@ def test_adapt_mixes_parameters_by_the_gompertz_weight_and_keeps_batchnorm_stati
     assert torch.equal(work.buffers, own_buffers)
 
 
+def test_a_target_without_training_data_takes_the_source_model_and_is_not_dropped():
+    """Its upload carried θ = NaN, so the engine dropped it as diverged (skipped_non_finite) and
+    the round reported no α, where the docstring says it takes w_S with α = 1."""
+    import dataclasses
+
+    algo = FedDAF()
+    fed = make_federation(algo, clients=3, roles=ROLES)
+    fed.clients[2] = dataclasses.replace(fed.clients[2], train=fed.clients[2].train[:0])
+    record = run_round(fed, algo, 0)
+    assert record.as_dict()["skipped_non_finite"] == []
+    assert record.algorithm == {"target_alpha": 1.0, "target_theta": None}
+    flat = torch.cat([algo.global_model["body"], algo.global_model["head"]])
+    source = torch.stack([fed.cohorts[0].params.row(k) for k in range(2)]).mean(0)
+    torch.testing.assert_close(flat, source, **TOL)
+    reloaded = FedDAF()
+    make_federation(reloaded, clients=3, roles=ROLES)
+    reloaded.load_state_dict(algo.state_dict())
+    assert reloaded.round_metrics(1) == record.algorithm
+    old = {**algo.state_dict(), "last": torch.tensor([1.0, math.nan], dtype=torch.float64)}  # before (α,)
+    reloaded.load_state_dict(old)
+    assert reloaded.round_metrics(1) == record.algorithm
+
+
 def test_sources_average_and_the_target_is_not_in_it():
     algo = FedDAF()
     fed = make_federation(algo, clients=3, roles=ROLES)
