@@ -17,6 +17,7 @@ time (73 s on 2 cores: ``bash scripts/gpu_check.sh dry-run`` before a GPU sessio
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -396,3 +397,32 @@ def test_floor_phase_runs_every_file_the_gpu_check_runs():
     covered = [f for f in gpu if f in floor or any(f.startswith(d + "/") for d in floor)]
     assert covered == gpu
     assert all((ROOT / f).exists() for f in floor)
+
+
+def test_a_failing_other_path_costs_a_gpu_run_one_figure_not_its_suite(capsys):
+    """time_patched's check raised out of the script, which writes its JSON at the end: one
+    untried kernel failing on the GPU lost every figure of its suite.  On a GPU it is now one
+    printed line and NaN (not timed); a dry run still raises, so CI sees the path fail."""
+    from types import SimpleNamespace
+
+    from benchmarks import _gpu_common as common
+
+    module = SimpleNamespace(PATH="default")
+    rt = common.Runtime.__new__(common.Runtime)
+    rt.time = lambda fn: 1.5
+
+    def wrong():
+        raise AssertionError("max error 0.5 > 1e-05")
+
+    for dry_run in (False, True):
+        rt.dry_run = dry_run
+        if dry_run:
+            with pytest.raises(AssertionError, match="max error"):
+                rt.time_patched(lambda: None, wrong, module, PATH="dense")
+        else:
+            assert math.isnan(rt.time_patched(lambda: None, wrong, module, PATH="dense"))
+            out = capsys.readouterr().out
+            assert "the other path (PATH='dense') failed, not timed: AssertionError: max error 0.5" in out
+        assert module.PATH == "default"  # restored either way
+    rt.dry_run = False
+    assert rt.time_patched(lambda: None, lambda: None, module, PATH="dense") == 1.5
