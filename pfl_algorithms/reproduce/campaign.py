@@ -108,31 +108,32 @@ def role_plans(run: PlannedRun) -> dict[str, tuple]:
     return {"source": tuple(algorithm.plan(0)), "target": tuple(algorithm.plan(1))}
 
 
-def _phase_text(phase, config: RunConfig) -> tuple[Optional[int], str]:
-    """(optimizer steps or None for epochs, words) of one phase of a run's round."""
+def _phase_text(phase, config: RunConfig) -> tuple[Optional[int], str, str]:
+    """(optimizer steps or None for epochs, what it trains, its lr where not the run's: ", lr X"
+    or "") of one phase of a run's round."""
     batch = phase.batch_size if phase.batch_size is not None else config.batch_size
     lr = "" if phase.lr is None or phase.lr == config.lr else f", lr {phase.lr:g}"
     if phase.steps is not None:
-        return phase.steps, f"{phase.steps} steps{lr}"
+        return phase.steps, f"{phase.steps} steps", lr
     epochs = phase.epochs if phase.epochs is not None else (None if config.local_steps is not None
                                                               else config.local_epochs)
     if epochs is None:
-        return config.local_steps, f"{config.local_steps} steps{lr}"
-    return None, f"{epochs} epoch{'s' if epochs != 1 else ''} of its training data at batch {batch}{lr}"
+        return config.local_steps, f"{config.local_steps} steps", lr
+    return None, f"{epochs} epoch{'s' if epochs != 1 else ''} of its training data at batch {batch}", lr
 
 
 def role_text(run: PlannedRun, phases: tuple) -> str:
     """A role's round in words: "10 optimizer steps", "1 epoch of its training data at batch 16,
     lr 0.001", "10 + 10 optimizer steps" or "2 passes of ..." (two phases), "nothing" (no step)."""
-    parts = [(steps, text) for steps, text in (_phase_text(phase, run.config) for phase in phases) if steps != 0]
+    parts = [part for part in (_phase_text(phase, run.config) for phase in phases) if part[0] != 0]
     if not parts:
         return "nothing"
-    if all(steps is not None for steps, _ in parts) and len({text.partition(",")[2] for _, text in parts}) == 1:
-        return " + ".join(str(steps) for steps, _ in parts) + " optimizer steps" + parts[0][1].partition(",")[1] \
-            + parts[0][1].partition(",")[2]
-    if len({text for _, text in parts}) == 1 and len(parts) > 1:
-        return f"{len(parts)} passes of {parts[0][1]}"
-    return " + ".join(text for _, text in parts)
+    if all(steps is not None for steps, _, _ in parts) and len({lr for _, _, lr in parts}) == 1:
+        return " + ".join(str(steps) for steps, _, _ in parts) + " optimizer steps" + parts[0][2]
+    texts = [what + lr for _, what, lr in parts]
+    if len(set(texts)) == 1 and len(texts) > 1:
+        return f"{len(texts)} passes of {texts[0]}"
+    return " + ".join(texts)
 
 
 def _role_line(label: str, cell: list[PlannedRun]) -> str:
