@@ -15,8 +15,6 @@ from typing import Optional
 from ..api import Algorithm, Evaluation, Message
 from .target_only import TargetTraining, target_phase, the_target
 
-TARGET_SETTINGS = ("target_lr", "target_batch_size", "target_epochs")
-
 
 class FedAvg(Algorithm):
     """Federated averaging of the shared groups."""
@@ -28,7 +26,7 @@ class FedAvg(Algorithm):
 
     def setup(self, server) -> None:
         self.target = the_target(server, self.name, required=False)
-        given = [name for name in TARGET_SETTINGS if getattr(self.settings, name, None) is not None]
+        given = self.settings.given() if isinstance(self.settings, TargetTraining) else []
         if self.target is None and given:
             raise ValueError(f"{self.name}: {', '.join(given)} need a target client (the fda scenario)")
         self.global_model = server.initial_model()
