@@ -134,6 +134,12 @@ def _history(run: PlannedRun, metric: str = "final_mean_accuracy") -> list[dict]
     return rows
 
 
+def _gigabytes(gigabits: float) -> float:
+    """The report's unit of communication: the ledger counts gigabits; the papers' "Gb" are
+    gigabytes (pfl_algorithms/reproduce/costs.py)."""
+    return gigabits / 8
+
+
 def cell_results(runs: list[PlannedRun], metric: str = "final_mean_accuracy") -> dict:
     """{(method label, setting label): {"accuracy": (mean, std), "gb": (mean, std), "seeds": n}}
     from the finished runs' summaries (their ``metric``, in %: the final-round mean personalized
@@ -146,8 +152,7 @@ def cell_results(runs: list[PlannedRun], metric: str = "final_mean_accuracy") ->
         if summary[metric] is not None:
             cell["accuracy"].append(100 * summary[metric])
             cell["per_seed"][run.seed] = 100 * summary[metric]
-        # The ledger counts gigabits; the papers' "Gb" are gigabytes (pfl_algorithms/reproduce/costs.py).
-        cell["gb"].append((summary["comm_gb"]["up"] + summary["comm_gb"]["down"]) / 8)
+        cell["gb"].append(_gigabytes(summary["comm_gb"]["up"] + summary["comm_gb"]["down"]))
     return {key: {"accuracy": _mean_std(c["accuracy"]), "gb": _mean_std(c["gb"]), "seeds": len(c["gb"]),
                   "per_seed": c["per_seed"]}
             for key, c in cells.items()}
@@ -240,8 +245,7 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path, 
             rounds = [histories[0][i][0] for i in range(length)]
             accuracy = [mean(i, 1) for i in range(length)]
             label = seeds_curve_label(method.label, [h[length - 1][1] for h in histories])
-            # In gigabytes, as the report's cost table (the papers' "Gb"); the ledger counts gigabits.
-            gigabytes = [mean(i, 2) / 8 for i in range(length)]
+            gigabytes = [_gigabytes(mean(i, 2)) for i in range(length)]  # the cost table's unit
             figures["accuracy_vs_round"][1].plot(rounds, accuracy, label=label, **series_style(index))
             figures["accuracy_vs_bits"][1].plot(gigabytes, accuracy, label=label, **series_style(index))
         for name, (fig, ax) in figures.items():
