@@ -89,7 +89,9 @@ FLAGS = {
                              "state; never stored or sent)"),
 }
 # What a default of None means, for the help of the flags whose RunConfig default is None.
-_NONE_MEANS = {"local_steps": "none: whole epochs", "clients_per_round": "none: --sample decides", "eval_role": "every client", "samples_per_client": "all of a client's share",
+_NONE_MEANS = {"local_epochs": "1; none with --local-steps", "local_steps": "none: whole epochs",
+               "momentum": "0.9 with sgd; adam and adamw take none",
+               "sample": "1: every client; none with --clients-per-round", "clients_per_round": "none: --sample decides", "eval_role": "every client", "samples_per_client": "all of a client's share",
                "executor": "threaded on a CPU, batched on CUDA", "workers": "one per CPU core", "chunk_clients": "as many as free memory holds", "autocast": "none: float32", "data_root": "$PFL_DATA_ROOT, else ./data", "augment": "none",
                "keep_head_local": "true in the permuted and multi-domain scenarios, else false",
                "finetune_epochs": "the algorithm's: 0, fedavg-ft 1",
@@ -254,15 +256,15 @@ def _cmd_flower(args) -> int:
     file it wrote: a file of those names that it did not write, or that was edited since (a
     timeout added to the run config), is refused and kept, never replaced."""
     from .atomic_io import atomic_write_bytes, atomic_write_json
+    from .config import options_unused_by
     from .flower import require_flwr
     from .runner import default_run_name
 
     require_flwr()
     config = config_from_args(args)
     # The nodes run each client's tasks one at a time (the sequential executor), whatever these say.
-    unused = [f"{name}={value}" for name, value in (("executor", config.executor), ("workers", config.workers),
-                                                      ("chunk_clients", config.chunk_clients))
-              if value is not None and (name, value) != ("executor", "sequential")]
+    unused = [f"executor={config.executor}"] if config.executor not in (None, "sequential") else []
+    unused += options_unused_by(config, "sequential")
     if unused:
         raise ValueError(f"{unused[0]}: `pfl flower` runs each client's tasks on its own SuperNode, one at a time "
                          "(the sequential executor); leave it out")

@@ -54,16 +54,20 @@ class RunConfig:
     # rounds; 20 clients, batches of 32 and no normalization stayed at chance).
     clients: PositiveInt = 10
     rounds: NonNegativeInt = 10
-    local_epochs: PositiveInt = 1  # 0 would train nothing yet still count the round's communication
+    # local_epochs, sample and momentum are None where they do not apply (with local_steps, with
+    # clients_per_round, with another optimizer than SGD), and ``check`` records their defaults
+    # where they do (1, 1.0, 0.9): a value given where it does not apply is refused, not
+    # recorded and ignored, even when it equals the default.
+    local_epochs: Optional[PositiveInt] = None  # 0 would train nothing yet still count the round's communication
     local_steps: Optional[PositiveInt] = None
     batch_size: PositiveInt = 16
     optimizer: Annotated[str, OneOf(tuple(OPTIMIZERS))] = "sgd"
     lr: Optional[PositiveFloat] = None  # None: the dataset's default_lr (0.05 on digits, see data.datasets)
-    momentum: NonNegativeFloat = 0.9
+    momentum: Optional[NonNegativeFloat] = None  # None: 0.9 with SGD, which alone takes it
     weight_decay: NonNegativeFloat = 0.0
     optimizer_state: Annotated[str, OneOf(("reset", "keep"))] = "reset"
-    # The clients of a round: a fraction of all (1 and 1.0 alike mean all), or a count.
-    sample: Annotated[float, Range(gt=0, le=1)] = 1.0
+    # The clients of a round: a fraction of all (1 and 1.0 alike mean all; None: all), or a count.
+    sample: Optional[Annotated[float, Range(gt=0, le=1)]] = None
     clients_per_round: Optional[PositiveInt] = None  # a count; None: use sample
     eval_every: PositiveInt = 1
     # Evaluate only the clients with this role (fda: "target", the one client whose accuracy
@@ -101,10 +105,19 @@ class RunConfig:
         return ALGORITHMS[self.algorithm].finetune_epochs
 
     def optimizer_settings(self) -> OptimizerSettings:
-        """The clients' optimizer (``EngineSettings.optimizer``): ``momentum`` is SGD's, which
-        the other optimizers ignore (its default 0.9 would not apply to them)."""
-        momentum = {"momentum": self.momentum} if self.optimizer == "sgd" else {}
+        """The clients' optimizer (``EngineSettings.optimizer``): ``momentum`` is SGD's (0.9
+        where not given); ``check`` refuses it for the other optimizers."""
+        momentum = {"momentum": _or(self.momentum, DEFAULT_MOMENTUM)} if self.optimizer == "sgd" else {}
         return OptimizerSettings(self.optimizer, lr=self.client_lr(), weight_decay=self.weight_decay, **momentum)
+
+    def epochs(self) -> Optional[int]:
+        """Local epochs per round: ``local_epochs``, else 1; None with ``local_steps``."""
+        return None if self.local_steps is not None else _or(self.local_epochs, 1)
+
+    def sample_fraction(self) -> float:
+        """The fraction of clients drawn each round: ``sample``, else 1 (every client; with
+        ``clients_per_round`` the count decides)."""
+        return _or(self.sample, 1.0)
 
     def client_lr(self) -> float:
         """``lr``, else the dataset's default (``DatasetSpec.default_lr``)."""
@@ -112,6 +125,13 @@ class RunConfig:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+DEFAULT_MOMENTUM = 0.9  # SGD's momentum where a run gives none
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _valid(kind: str, name, registry: dict) -> None:
@@ -254,8 +274,29 @@ NOT_IN_IDENTITY = ("seed", "data_root", "executor", "workers", "chunk_clients", 
 def with_defaults(saved: dict) -> dict:
     """A saved config (``config.json``, a checkpoint's) with the fields it lacks at their
     defaults, as JSON values: a field added to RunConfig since the run was made (``autocast``,
-    ``chunk_clients``) behaved then as its default does now."""
-    return {**json.loads(json.dumps(dataclasses.asdict(RunConfig()))), **saved}
+    ``chunk_clients``) behaved then as its default does now.  A config saved before
+    local_epochs, sample and momentum were None where they do not apply recorded their old
+    defaults there (1, 1.0, 0.9), which nothing read: they read as None."""
+    config = {**json.loads(json.dumps(dataclasses.asdict(RunConfig()))), **saved}
+    for name, old_default, unused in _UNUSED_OLD_DEFAULTS:
+        if config[name] == old_default and unused(config):
+            config[name] = None
+    return config
+
+
+_UNUSED_OLD_DEFAULTS = (("local_epochs", 1, lambda c: c["local_steps"] is not None),
+                        ("sample", 1.0, lambda c: c["clients_per_round"] is not None),
+                        ("momentum", DEFAULT_MOMENTUM, lambda c: c["optimizer"] != "sgd"))
+
+
+def _record_applied_defaults(config: RunConfig) -> None:
+    """local_epochs, sample and momentum at their defaults where they apply, so that
+    config.json records what the run does (as ``lr``); None where they do not."""
+    config.local_epochs = config.epochs()
+    if config.clients_per_round is None:
+        config.sample = config.sample_fraction()
+    if config.optimizer == "sgd":
+        config.momentum = _or(config.momentum, DEFAULT_MOMENTUM)
 
 
 def check(config: RunConfig) -> RunConfig:
@@ -272,21 +313,22 @@ def check(config: RunConfig) -> RunConfig:
             raise ValueError(f"{table} {owner!r} has no setting {unknown}; valid: {', '.join(sorted(names)) or 'none'}")
         setattr(config, attr, check_options(table, options, option_hints(table, owner)))
     config.lr = config.client_lr()  # the dataset's default made explicit, so config.json records it
-    if config.local_steps is not None and config.local_epochs != RunConfig.local_epochs:
+    if config.local_steps is not None and config.local_epochs is not None:
         raise ValueError("local_steps and local_epochs conflict: give one of them "
                          f"(local_steps={config.local_steps}, local_epochs={config.local_epochs})")
     if config.clients_per_round is not None and config.clients_per_round > config.clients:
         raise ValueError(f"clients_per_round={config.clients_per_round} but only clients={config.clients}")
-    if config.clients_per_round is not None and config.sample != RunConfig.sample:
+    if config.clients_per_round is not None and config.sample is not None:
         # clients_per_round decides the cohort: a sample would be recorded and ignored
         raise ValueError("sample and clients_per_round conflict: give one of them "
                          f"(sample={config.sample}, clients_per_round={config.clients_per_round})")
-    _check_executor_options(config)
-    config.optimizer_settings()  # raises on settings the optimizer refuses
-    if config.optimizer != "sgd" and config.momentum != RunConfig.momentum:
+    if config.optimizer != "sgd" and config.momentum is not None:
         # optimizer_settings passes momentum to SGD only: another value would be recorded and ignored
         raise ValueError(f"momentum is SGD's; optimizer {config.optimizer!r} does not take it "
                          f"(got momentum={config.momentum}); leave it out")
+    _record_applied_defaults(config)
+    _check_executor_options(config)
+    config.optimizer_settings()  # raises on settings the optimizer refuses
     if config.data_root is not None and not Path(config.data_root).expanduser().is_dir():
         # a data root you name must exist (a typo would read the installed packages, or digits)
         raise ValueError(f"data_root {config.data_root} is not a directory")
@@ -426,15 +468,21 @@ def _check_executor_options(config: RunConfig) -> None:
     executor = config.executor
     if executor in (None, "auto"):
         return
-    ignored = [(name, value) for name, value, users in (
+    ignored = options_unused_by(config, executor)
+    if ignored:
+        raise ValueError(f"{ignored[0]} has no effect with executor={executor!r}; leave it out or choose an "
+                         "executor that uses it")
+
+
+def options_unused_by(config: RunConfig, executor: str) -> list[str]:
+    """The executor options ``config`` gives (``name=value``) that ``executor`` does not use:
+    ``workers`` is the threaded, batched and distributed executors', ``chunk_clients`` and
+    ``batched_conv`` (other than its default) the batched executor's."""
+    return [f"{name}={value}" for name, value, users in (
         ("workers", config.workers, ("threaded", "batched", "distributed")),
         ("chunk_clients", config.chunk_clients, ("batched",)),
         ("batched_conv", None if config.batched_conv == RunConfig.batched_conv else config.batched_conv, ("batched",)))
         if value is not None and executor not in users]
-    if ignored:
-        name, value = ignored[0]
-        raise ValueError(f"{name}={value} has no effect with executor={executor!r}; leave it out or choose an "
-                         "executor that uses it")
 
 
 def _check_scenario_values(config: RunConfig) -> None:

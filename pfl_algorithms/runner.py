@@ -46,11 +46,12 @@ def build(config: RunConfig):
     else:
         models = build_model(config.model, input_shape=dataset.input_shape, num_classes=partition.classes_seen,
                              **config.model_options)
-    schedule = LocalSchedule(batch_size=config.batch_size, epochs=config.local_epochs, steps=config.local_steps)
+    epochs = {} if config.local_steps is not None else {"epochs": config.epochs()}
+    schedule = LocalSchedule(batch_size=config.batch_size, steps=config.local_steps, **epochs)
     parameters = max(sum(p.numel() for p in m.parameters())
                      for m in (models.values() if isinstance(models, dict) else [models]))
     executor, why = choose_executor(config.executor, device=config.device, parameters=parameters)
-    settings = EngineSettings(rounds=config.rounds, sample=config.sample, clients_per_round=config.clients_per_round,
+    settings = EngineSettings(rounds=config.rounds, sample=config.sample_fraction(), clients_per_round=config.clients_per_round,
                               schedule=schedule, optimizer=config.optimizer_settings(), eval_every=config.eval_every,
                               eval_role=config.eval_role,
                               seed=config.seed, optimizer_state=config.optimizer_state, executor=executor,
@@ -323,7 +324,7 @@ def _check_resumable(rundir: RunDirectory, state: dict, run_id: str, config: Run
     saved, in_checkpoint = _saved_config(rundir), with_defaults(state["config"])
     # rounds and where the run runs may change on --resume (_record_resumed_settings): config.json
     # then names them before the next checkpoint is written.
-    edited = setting_differences(_but_where(_but_rounds(saved)), _but_where(_but_rounds(in_checkpoint)),
+    edited = setting_differences(_fixed_on_resume(saved), _fixed_on_resume(in_checkpoint),
                                  ("config.json", "checkpoint"))
     if edited:
         raise ValueError(f"--resume: {rundir.config} differs from the settings saved in {rundir.checkpoint} in "
@@ -355,11 +356,16 @@ def _check_same_settings(config: RunConfig, saved: dict) -> None:
     count differs from ``saved`` (a saved config, with defaults), naming each difference.
     Where and how it runs (``NOT_IN_IDENTITY`` but the seed: the data root, the executor, its
     workers, ...) may change, as ``run_or_keep`` keeps a finished run whatever they were."""
-    changed = setting_differences(*(_but_where(_but_rounds(c)) for c in (json_value(config.as_dict()), saved)),
+    changed = setting_differences(_fixed_on_resume(json_value(config.as_dict())), _fixed_on_resume(saved),
                                   ("given", "saved"))
     if changed:
         raise ValueError(f"--resume: the settings differ from the saved run in {', '.join(changed)}; resume with "
                          f"the same settings (or none: the saved config is used; --rounds may change)")
+
+
+def _fixed_on_resume(config: dict) -> dict:
+    """``config`` without what ``--resume`` may change: the round count and where the run runs."""
+    return _but_where(_but_rounds(config))
 
 
 def _but_rounds(config: dict) -> dict:

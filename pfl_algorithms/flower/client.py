@@ -28,7 +28,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..config import RunConfig, check, config_from
+from ..config import RunConfig, check, config_from, with_defaults
 from ..engine.client import EvalTask, TrainTask, message_finite, run_eval_task, run_train_task
 from ..engine.cohort_stats import answer_statistics
 from ..engine.intra_op import one_intra_op_thread
@@ -51,8 +51,9 @@ def config_key(config: RunConfig) -> str:
 
 
 def config_from_key(text: str) -> RunConfig:
-    """The RunConfig of :func:`config_key` (checked)."""
-    return check(config_from(json.loads(text)))
+    """The RunConfig of :func:`config_key` (checked; one written by an earlier version reads
+    as ``with_defaults`` reads its config.json)."""
+    return check(config_from(with_defaults(json.loads(text))))
 
 
 def flower_federation(config: RunConfig) -> tuple:

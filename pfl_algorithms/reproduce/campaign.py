@@ -115,8 +115,7 @@ def _phase_text(phase, config: RunConfig) -> tuple[Optional[int], str, str]:
     lr = "" if phase.lr is None or phase.lr == config.lr else f", lr {phase.lr:g}"
     if phase.steps is not None:
         return phase.steps, f"{phase.steps} steps", lr
-    epochs = phase.epochs if phase.epochs is not None else (None if config.local_steps is not None
-                                                              else config.local_epochs)
+    epochs = phase.epochs if phase.epochs is not None else config.epochs()
     if epochs is None:
         return config.local_steps, f"{config.local_steps} steps", lr
     return None, f"{epochs} epoch{'s' if epochs != 1 else ''} of its training data at batch {batch}", lr
@@ -161,7 +160,7 @@ def budget_lines(runs: list[PlannedRun]) -> list[str]:
             continue
         steps = {run_steps(r) for r in cell}
         if None in steps:
-            epochs = sorted({r.config.local_epochs for r in cell})
+            epochs = sorted({r.config.epochs() for r in cell})
             lines.append(f"{label}: {', '.join(map(str, epochs))} local epoch(s) per client and round "
                          "(a budget in epochs: not equal in steps where methods take several batches a step)")
             continue
@@ -188,7 +187,7 @@ def describe(paper: Paper, scale: str, seeds: int, out: Path, runs: list[Planned
              f"settings, {seeds} seeds); every config checked"]
     for setting in settings:
         config = next(r.config for r in runs if r.setting is setting)
-        local = f"{config.local_steps} steps" if config.local_steps is not None else f"{config.local_epochs} epochs"
+        local = f"{config.local_steps} steps" if config.local_steps is not None else f"{config.epochs()} epochs"
         lines.append(f"  {setting.label}: {config.dataset}/{config.scenario}, model {config.model}, "
                      f"{config.clients} clients, {config.rounds} rounds × {local} "
                      f"-> {out / slug(setting.label)}/"

@@ -243,6 +243,9 @@ def test_a_sample_fraction_rounds_half_up_to_a_client_count(clients, sample, cou
 
 @pytest.mark.parametrize("argv, message", [
     (["--sample", "0.5", "--clients-per-round", "2"], "sample and clients_per_round conflict: give one of them"),
+    # values equal to the defaults are given all the same: they were accepted, recorded and ignored
+    (["--sample", "1", "--clients-per-round", "2"], "sample and clients_per_round conflict: give one of them"),
+    (["--local-epochs", "1", "--local-steps", "2"], "local_steps and local_epochs conflict: give one of them"),
     (["--executor", "sequential", "--workers", "2"], "workers=2 has no effect with executor='sequential'"),
     (["--executor", "threaded", "--chunk-clients", "2"], "chunk_clients=2 has no effect with executor='threaded'"),
     (["--executor", "sequential", "--set", "batched_conv=gemm"],
@@ -269,4 +272,4 @@ def test_sample_1_means_every_client_on_every_path(tmp_path, how):
     config = config_from_args(_parser().parse_args(["run", "fedavg", "--clients", "5", *extra]))
     assert config.sample == 1.0 and isinstance(config.sample, float) and config.clients_per_round is None
     counted = config_from_args(_parser().parse_args(["run", "fedavg", "--clients", "5", "--clients-per-round", "1"]))
-    assert counted.clients_per_round == 1 and counted.sample == 1.0
+    assert counted.clients_per_round == 1 and counted.sample is None

@@ -39,15 +39,15 @@ RUN = ["run", "fedavg", "--quiet", "--rounds", "1"]
     (["--scenario", "dirichlet", "--set", "alpha=inf"], "scenario.alpha must be a finite number > 0, got inf"),
     (["--set", "keep_head_local=maybe"], "keep_head_local must be true or false, or none, got 'maybe'"),
     (["--set", "seed=1.5"], "seed must be an integer in [0, 18446744073709551616), got 1.5"),
-    (["--local-epochs", "0"], "local_epochs must be an integer >= 1, got 0"),
+    (["--local-epochs", "0"], "local_epochs must be an integer >= 1, or none, got 0"),
     (["--lr", "nan"], "lr must be a finite number > 0, or none, got nan"),
-    (["--sample", "1.5"], "sample must be a finite number in (0, 1], got 1.5"),
-    (["--sample", "5"], "sample must be a finite number in (0, 1], got 5"),
+    (["--sample", "1.5"], "sample must be a finite number in (0, 1], or none, got 1.5"),
+    (["--sample", "5"], "sample must be a finite number in (0, 1], or none, got 5"),
     (["--clients-per-round", "0"], "clients_per_round must be an integer >= 1, or none, got 0"),
     (["--workers", "0"], "workers must be an integer >= 1, or none, got 0"),
     (["--finetune-epochs", "-1"], "finetune_epochs must be an integer >= 0, or none, got -1"),
     (["--optimizer", "sgdx"], "optimizer must be one of 'sgd', 'adam', 'adamw', got 'sgdx'"),
-    (["--set", "momentum=-1"], "momentum must be a finite number >= 0, got -1"),
+    (["--set", "momentum=-1"], "momentum must be a finite number >= 0, or none, got -1"),
     (["--set", "clients=true"], "clients must be an integer >= 1, got True"),
     (["--set", "split=[0.8, 0.1]"], "scenario.split must be a list of 3"),
     (["--set", "split=[0.8, 0.1, 0.2]"], "scenario.split must be 3 fractions >= 0 (train, val, test) summing to 1"),
@@ -290,6 +290,9 @@ def test_resume_without_out_takes_the_saved_settings(capsys, tmp_path, monkeypat
 @pytest.mark.parametrize("argv, message", [
     (["--set", "algorithm=fedprox"], "--set algorithm=fedprox contradicts the algorithm 'fedavg'"),  # ran fedprox
     (["--optimizer", "adam", "--momentum", "0.5"], "momentum is SGD's; optimizer 'adam' does not take it"),  # ignored
+    # a value equal to SGD's default is given all the same: it was accepted, recorded and ignored
+    (["--optimizer", "adam", "--momentum", "0.9"], "momentum is SGD's; optimizer 'adam' does not take it"),
+    (["--optimizer", "adamw", "--set", "momentum=0.9"], "momentum is SGD's; optimizer 'adamw' does not take it"),
     (["--data-root", "/nonexistent-pfl-root"], "data_root /nonexistent-pfl-root is not a directory"),  # digits ran
 ])
 def test_settings_that_would_be_ignored_are_refused(argv, message, capsys, tmp_path):

@@ -333,3 +333,31 @@ def test_the_demo_keeps_a_run_made_before_fields_were_added_and_on_another_execu
     path.write_text(json.dumps(saved))
     assert main(demo) == 2
     one_line_error(capsys, "other settings", "lr (now 0.05, then 0.5)")
+
+
+def test_a_run_saved_with_defaults_where_they_did_not_apply_resumes_and_is_kept(tmp_path):
+    """Runs made before local_epochs, sample and momentum were None where they do not apply
+    recorded 1, 1.0 and 0.9 there (with local_steps, clients_per_round, Adam), which nothing
+    read: their config.json and checkpoint read as the same settings, so such a run resumes
+    bitwise and a campaign keeps it."""
+    from pfl_algorithms.runner import run_or_keep
+
+    def config():
+        return tiny_config(optimizer="adam", lr=0.01, local_steps=2, clients_per_round=3)
+
+    assert (config().local_epochs, config().sample, config().momentum) == (None, None, None)
+    whole = run(config(), tmp_path / "whole", progress=False)
+    out = tmp_path / "r"
+    run(config(), out, progress=False, stop_after=2)
+    old = {"local_epochs": 1, "sample": 1.0, "momentum": 0.9}
+    rundir = RunDirectory(out)
+    state = rundir.load_checkpoint()
+    state["config"].update(old)
+    rundir.save_checkpoint(state)
+    rundir.wait_for_checkpoint()
+    rundir.config.write_text(json.dumps({**json.loads(rundir.config.read_text()), **old}))
+    assert run(config(), out, resume=True, progress=False)["final_mean_accuracy"] == whole["final_mean_accuracy"]
+    rundir.config.write_text(json.dumps({**json.loads(rundir.config.read_text()), **old}))
+    assert run_or_keep(config(), out, progress=False) is True
+    with pytest.raises(ValueError, match=r"momentum \(now 0.9, then None\), optimizer"):  # SGD's 0.9 is a setting
+        run_or_keep(tiny_config(lr=0.01, local_steps=2, clients_per_round=3), out, progress=False)

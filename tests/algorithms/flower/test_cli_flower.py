@@ -82,7 +82,8 @@ def test_pfl_flower_writes_the_data_root_absolute(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags, named", [(["--executor", "batched"], "executor=batched"),
                                           (["--workers", "2"], "workers=2"),
-                                          (["--chunk-clients", "4"], "chunk_clients=4")])
+                                          (["--chunk-clients", "4"], "chunk_clients=4"),
+                                          (["--set", "batched_conv=gemm"], "batched_conv=gemm")])
 def test_pfl_flower_refuses_executor_settings_its_nodes_never_use(tmp_path, capsys, flags, named):
     """They were recorded in the run's config.json, though every node runs sequentially."""
     assert main(["flower", "fedavg", *flags, "--out", str(tmp_path / "app")]) == 2
