@@ -60,10 +60,12 @@ class Sparse:
         return t.abs() >= self.threshold if self.threshold > 0 else t != 0  # |x| != 0 iff x != 0
 
     def dense(self) -> Tensor:
-        """What the receiver gets: the tensor with the entries that did not travel set to 0
-        (threshold 0: the tensor itself, whose zeros are the entries that did not travel)."""
+        """What the receiver gets: the tensor with the entries that did not travel set to +0.0
+        (threshold 0: the tensor's zeros are the entries that did not travel, and a −0.0 among
+        them arrives as +0.0, its sign not sent, as on every transport)."""
         if self.threshold == 0:
-            return self.tensor
+            # -0.0 + 0 = +0.0; every other value, NaN included, is itself
+            return self.tensor + 0 if self.tensor.is_floating_point() else self.tensor
         return torch.where(self.kept(), self.tensor, torch.zeros((), dtype=self.tensor.dtype,
                                                                  device=self.tensor.device))
 

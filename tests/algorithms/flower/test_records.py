@@ -56,7 +56,7 @@ def test_records_are_one_array_record_per_group_and_extra_tensor():
 
 @pytest.mark.parametrize("threshold,index_bits", [(0.0, 0), (0.5, 0), (0.5, 32)])
 def test_sparse_travels_as_indices_and_values_and_costs_the_same(threshold, index_bits):
-    tensor = torch.tensor([0.0, 0.2, -0.7, 0.0, 1.5, -0.5])
+    tensor = torch.tensor([0.0, 0.2, -0.7, -0.0, 1.5, -0.5])  # a -0.0 does not travel: +0.0 on both sides
     message = Message({"mu": Sparse(tensor, threshold, index_bits)})
     records = encode(message, "down")
     kept = Sparse(tensor, threshold).kept()
@@ -65,7 +65,8 @@ def test_sparse_travels_as_indices_and_values_and_costs_the_same(threshold, inde
     back = decode(RecordDict(records), "down")
     sent = back.tensors["mu"]
     assert isinstance(sent, Sparse) and (sent.threshold, sent.index_bits) == (threshold, index_bits)
-    assert torch.equal(back.dense("mu"), message.dense("mu"))
+    assert torch.equal(back.dense("mu").view(torch.int32), message.dense("mu").view(torch.int32))  # bitwise
+    assert not message.dense("mu").signbit()[3]
     assert back.bits() == message.bits()
 
 
