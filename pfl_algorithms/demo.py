@@ -33,7 +33,7 @@ from . import claimed_folder as claimed
 from .atomic_io import atomic_write_bytes
 from .compare import mean_std
 from .config import RunConfig, check
-from .plots import seeds_curve_label, series_style
+from .plots import mean_over_seeds, series_style
 
 CHANCE = 0.1  # ten classes in every demo dataset
 
@@ -377,11 +377,8 @@ def write_plot(table: Scenario, out: Path, seeds: int) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(8, 5))
     for index, row in enumerate(table.members):
         histories = [_history(out / table.key / f"{row.folder}-seed{s}", table.metric) for s in range(seeds)]
-        rounds = [r for r, _ in histories[0]]
-        # NaN (a gap) at a round some seed did not score: never a mean over the seeds left.
-        mean = [statistics.fmean(h[i][1] for h in histories) for i in range(len(rounds))]
+        rounds, (mean,), label = mean_over_seeds(row.label, histories)
         baseline = row.label in table.baselines
-        label = seeds_curve_label(row.label, [h[-1][1] if h else math.nan for h in histories])
         ax.plot(rounds, mean, "--" if baseline else "-", label=label, linewidth=2 if baseline else 1.2,
                 **series_style(index))
     ax.set_xlabel("round")

@@ -5,6 +5,9 @@ summary says so.
 """
 from __future__ import annotations
 
+import math
+import statistics
+
 from .engine.rundir import RunDirectory
 
 
@@ -22,6 +25,18 @@ def seeds_curve_label(label: str, last_accuracies: list[float]) -> str:
     curve stops or is missing."""
     ended = sum(1 for a in last_accuracies if a != a)
     return label if not ended else f"{label} ({ended}/{len(last_accuracies)} seeds end without accuracy)"
+
+
+def mean_over_seeds(label: str, histories: list[list[tuple]], columns: int = 1) -> tuple[list, list[list[float]], str]:
+    """One method's mean-over-seeds curve: (rounds, the mean per round of each of the
+    ``columns`` values after the round, legend label) of its seeds' ``histories``, each a list
+    of ``(round, accuracy, ...)`` tuples.  The curve goes to the shortest history; at a round
+    some seed did not score (NaN) the mean is NaN, a gap, never a mean over the seeds left
+    (``seeds_curve_label`` says why)."""
+    length = min((len(h) for h in histories), default=0)
+    rounds = [histories[0][i][0] for i in range(length)]
+    means = [[statistics.fmean(h[i][k] for h in histories) for i in range(length)] for k in range(1, columns + 1)]
+    return rounds, means, seeds_curve_label(label, [h[-1][1] if h else math.nan for h in histories])
 
 
 def _percent(accuracy) -> float:

@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..atomic_io import atomic_write_bytes
 from ..compare import mean_std
-from ..plots import seeds_curve_label, series_style
+from ..plots import mean_over_seeds, series_style
 from .campaign import PlannedRun, budget_lines, settings_of, slug
 from .folder import claim_files
 from .papers import Claim, Paper
@@ -237,15 +237,10 @@ def write_plots(paper: Paper, scale: str, runs: list[PlannedRun], folder: Path, 
         figures = {name: plt.subplots(figsize=(6, 4)) for name in PLOT_NAMES}
         for index, method in enumerate(paper.methods):
             histories = [_history(r, paper.metric) for r in runs if r.method is method and r.setting is setting]
-            length = min((len(h) for h in histories), default=0)
-            if not length:
+            rounds, (accuracy, bits), label = mean_over_seeds(method.label, histories, columns=2)
+            if not rounds:
                 continue
-            # NaN (a gap) at a round some seed did not score: never a mean over the seeds left.
-            mean = lambda i, k: statistics.fmean(h[i][k] for h in histories)
-            rounds = [histories[0][i][0] for i in range(length)]
-            accuracy = [mean(i, 1) for i in range(length)]
-            label = seeds_curve_label(method.label, [h[length - 1][1] for h in histories])
-            gigabytes = [_gigabytes(mean(i, 2)) for i in range(length)]  # the cost table's unit
+            gigabytes = [_gigabytes(b) for b in bits]  # the cost table's unit
             figures["accuracy_vs_round"][1].plot(rounds, accuracy, label=label, **series_style(index))
             figures["accuracy_vs_bits"][1].plot(gigabytes, accuracy, label=label, **series_style(index))
         for name, (fig, ax) in figures.items():

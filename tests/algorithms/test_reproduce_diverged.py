@@ -103,3 +103,16 @@ def test_a_claim_the_papers_table_contradicts_carries_its_note_beside_the_verdic
     line = next(l for l in report.claim_lines(paper, "cpu", cells)
                 if l.startswith(f"- {setting.label}: {claim.method} {claim.text} {claim.other}:"))
     assert line.endswith(f"(note: {claim.note})")
+
+
+def test_mean_over_seeds_stops_at_the_shortest_seed_and_leaves_gaps():
+    """The demo's and the reports' curves: a round some seed did not score is a gap (NaN), the
+    curve ends with the shortest seed, and a seed without any evaluation leaves no curve."""
+    from pfl_algorithms.plots import mean_over_seeds
+
+    a = [(1, 50.0, 2.0), (2, 60.0, 4.0), (3, 70.0, 6.0)]
+    b = [(1, 40.0, 2.0), (2, math.nan, 4.0)]
+    rounds, (accuracy, bits), label = mean_over_seeds("FedAvg", [a, b], columns=2)
+    assert rounds == [1, 2] and accuracy[0] == 45.0 and math.isnan(accuracy[1]) and bits == [2.0, 4.0]
+    assert label == "FedAvg (1/2 seeds end without accuracy)"
+    assert mean_over_seeds("Local", [a, []]) == ([], [[]], "Local (1/2 seeds end without accuracy)")
