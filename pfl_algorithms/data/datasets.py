@@ -3,7 +3,11 @@
 Every loader returns ONE pooled ``ArrayDataset`` on the CPU: the Factorized-FL released code
 pools the train and test sets and lets the scenario split each client's share into
 train/val/test; ``test_mask`` keeps the official test samples marked (train first, then test).
-Images are float32, normalized per channel over the pooled set (``normalize_images``).
+Images are float32, normalized per channel over the pooled set (``normalize_images``).  The
+pool's statistics include the images clients later test on: a label-free affine map of 2
+numbers per channel, the same for every method, which is what the pooled design allows (no
+test split exists before the scenario deals).  On MNIST the pool's mean and std are 0.1309 and
+0.3084, the official training set's (torchvision's constants) 0.1307 and 0.3081.
 
 The file-backed datasets read the standard formats under a data root (``root``, else
 ``$PFL_DATA_ROOT``, else ``./data``; see ``readers.data_root``) in torchvision's layouts,
