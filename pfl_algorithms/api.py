@@ -24,6 +24,7 @@ server side
   ``configure``       what the sampled clients receive: a Message for all, or one per client
   ``aggregate``       combine the round's :class:`Uploads` into new server state
   ``evaluation``      which model a client is evaluated with (a Message or an Evaluation)
+  ``finetune_phase``  the run's fine-tuning before evaluation, where its steps have own rules
   ``round_metrics``   its own numbers for the round's metrics line (FedDAF's α)
   ``state_dict``      server state for checkpoints
 client side (run by an executor, wherever the client is)
@@ -73,6 +74,7 @@ from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import Message, Sparse, Statistic
 from .engine.optim import SGD, Adam, OptimizerSettings, make_optimizer
 from .engine.plan import Batch, Phase, capturable_hook
+from .engine.rounds import finetune_phase
 from .engine.uploads import Uploads
 from .models.base import head_parameter_names
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
@@ -226,6 +228,13 @@ class Algorithm:
         """The model ``client`` is evaluated with: None, its own; a Message applied to a copy of
         its state; or an :class:`Evaluation` (with fine-tuning, or another state)."""
         return None
+
+    def finetune_phase(self, client: int, epochs: int) -> Phase:
+        """The run's fine-tuning before each evaluation (``--finetune-epochs``; pFedMB's tables
+        fine-tune every method): ``epochs`` epochs of the run's optimizer, from fresh state, on
+        the groups ``client`` trains in its plan.  A method whose steps follow rules of its own
+        (pFedMB's per-layer rates) keeps them here."""
+        return finetune_phase(self, client, epochs)
 
     def round_metrics(self, round_: int) -> Mapping[str, float]:
         """Numbers of this algorithm worth a line of ``metrics.jsonl`` after ``round_``'s

@@ -21,6 +21,10 @@ another one), and receives it at its next round.
 * ``factorized-fl-beta`` (β): aggregates u, v, μ, BatchNorm and the head where it is shared;
   μ travels as ``Sparse(μ, threshold)``: only |μ| ≥ threshold (5e-4) is sent and counted.
 
+Evaluation (both variants): the model scored has the entries |μ| < threshold at zero, as in the
+released code (shared/papers/README.md: "at evaluation and for the communication count"), so
+the "highly sparse" μ of §4.1 is the μ evaluated; the client's own μ keeps them.
+
 Defaults (shared/papers/README.md, the released settings): the label-permuted ones of
 Table 1's top half (τ = 0, ε = 1, at least 10 kept); for the multi-domain scenario pass
 ``tau=0.95 scale=20 min_keep=4``.  λ = 5e-4 for both the L1 weight and the threshold.
@@ -43,7 +47,7 @@ from torch import nn
 from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, factorize, factorized_layers
 from pfl_kernels.ops import pairwise_cosine, similarity_weights, weighted_average
 
-from ..api import (BUFFERS, Algorithm, GroupRule, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase,
+from ..api import (BUFFERS, Algorithm, Evaluation, GroupRule, Message, NonNegativeFloat, NonNegativeInt, OneOf, Phase,
                    PositiveFloat, PositiveInt, Range, Sparse, capturable_hook)
 
 FACTORIZED = (FactorizedConv2d, FactorizedLinear)
@@ -56,7 +60,7 @@ class FactorizedFLSettings:
     scale: PositiveFloat = 1.0  # ε, softmax scale of the similarities (label-permuted; 20 multi-domain)
     min_keep: NonNegativeInt = 10  # at least this many kept, self included (released minimum_aggr)
     l1: NonNegativeFloat = 5e-4  # λ_sparsity, weight of ‖μ‖₁ (Eq. 6)
-    threshold: NonNegativeFloat = 5e-4  # |μ| below it is not sent (nor counted)
+    threshold: NonNegativeFloat = 5e-4  # |μ| below it is not sent (nor counted), and is 0 in the model evaluated
     rank: PositiveInt = 1
     layout: Annotated[str, OneOf(("spatial", "view"))] = "spatial"  # "view": the released code's reshape
     # paper: u, v Xavier-uniform and μ zeros (the released code); svd: factorize's split of the
@@ -73,6 +77,17 @@ def l1_term(lam: float):
         return lam * mu.abs().sum()
 
     return capturable_hook(l1, key=("factorized-fl-l1", lam))
+
+
+def zero_small_mu(threshold: float):
+    """A ``begin`` hook that sets the μ entries with |μ| < ``threshold`` to zero (the released
+    code's evaluated model; 0: none)."""
+    def zero(view):
+        with torch.no_grad():
+            mu = view.group("mu")
+            mu.masked_fill_(mu.abs() < threshold, 0.0)
+
+    return zero
 
 
 def matching_weights(v: torch.Tensor, *, tau: float, scale: float, min_keep: int) -> torch.Tensor:
@@ -135,6 +150,13 @@ class FactorizedFL(Algorithm):
                 self.personal[group] = mixed.new_zeros(self.server.num_clients, mixed.shape[1])
             self.personal[group][uploads.clients.to(mixed.device)] = mixed
         self.ready[uploads.clients] = True
+
+    def evaluation(self, client):
+        """The client's own model, with its μ entries below the threshold zeroed last (module
+        docstring)."""
+        if self.settings.threshold == 0:
+            return None
+        return Evaluation(final=(Phase(epochs=0, groups=("mu",), begin=zero_small_mu(self.settings.threshold)),))
 
     def state_dict(self) -> dict:
         return {"personal": self.personal, "ready": self.ready}

@@ -59,7 +59,7 @@ every method; its α is personal as all α are.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Optional
 
 import torch
@@ -218,12 +218,37 @@ class PFedMB(FedAvg):
 
     def plan(self, client):
         s = self.settings
-        project = (capturable_hook(self._project_alpha, key=("pfedmb-project", s.branches))
-                   if s.simplex == "projection" else None)
-        alpha_scale = 1.0 / self._layers if s.shared_alpha and s.alpha_lr is None else 1.0
+        project = self._projection()
+        alpha_scale = self._alpha_scale() if s.alpha_lr is None else 1.0
         dense_equivalent = self._dense_equivalent_rates if s.weight_lr is None else None
         return (Phase(groups=(ALPHA,), lr=s.alpha_lr, lr_scale=alpha_scale, state="alpha", after_step=project),
                 Phase(groups=self._weight_groups, state="weights", lr=s.weight_lr, lr_scales=dense_equivalent))
+
+    def finetune_phase(self, client, epochs):
+        """The run's fine-tuning before evaluation (the paper's tables: every method fine-tunes
+        for E local epochs) with pFedMB's own rules: α and the weights in one phase of
+        ``epochs`` epochs, as every method's, each at its rate of ``plan`` (η_α; η_W, by default
+        lr / ‖α_l‖² per layer) and α kept on the simplex.  At the run's lr alone the branches
+        moved their combined weight ‖α_l‖² times slower (1/B under uniform α) than another
+        method's fine-tuning moves its weights, and projection left α off the simplex."""
+        return replace(super().finetune_phase(client, epochs), lr_scales=self._finetune_rates,
+                       after_step=self._projection())
+
+    def _finetune_rates(self, view) -> dict[str, float]:
+        """``plan``'s rates as multipliers of the run's lr (the fine-tuning phase's): η_α for α,
+        η_W for the weight groups, the dense-equivalent rate of each branched tensor by default."""
+        s = self.settings
+        alpha_rate = s.alpha_lr / view.lr if s.alpha_lr is not None else self._alpha_scale()
+        rates = {ALPHA: alpha_rate}
+        if s.weight_lr is not None:
+            rates.update({group: s.weight_lr / view.lr for group in self._weight_groups})
+        else:
+            rates.update(self._dense_equivalent_rates(view))
+        return rates
+
+    def _alpha_scale(self) -> float:
+        """η_α as a multiple of the run's lr where ``alpha_lr`` is None: 1 / L with a shared α."""
+        return 1.0 / self._layers if self.settings.shared_alpha else 1.0
 
     def _dense_equivalent_rates(self, view) -> dict[str, float]:
         """The default η_W (module docstring): each branched tensor steps at the run's lr times
@@ -235,6 +260,12 @@ class PFedMB(FedAvg):
         alpha = torch.softmax(alpha, dim=-1) if s.simplex == "softmax" else alpha
         factor = (1.0 / alpha.square().sum(-1)).tolist()
         return {name: factor[slot] for name, slot in self._alpha_slots(view.segments(ALPHA)).items()}
+
+    def _projection(self):
+        """The after-step hook that keeps α on the simplex (``simplex='projection'``), else None."""
+        if self.settings.simplex != "projection":
+            return None
+        return capturable_hook(self._project_alpha, key=("pfedmb-project", self.settings.branches))
 
     def _project_alpha(self, view) -> None:
         """α ← its projection onto the simplex, row by row, after each phase-1 step.

@@ -53,11 +53,15 @@ class Evaluation:
             the result is never stored or sent): FedAvg-FT, Per-FedAvg's one-step adaptation.
         params: 'params' (the client's parameters), or the name of an extra state holding a
             whole parameter row to evaluate instead (pFedMe's personal model).
+        final: phases run last, after the run's fine-tuning (``finetune_epochs``) if any, on
+            the model about to be scored (Factorized-FL zeroes the μ entries below its
+            threshold); ``rounds.evaluation_task`` moves them to the end of ``plan``.
     """
 
     download: Optional[Message] = None
     plan: tuple[Phase, ...] = ()
     params: str = "params"
+    final: tuple[Phase, ...] = ()
 
 
 @dataclass
@@ -158,6 +162,11 @@ class ClientView:
     def groups(self) -> tuple[str, ...]:
         """The client's parameter groups, in layout order."""
         return self._cohort.groups.order
+
+    @property
+    def lr(self) -> float:
+        """The run's client learning rate (what a phase's ``lr`` of None means)."""
+        return self._fed.settings.optimizer.lr
 
     @property
     def shared_groups(self) -> tuple[str, ...]:

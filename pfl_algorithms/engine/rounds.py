@@ -188,7 +188,8 @@ def as_evaluation(value) -> Evaluation:
 def finetune_phase(algorithm, client: int, epochs: int) -> Phase:
     """Local fine-tuning before evaluation, for every algorithm (pFedMB's tables fine-tune every
     method): ``epochs`` epochs of the run's optimizer, from fresh state, on the groups the
-    client trains in its local plan (every group if a phase trains every group)."""
+    client trains in its local plan (every group if a phase trains every group).  The default
+    of ``Algorithm.finetune_phase``, which a method with rules of its own for its steps extends."""
     groups: Optional[set] = set()
     for phase in algorithm.plan(client):
         if phase.groups is None:
@@ -200,11 +201,13 @@ def finetune_phase(algorithm, client: int, epochs: int) -> Phase:
 
 def evaluation_task(fed: Federation, algorithm, client: int, split: str) -> EvalTask:
     """``client``'s evaluation task on ``split`` after round ``fed.round - 1``: the algorithm's
-    evaluation, then the run's fine-tuning (``finetune_epochs``) if any."""
+    evaluation, then the run's fine-tuning (``finetune_epochs``) if any, then the evaluation's
+    ``final`` phases, as one plan."""
     evaluation = as_evaluation(algorithm.evaluation(client))
-    if fed.settings.finetune_epochs:  # after the algorithm's own adaptation (Per-FedAvg's step), if any
-        evaluation = replace(evaluation, plan=(*evaluation.plan,
-                                               finetune_phase(algorithm, client, fed.settings.finetune_epochs)))
+    # after the algorithm's own adaptation (Per-FedAvg's step), if any, before its final phases
+    finetune = (algorithm.finetune_phase(client, fed.settings.finetune_epochs),) if fed.settings.finetune_epochs else ()
+    if finetune or evaluation.final:
+        evaluation = replace(evaluation, plan=(*evaluation.plan, *finetune, *evaluation.final), final=())
     return EvalTask(client, fed.round, split, evaluation)
 
 

@@ -146,6 +146,38 @@ def test_beta_counts_mu_by_its_entries_above_the_threshold():
         assert torch.equal(message.dense("mu"), torch.where(kept, mu, torch.zeros_like(mu)))
 
 
+@pytest.mark.parametrize("variant", ["alpha", "beta"])
+@pytest.mark.parametrize("finetune_epochs", [0, 1])
+def test_the_model_evaluated_has_mu_below_the_threshold_at_zero(monkeypatch, variant, finetune_epochs):
+    """The released code zeroes |μ| < λ at evaluation (shared/papers/README.md), after any
+    fine-tuning; the client's own μ keeps those entries."""
+    import pfl_algorithms.engine.client as engine_client
+    from pfl_algorithms.engine.rounds import evaluate_all
+
+    alg = make_algorithm(f"factorized-fl-{variant}", threshold=0.02, min_keep=2)
+    fed = make_federation(alg, rounds=1, finetune_epochs=finetune_epochs)
+    run_round(fed, alg, 0)
+    cohort = fed.cohorts[0]
+    stored = torch.stack([cohort.params.row(k).clone() for k in range(3)])
+    scored = []
+    original = engine_client.evaluate
+    monkeypatch.setattr(engine_client, "evaluate", lambda module, *args, **kwargs: (
+        scored.append(torch.cat([m.mu.detach().reshape(-1).clone() for m in module.modules() if hasattr(m, "mu")])),
+        original(module, *args, **kwargs))[1])
+    evaluate_all(fed, alg)
+    assert len(scored) == 3 and all(torch.equal(cohort.params.row(k), stored[k]) for k in range(3))  # nothing stored
+    for k, mu in enumerate(scored):
+        assert bool(((mu == 0) | (mu.abs() >= 0.02)).all())
+        own = stored[k][cohort.span("mu")]
+        small = (own != 0) & (own.abs() < 0.02)
+        assert int(small.sum()) > 0
+        if not finetune_epochs:  # the client's own model, its small entries zeroed
+            assert torch.equal(mu, torch.where(small, torch.zeros_like(own), own))
+    monkeypatch.setattr(engine_client, "evaluate", original)
+    no_threshold = make_algorithm(f"factorized-fl-{variant}", threshold=0.0, min_keep=2)
+    assert no_threshold.evaluation(0) is None
+
+
 def test_table1_cost_column_from_a_dry_run():
     """The dense figures of Factorized-FL's Table 1 (GB, both directions; pfl_algorithms/reproduce/costs.py)."""
     from pfl_algorithms.reproduce.costs import table1

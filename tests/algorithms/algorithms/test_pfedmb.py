@@ -284,3 +284,55 @@ def test_paired_digits_with_a_shared_alpha_stays_finite(tmp_path):
         run(config, out, progress=False)
         lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert all(not m["skipped_non_finite"] for m in lines)
+
+
+def _effective_lr(fed, phase, client=0):
+    """Each parameter value's learning rate under ``phase`` for ``client``: the phase's
+    optimizer lr (its lr_scale included) times its lr_scales ([P])."""
+    from pfl_algorithms.engine.client import ClientView, phase_lr_scale, phase_optimizer
+
+    cohort = fed.cohorts[0]
+    cohort.work.load(cohort.params.row(client), cohort.buffers.row(client), cohort.int_buffers.row(client))
+    view = ClientView(fed, cohort, client, 0, None, {})
+    scales = phase_lr_scale(cohort, phase, view)
+    rate = phase_optimizer(phase, fed.settings).lr
+    return rate * (torch.ones_like(view.params) if scales is None else scales)
+
+
+@pytest.mark.parametrize("settings", [{}, {"weight_lr": 0.02}, {"alpha_lr": 0.03}, {"shared_alpha": True},
+                                      {"shared_alpha": True, "weight_lr": 0.02}])
+def test_finetuning_steps_every_parameter_at_its_rate_of_the_training_plan(settings):
+    """The run's fine-tuning before evaluation (--finetune-epochs: the paper's tables fine-tune
+    every method) trains α and the weights in one phase, each at the rate its own phase of the
+    plan gives it: the engine's plain phase stepped the branches at the run's lr, ‖α_l‖² times
+    slower than the plan's dense-equivalent rate."""
+    algo, fed = federation(**settings)
+    cohort = fed.cohorts[0]
+    cohort.params.row(0)[cohort.span(ALPHA)] = torch.linspace(-1, 2, cohort.span(ALPHA).stop
+                                                              - cohort.span(ALPHA).start, dtype=torch.float64)
+    alpha_phase, weight_phase = algo.plan(0)
+    want = _effective_lr(fed, weight_phase)
+    want[cohort.span(ALPHA)] = _effective_lr(fed, alpha_phase)[cohort.span(ALPHA)]
+    finetune = algo.finetune_phase(0, 1)
+    assert finetune.epochs == 1 and set(finetune.groups) == {ALPHA, *algo._weight_groups}
+    torch.testing.assert_close(_effective_lr(fed, finetune), want, **TOL)
+    assert not torch.allclose(want, torch.full_like(want, 0.1))  # the rates do differ from the run's lr
+
+
+def test_finetuning_under_projection_keeps_alpha_on_the_simplex(monkeypatch):
+    import pfl_algorithms.engine.client as engine_client
+    from pfl_algorithms.engine.rounds import evaluate_all
+
+    algo = PFedMB(branches=B, simplex="projection", alpha_lr=5.0)  # big steps would leave the simplex
+    fed = make_federation(algo, finetune_epochs=1)
+    run_round(fed, algo, 0)
+    scored = []
+    original = engine_client.evaluate
+    monkeypatch.setattr(engine_client, "evaluate", lambda module, *args, **kwargs: (
+        scored.append(torch.cat([layer.alpha_param.detach().reshape(-1, B) for layer in multibranch_layers(module)])),
+        original(module, *args, **kwargs))[1])
+    evaluate_all(fed, algo)
+    assert len(scored) == 3
+    for rows in scored:
+        assert (rows >= 0).all()
+        torch.testing.assert_close(rows.sum(1), torch.ones(len(rows), dtype=rows.dtype), **TOL)
