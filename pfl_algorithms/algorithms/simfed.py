@@ -155,6 +155,19 @@ class SimFed(Algorithm):
         self.embeddings[senders] = z
         self.seen[senders] = True
 
+    def round_metrics(self, round_):
+        """How much reflection the next round has to work with: ``matched``, the mean number of
+        other clients each client's Eq. 8 keeps (σ ≥ τ), and ``zero_embeddings``, the clients
+        whose z_N is all zero (a ReLU encoder silent on x_N: its σ with every client is 0, so it
+        only ever keeps itself).  None before any embedding arrived."""
+        seen = self.seen.nonzero().squeeze(1)
+        if not len(seen):
+            return {"matched": None, "zero_embeddings": None}
+        z = self.embeddings[seen]
+        kept = pairwise_cosine(z, z) >= self.settings.tau
+        kept.fill_diagonal_(False)
+        return {"matched": float(kept.sum(1).double().mean()), "zero_embeddings": int((z == 0).all(1).sum())}
+
     def state_dict(self):
         return {"bank": self.bank, "embeddings": self.embeddings, "seen": self.seen}
 

@@ -96,6 +96,23 @@ def test_reflection_matches_a_float64_reference_of_eq_8(tau, alpha):
         assert all(torch.equal(sent[k].tensors[g], models[k][g]) for k in range(3) for g in ("u", "v", "mu"))
 
 
+@pytest.mark.parametrize("tau, matched", [(0.96, 0.0), (0.9, 2 / 3), (0.3, 4 / 3), (0.0, 2.0)])
+def test_round_metrics_count_the_matches_eq_8_keeps(tau, matched):
+    """``matched``: the mean number of other clients each seen client keeps (σ ≥ τ), which says
+    whether reflection has anything to work with; ``zero_embeddings``: encoders silent on x_N."""
+    algo = SimFed(tau=tau)
+    algo.server = HandServer()
+    algo.setup(algo.server)
+    assert algo.round_metrics(0) == {"matched": None, "zero_embeddings": None}
+    messages = [Message({"u": m["u"], "v": m["v"], "mu": Sparse(m["mu"])}, {"embedding": z}, 10)
+                for m, z in zip(hand_models(), EMBEDDINGS)]
+    algo.aggregate(0, Uploads([0, 1, 2], messages))
+    metrics = algo.round_metrics(0)
+    assert metrics["matched"] == pytest.approx(matched) and metrics["zero_embeddings"] == 0
+    algo.embeddings[2] = 0.0  # a silent encoder: σ = 0 with everyone
+    assert algo.round_metrics(0)["zero_embeddings"] == 1
+
+
 def test_only_the_sampled_clients_are_sent_and_unseen_ones_keep_their_model():
     models, sent = reflected(tau=0.3, clients=(1,))
     assert sorted(sent) == [1]
