@@ -27,7 +27,9 @@ the "highly sparse" μ of §4.1 is the μ evaluated; the client's own μ keeps t
 
 Defaults (shared/papers/README.md, the released settings): the label-permuted ones of
 Table 1's top half (τ = 0, ε = 1, at least 10 kept); for the multi-domain scenario pass
-``tau=0.95 scale=20 min_keep=4``.  λ = 5e-4 for both the L1 weight and the threshold.
+``tau=0.95 scale=20 min_keep=4``.  λ = 5e-4 for both the L1 weight and the threshold: the
+released code has one ``lambda_l1`` (5e-4, main.py) that weighs the L1 term (client.py) and
+prunes |μ| < λ in eval mode (modules/layers.py's ``prune``).
 
 Communication, Table 1: ``pfl_algorithms.reproduce.costs.table1`` dry-runs our accounting on the
 paper's ResNet-9 (20 clients, 50 rounds).  The paper's "Gb" is gigabytes (10⁹ bytes) of
