@@ -228,11 +228,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args) -> RunConfig:
-    """The RunConfig of ``pfl run``: defaults < --config < flags < --set."""
+def config_from_args(args, values: Optional[dict] = None) -> RunConfig:
+    """The RunConfig of ``pfl run``: defaults < --config (or ``values``, a run's saved
+    config.json as ``with_defaults`` reads it) < flags < --set."""
     from .config import apply_sets, check, config_from, load_config_file
 
-    values = load_config_file(args.config) if args.config else {}
+    if values is None:
+        values = load_config_file(args.config) if args.config else {}
     if values.get("algorithm", args.algorithm) != args.algorithm:  # one of the two would be ignored
         raise ValueError(f"--config {args.config} names the algorithm {values['algorithm']!r}, the command "
                          f"{args.algorithm!r}; name the same one, or leave it out of the file")
@@ -323,10 +325,11 @@ def _flower_digests(marker: Path) -> Optional[dict]:
 
 
 def _cmd_run(args) -> int:
-    from .config import load_config_file
+    from .config import load_config_file, with_defaults
     from .engine.rundir import RunDirectory
     from .runner import default_run_name, run
 
+    saved = None
     if args.resume and not args.config:
         # Resume with the saved settings unless others are given explicitly; without --out, those
         # of the run directory the flags name by default.
@@ -336,8 +339,8 @@ def _cmd_run(args) -> int:
             if saved.get("algorithm") != args.algorithm:
                 raise ValueError(f"--resume: {saved_dir} holds a {saved.get('algorithm')!r} run, not "
                                  f"{args.algorithm!r}")
-            args.config = str(saved_dir / "config.json")
-    config = config_from_args(args)
+            saved = with_defaults(saved)  # as an earlier version wrote it, read as the resume check reads it
+    config = config_from_args(args, saved)
     out = Path(args.out) if args.out else Path("runs") / default_run_name(config)
     summary = run(config, out, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet)
     if config.executor == "distributed" and os.environ.get("RANK", "0") != "0":

@@ -347,15 +347,23 @@ def test_a_run_saved_with_defaults_where_they_did_not_apply_resumes_and_is_kept(
 
     assert (config().local_epochs, config().sample, config().momentum) == (None, None, None)
     whole = run(config(), tmp_path / "whole", progress=False)
-    out = tmp_path / "r"
-    run(config(), out, progress=False, stop_after=2)
     old = {"local_epochs": 1, "sample": 1.0, "momentum": 0.9}
-    rundir = RunDirectory(out)
-    state = rundir.load_checkpoint()
-    state["config"].update(old)
-    rundir.save_checkpoint(state)
-    rundir.wait_for_checkpoint()
-    rundir.config.write_text(json.dumps({**json.loads(rundir.config.read_text()), **old}))
+
+    def stopped_as_before(out):
+        run(config(), out, progress=False, stop_after=2)
+        rundir = RunDirectory(out)
+        state = rundir.load_checkpoint()
+        state["config"].update(old)
+        rundir.save_checkpoint(state)
+        rundir.wait_for_checkpoint()
+        rundir.config.write_text(json.dumps({**json.loads(rundir.config.read_text()), **old}))
+        return rundir
+
+    assert main(["run", "fedavg", "--out", str(stopped_as_before(tmp_path / "cli").root), "--resume", "--quiet"]) == 0
+    assert json.loads((tmp_path / "cli" / "summary.json").read_text())["final_mean_accuracy"] == \
+        whole["final_mean_accuracy"]
+    out = tmp_path / "r"
+    rundir = stopped_as_before(out)
     assert run(config(), out, resume=True, progress=False)["final_mean_accuracy"] == whole["final_mean_accuracy"]
     rundir.config.write_text(json.dumps({**json.loads(rundir.config.read_text()), **old}))
     assert run_or_keep(config(), out, progress=False) is True
