@@ -7,8 +7,10 @@ batches of ``local.evaluate``'s size, and at each batch position the clients who
 the same size run together (no padding reaches a score).  Accuracy and loss follow
 ``local.scores``: a client with a non-finite loss gets NaN accuracy.  The numbers equal
 ``local.evaluate``'s up to float reassociation (a grouped convolution, per-client loss sums),
-as the batched executor's training equals the sequential executor's.  An evaluation that
-fine-tunes first (an ``Evaluation`` with a plan) runs on the threaded executor.
+as the batched executor's training equals the sequential executor's.  An evaluation whose
+plan only runs ``begin`` hooks (phases of no steps: IFCA's choice of its cluster model,
+Factorized-FL's zeroing of small μ) runs them on each client's model first, as
+``client.run_eval_task`` does; one that fine-tunes first runs on the threaded executor.
 """
 from __future__ import annotations
 
@@ -16,26 +18,50 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import EvalResult, apply_downloads
+from .client import ClientView, EvalResult, apply_downloads, phase_parameters, trains_only
 from .conv_gemm import batched_convolutions
 from .local import EVAL_BATCH, ChunkGather, scores
 
 
 def batchable_evaluation(task) -> bool:
-    """Whether ``task`` (an EvalTask) scores its model as it is (no fine-tuning first)."""
-    return not task.evaluation.plan
+    """Whether ``task`` (an EvalTask) scores its model without fine-tuning it first: a plan of
+    begin hooks alone, if any (``_begins_only``)."""
+    return all(_begins_only(phase) for phase in task.evaluation.plan)
+
+
+def _begins_only(phase) -> bool:
+    """A phase that takes no step and runs its ``begin`` hook: a change of the model, no training."""
+    return phase.begin is not None and (phase.epochs == 0 or phase.steps == 0)
+
+
+def _run_begins(fed, cohort, task, params, buffers, int_buffers) -> None:
+    """``task``'s begin hooks on its client's model (the rows ``params``, ``buffers``,
+    ``int_buffers``, changed in place), as ``client.run_eval_task`` runs its plan: on a
+    ClientView of the working model loaded with them, written back after."""
+    row = cohort.row(task.client)
+    work = cohort.work
+    work.load(params, buffers, int_buffers)
+    view = ClientView(fed, cohort, task.client, task.round, task.evaluation.download,
+                      {name: bank.row(row).clone() for name, bank in cohort.extra.items()})
+    for phase in task.evaluation.plan:
+        with trains_only(work.module, phase_parameters(cohort, phase, task.client)[0]):
+            phase.begin(view)
+    work.store(params, buffers, int_buffers)
 
 
 @torch.no_grad()
 def evaluate_chunk(fed, cohort, tasks, batch_size: int = EVAL_BATCH) -> list[EvalResult]:
     """Score ``tasks`` (evaluations of clients of ``cohort`` that read the same bank and
-    fine-tune nothing) together; nothing is stored."""
+    fine-tune nothing: ``batchable_evaluation``) together; nothing is stored."""
     rows = [cohort.row(t.client) for t in tasks]
     source = tasks[0].evaluation.params
     bank = cohort.params if source == "params" else cohort.extra[source]
     params, buffers = bank.data[rows].clone(), cohort.buffers.data[rows].clone()
     int_buffers = cohort.int_buffers.data[rows].clone()
     apply_downloads(cohort, params, buffers, [t.evaluation.download for t in tasks], [t.client for t in tasks])
+    for i, task in enumerate(tasks):
+        if task.evaluation.plan:
+            _run_begins(fed, cohort, task, params[i], buffers[i], int_buffers[i])
     tensors = {**cohort.layout.views(params), **cohort.buffer_layout.views(buffers),
                **cohort.int_buffer_layout.views(int_buffers)}
     module = cohort.work.module

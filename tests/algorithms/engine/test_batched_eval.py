@@ -5,6 +5,7 @@ bank (pFedMe's personal model), a client with nothing to score, a diverged clien
 evaluations that fine-tune first (threaded, so bitwise)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -61,6 +62,24 @@ def test_an_evaluation_download_and_another_bank_are_used():
     assert_results_close(evaluate_chunk(fed, fed.cohorts[0], tasks, batch_size=4), alone(fed, tasks))
     assert_results_close(evaluate_chunk(fed_avg, fed_avg.cohorts[0], avg_tasks, batch_size=4),
                          alone(fed_avg, avg_tasks))
+
+
+@pytest.mark.parametrize("name", ["ifca", "factorized-fl-alpha", "factorized-fl-beta"])
+def test_begin_hooks_run_on_each_model_of_a_chunk(name):
+    """An evaluation plan of begin hooks alone (IFCA chooses its cluster model, Factorized-FL
+    zeroes its small μ) is scored in chunks, each client's model changed as when scored alone;
+    with fine-tuning after them it goes to threads."""
+    from pfl_algorithms.engine.batched_eval import batchable_evaluation
+
+    fed, algo = trained(name)
+    tasks = evaluation_tasks(fed, algo)
+    assert all(t.evaluation.plan and batchable_evaluation(t) for t in tasks)
+    cohort = fed.cohorts[0]
+    before = cohort.params.data.clone()
+    assert_results_close(evaluate_chunk(fed, cohort, tasks, batch_size=4), alone(fed, tasks))
+    assert torch.equal(cohort.params.data, before)  # nothing stored
+    fed.settings = dataclasses.replace(fed.settings, finetune_epochs=1)
+    assert not any(batchable_evaluation(t) for t in evaluation_tasks(fed, algo))
 
 
 def test_a_client_with_no_samples_and_a_diverged_client():
