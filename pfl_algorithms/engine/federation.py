@@ -197,7 +197,8 @@ class Server:
 
 
 def _required_arguments(function) -> bool:
-    """Whether ``function`` needs arguments (FedPara's ``reset_parameters(weight_var)`` does)."""
+    """Whether ``function`` needs arguments (a layer whose ``reset_parameters`` does is kept as
+    the copy has it; torch's layers and ``pfl_kernels.nn``'s need none)."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):

@@ -2,6 +2,7 @@
 layers in place, and helpers that address those layers' parameter groups."""
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -43,9 +44,14 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _check_exclude(names: set[str], exclude: Iterable[str]) -> set[str]:
+def _check_exclude(names: set[str], exclude: Optional[Iterable[str]]) -> set[str]:
+    """``exclude`` (None, one name or an iterable of names) as a set of names of ``names``."""
+    if exclude is None:
+        return set()
     if isinstance(exclude, str):
         exclude = (exclude,)
+    if not isinstance(exclude, collections.abc.Iterable):
+        raise TypeError(f"exclude must be a module name, an iterable of them, or None, got {exclude!r}")
     exclude = set(exclude)
     unknown = sorted(exclude - names)
     if unknown:
@@ -54,7 +60,7 @@ def _check_exclude(names: set[str], exclude: Iterable[str]) -> set[str]:
 
 
 def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", sparse: bool = True,
-              exclude: Iterable[str] = (), allow_subclasses=False) -> nn.Module:
+              exclude: Optional[Iterable[str]] = (), allow_subclasses=False) -> nn.Module:
     """Replace every ``nn.Conv2d`` and ``nn.Linear`` of ``model`` (at any depth) in place.
 
     Each layer becomes ``FactorizedConv2d.from_dense`` / ``FactorizedLinear.from_dense``
@@ -70,7 +76,8 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
         rank, sparse: as for the layers.  layout: for convolutions ('spatial', 'simfed', 'view');
             linears always use 'linear'.
         exclude: qualified module names (as in ``model.named_modules()``) to leave dense,
-            e.g. the classifier; a module inside an excluded one is left dense too.
+            e.g. the classifier; a module inside an excluded one is left dense too.  None
+            excludes nothing.
         allow_subclasses: convert subclasses of Conv2d/Linear that override ``forward``
             (refused by default, since the factorized layer computes the base class's
             function): True for all, or a class or classes to accept exactly those.
@@ -83,8 +90,10 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
         ValueError: a bad rank or layout (checked first, whatever the model holds); a name
             in ``exclude`` that the model does not have; ``model`` itself a
             Conv2d/Linear; a module that cannot be replaced exactly (a subclass overriding
-            ``forward`` not allowed by ``allow_subclasses``, parametrizations, hooks, an
-            uninitialised lazy module), named with its class; a module excluded under one
+            ``forward`` not allowed by ``allow_subclasses``, an instance-level ``forward``,
+            parametrizations, module hooks or gradient hooks on its weight or bias, a parameter,
+            buffer or submodule besides its weight and bias, an uninitialised lazy module, a
+            non-finite weight), named with its class; a module excluded under one
             of its names only; a layer whose weight or bias is also used by a module that
             stays as it is (e.g. a classifier tied to an embedding), naming both places.
             Nothing is changed when it raises.
@@ -104,11 +113,13 @@ def factorize(model: nn.Module, *, rank: int = 1, layout: str = "spatial", spars
     return model
 
 
-def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make,
-             conversion: _Conversion) -> list[nn.Module]:
+def _convert(model: nn.Module, exclude: Optional[Iterable[str]], allow_subclasses, make,
+             conversion: _Conversion, check_targets=None) -> list[nn.Module]:
     """Replace every Conv2d/Linear outside ``exclude`` by ``make(module)``, in place, under every
     name it has, keeping tied parameters tied (``conversion.ties``); return the new layers in
-    module order.  Checks everything first, so nothing changes when it raises."""
+    module order.  ``check_targets(targets)``, if given, sees the (module, names) to replace
+    once each module passed its own checks.  Checks everything first, so nothing changes when
+    it raises."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, (nn.Conv2d, nn.Linear)):
@@ -120,6 +131,8 @@ def _convert(model: nn.Module, exclude: Iterable[str], allow_subclasses, make,
     for module, names in targets:
         kind = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
         check_convertible(module, kind, allow_subclasses=allow_subclasses, where=repr(names[0]))
+    if check_targets is not None:
+        check_targets(targets)
     tied_groups = _tied_groups(model, targets, conversion.converter)
     new = {id(module): make(module) for module, _ in targets}
     _tie(tied_groups, new, conversion)
@@ -137,11 +150,15 @@ def _targets(named: list[tuple[str, nn.Module]], exclude: set[str]) -> list[tupl
         return any(name == e or name.startswith(e + ".") for e in exclude)
 
     found: dict[int, tuple[nn.Module, list[str]]] = {}
+    found_names: set[str] = set()
     for name, module in named:
-        # A module inside a replaced one goes away with it.
-        if name and isinstance(module, (nn.Conv2d, nn.Linear)) and not any(
-                name.startswith(other + ".") for _, names in found.values() for other in names):
+        # A module inside a replaced one goes away with it.  named_modules lists a module before
+        # what it holds, so its name is in found_names by then: looking up each prefix of a name
+        # keeps this linear in the number of modules (scanning every found name was quadratic:
+        # 5.5 s for 16k modules).
+        if name and isinstance(module, (nn.Conv2d, nn.Linear)) and not _inside(name, found_names):
             found.setdefault(id(module), (module, []))[1].append(name)
+            found_names.add(name)
     targets = []
     for module, names in found.values():
         left_out = [name for name in names if excluded(name)]
@@ -152,6 +169,12 @@ def _targets(named: list[tuple[str, nn.Module]], exclude: set[str]) -> list[tupl
         if not left_out:
             targets.append((module, names))
     return targets
+
+
+def _inside(name: str, names: set[str]) -> bool:
+    """Whether ``name`` is a module inside one of ``names`` (one of them is a dotted prefix of it)."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in names for i in range(1, len(parts)))
 
 
 def _tied_groups(model: nn.Module, targets: list[tuple[nn.Module, list[str]]],
@@ -208,7 +231,7 @@ def _tie(groups: list[tuple[str, list[nn.Module]]], new: dict[int, nn.Module], c
 
 
 def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", shared_alpha: bool = False,
-                exclude: Iterable[str] = (), noise: float = 0.0, allow_subclasses=False) -> nn.Module:
+                exclude: Optional[Iterable[str]] = (), noise: float = 0.0, allow_subclasses=False) -> nn.Module:
     """Replace every ``nn.Conv2d`` and ``nn.Linear`` of ``model`` by its multi-branch version, in place.
 
     Each layer becomes ``MultiBranchConv2d.from_dense`` / ``MultiBranchLinear.from_dense`` of
@@ -222,8 +245,9 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
         branches: B >= 1.  simplex: 'softmax' or 'project' (see the layers).
         shared_alpha: one α for the whole model (pFedMB Section 5.2) instead of one per layer:
             every layer this call converts then holds the same ``alpha_param`` Parameter
-            (multi-branch layers the model had before keep theirs).
-        exclude: qualified module names to leave dense (their children too).
+            (multi-branch layers the model had before keep theirs).  The layers must then
+            share one dtype and device (α's).
+        exclude: qualified module names to leave dense (their children too); None: none.
         noise: symmetry-breaking noise of the branches, relative to each weight's std.
         allow_subclasses: as for ``factorize``.
 
@@ -231,8 +255,9 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
         ``model`` itself.
 
     Raises:
-        ValueError: bad branches/simplex/noise (checked first, whatever the model holds); and
-            every error of ``factorize``.
+        ValueError: bad branches/simplex/noise (checked first, whatever the model holds); with
+            shared_alpha, two layers to convert whose weights differ in dtype or device (one α
+            cannot serve both), naming them; and every error of ``factorize``.
     """
     # The layers' own checks of branches and simplex on the meta device, and noise's, so a bad
     # argument is refused even where no layer would use it.
@@ -246,7 +271,8 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
         return kind.from_dense(module, branches=branches, noise=noise, simplex=simplex,
                                allow_subclasses=allow_subclasses)
 
-    layers = _convert(model, exclude, allow_subclasses, make, _MULTIBRANCH)
+    layers = _convert(model, exclude, allow_subclasses, make, _MULTIBRANCH,
+                      _one_dtype_and_device if shared_alpha else None)
     if shared_alpha and layers:
         shared = layers[0].alpha_param
         # One α for all: trained wherever one of the dense weights it weighs was.
@@ -254,6 +280,21 @@ def multibranch(model: nn.Module, *, branches: int, simplex: str = "softmax", sh
         for layer in layers[1:]:
             layer.alpha_param = shared
     return model
+
+
+def _one_dtype_and_device(targets: list[tuple[nn.Module, list[str]]]) -> None:
+    """ValueError naming two of ``targets`` whose weights differ in dtype or device: a shared α
+    (made in the first one's) would fail the other's forward."""
+    if not targets:
+        return
+    first, first_names = targets[0]
+    for module, names in targets[1:]:
+        if (module.weight.dtype, module.weight.device) != (first.weight.dtype, first.weight.device):
+            raise ValueError(
+                f"shared_alpha=True needs every layer it converts in one dtype and on one device, but "
+                f"{describe(repr(first_names[0]), first)} has a {first.weight.dtype} weight on {first.weight.device} "
+                f"and {describe(repr(names[0]), module)} a {module.weight.dtype} one on {module.weight.device}; "
+                f"move the model to one dtype and device first, or use shared_alpha=False")
 
 
 def factorized_layers(model: nn.Module) -> list[nn.Module]:

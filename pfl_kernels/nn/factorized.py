@@ -7,6 +7,7 @@ and the sparse bias μ [R, C] as parameters and rebuild the weight with the fuse
 from __future__ import annotations
 
 import math
+import numbers
 from contextlib import contextmanager
 from typing import Optional
 
@@ -180,11 +181,17 @@ class _FactorizedMixin(RebuiltAttributes):
         return self.mu.abs().sum()
 
     def nnz(self, threshold: float = 0.0) -> int:
-        """Number of μ entries with |μ| ≥ threshold (> 0 when threshold is 0); 0 without μ."""
+        """Number of μ entries with |μ| ≥ threshold (> 0 when threshold is 0); 0 without μ.
+
+        Raises:
+            ValueError: ``threshold`` is not a number >= 0 (NaN included).
+        """
+        # Checked first, with or without μ: a NaN threshold counted nothing, a string failed
+        # in the comparison.
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
+            raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
         if self.mu is None:
             return 0
-        if threshold < 0:
-            raise ValueError(f"threshold must be >= 0, got {threshold}")
         mag = self.mu.detach().abs()
         return int((mag >= threshold).sum() if threshold > 0 else (mag > 0).sum())
 

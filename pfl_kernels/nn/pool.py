@@ -17,7 +17,15 @@ class ReLUMaxPool2d(nn.Module):
     values and gradients, a quarter of the ReLU work, no int64 indices."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """relu(max_pool2d(x, 2)) of x [N, C, H, W]; a 3-D x [C, H, W] is one image."""
+        """relu(max_pool2d(x, 2)) of x [N, C, H, W]; a 3-D x [C, H, W] is one image.
+
+        Raises RuntimeError, as ``F.max_pool2d(x, 2)`` does, where H or W is below 2 (the op
+        itself returns an empty output there, which would pass unnoticed into the next layer).
+        """
+        if x.dim() in (3, 4):  # other shapes: the op's own error
+            h, w = x.shape[-2:]
+            torch._check(h >= 2 and w >= 2, lambda: f"ReLUMaxPool2d: input of spatial size {h}x{w} pools to "
+                                                    f"{h // 2}x{w // 2}: Output size is too small")
         if x.dim() == 3:
             return relu_max_pool2d(x.unsqueeze(0)).squeeze(0)
         return relu_max_pool2d(x)

@@ -3,6 +3,8 @@ whose forward differs, parametrized / hooked / lazy modules, shared modules and 
 requires_grad, their arguments, a shared α, channels-last."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -11,12 +13,14 @@ from torch.nn import functional as F
 from pfl_kernels.nn import (FEDPARA_LAYERS, FactorizedConv2d, FactorizedLinear, FedParaLinear, MultiBranchConv2d,
                             MultiBranchLinear, alpha_parameters, branch_parameters, factorize, factorized_layers,
                             fedpara, multibranch, multibranch_layers, sparsity_loss)
+from pfl_kernels.nn.convert import _targets
 from tests.tolerances import assert_close
 
 CONVERTERS = {
     "factorize": lambda model, **kw: factorize(model, rank=2, **kw),
     "multibranch": lambda model, **kw: multibranch(model, branches=3, **kw),
 }
+ALL_CONVERTERS = {**CONVERTERS, "fedpara": lambda model, **kw: fedpara(model, 0.5, **kw)}
 FROM_DENSE = {
     "factorize": (FactorizedConv2d.from_dense, FactorizedLinear.from_dense),
     "multibranch": (MultiBranchConv2d.from_dense, MultiBranchLinear.from_dense),
@@ -74,11 +78,71 @@ REFUSED = {
                                r"'1\.1' \(Conv2d\) has forward pre-hooks .*would not run"),
     "forward hook": (lambda: _with_forward_hook(nn.Conv2d(4, 4, 3)), r"'1\.1' \(Conv2d\) has forward hooks"),
     "lazy": (lambda: nn.LazyConv2d(4, 3), r"'1\.1' \(LazyConv2d\) is a lazy module .*run one forward pass"),
+    # What the class checks and the module hooks did not see (each was converted and dropped):
+    "instance forward": (lambda: _with_instance_forward(nn.Conv2d(4, 4, 3)),
+                         r"'1\.1' \(Conv2d\) has forward set on the instance \(not its class\), which the "
+                         r"converted layer would not run; remove it first \(del module\.forward\)"),
+    "weight gradient hook": (lambda: _with_weight_hook(nn.Conv2d(4, 4, 3)),
+                             r"'1\.1' \(Conv2d\) has a gradient hook on its weight \(Tensor\.register_hook"),
+    "bias post-accumulate hook": (lambda: _with_bias_post_accumulate_hook(nn.Conv2d(4, 4, 3)),
+                                  r"'1\.1' \(Conv2d\) has a gradient hook on its bias"),
+    "extra buffer": (lambda: CalibratedConv2d(4, 4, 3),
+                     r"'1\.1' \(CalibratedConv2d\) holds buffer 'calib' besides its weight and bias, which the "
+                     r"converted layer would drop \(state_dict entries included\)"),
+    "extra parameter": (lambda: _with_parameter(nn.Conv2d(4, 4, 3)),
+                        r"'1\.1' \(Conv2d\) holds parameter 'scale' besides its weight and bias"),
+    "submodule": (lambda: _with_submodule(nn.Conv2d(4, 4, 3)),
+                  r"'1\.1' \(Conv2d\) holds submodule 'act' besides its weight and bias"),
+    # A NaN or Inf weight: factorize's eigh failed naming no module, multibranch copied it.
+    "NaN weight": (lambda: _with_weight_entry(nn.Conv2d(4, 4, 3), float("nan")),
+                   r"'1\.1' \(Conv2d\) has a non-finite weight \(NaN or Inf\)"),
+    "Inf linear weight": (lambda: nn.Sequential(nn.Flatten(), _with_weight_entry(nn.Linear(4, 2), float("-inf"))),
+                          r"'1\.1\.1' \(Linear\) has a non-finite weight \(NaN or Inf\)"),
 }
 
 
 def _with_forward_hook(module):
     module.register_forward_hook(lambda mod, args, out: out * 2)
+    return module
+
+
+def _with_instance_forward(module):
+    dense_forward = module.forward
+    module.forward = lambda x: 2 * dense_forward(x)
+    return module
+
+
+def _with_weight_hook(module):
+    module.weight.register_hook(lambda grad: grad * 0)  # a gradient mask
+    return module
+
+
+def _with_bias_post_accumulate_hook(module):
+    module.bias.register_post_accumulate_grad_hook(lambda param: None)
+    return module
+
+
+class CalibratedConv2d(nn.Conv2d):
+    """Overrides nothing, but holds state of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("calib", torch.ones(1))
+
+
+def _with_parameter(module):
+    module.scale = nn.Parameter(torch.ones(1))
+    return module
+
+
+def _with_submodule(module):
+    module.act = nn.ReLU()
+    return module
+
+
+def _with_weight_entry(module, value):
+    with torch.no_grad():
+        module.weight.view(-1)[3] = value
     return module
 
 
@@ -133,6 +197,23 @@ def test_error_bad_allow_subclasses(converter, bad):
 def test_error_model_not_a_module(converter, bad):
     with pytest.raises(TypeError, match=f"model must be a torch.nn.Module, got {type(bad).__name__}"):
         CONVERTERS[converter](bad)
+
+
+@pytest.mark.parametrize("converter", CONVERTERS)
+def test_allow_subclasses_does_not_drop_state(converter):
+    """allow_subclasses vouches for what a class computes, not for state the new layer would drop."""
+    with pytest.raises(ValueError, match=r"holds buffer 'calib'"):
+        CONVERTERS[converter](model_with(CalibratedConv2d(4, 4, 3)), allow_subclasses=True)
+
+
+@pytest.mark.parametrize("converter", ALL_CONVERTERS)
+def test_removed_hooks_and_patches_no_longer_refuse(converter):
+    model = model_with(nn.Conv2d(4, 4, 3))
+    model[1][1].weight.register_hook(lambda grad: grad).remove()
+    _with_instance_forward(model[0])
+    del model[0].forward
+    ALL_CONVERTERS[converter](model)
+    assert not any(type(m) in (nn.Conv2d, nn.Linear) for m in model.modules())
 
 
 @pytest.mark.parametrize("converter", CONVERTERS)
@@ -328,9 +409,6 @@ def test_a_tie_to_something_left_unconverted_is_refused(converter, make, exclude
 
 # ---- requires_grad, arguments, shared α -----------------------------------------------
 
-ALL_CONVERTERS = {**CONVERTERS, "fedpara": lambda model, **kw: fedpara(model, 0.5, **kw)}
-
-
 @pytest.mark.parametrize("converter", ALL_CONVERTERS)
 def test_frozen_layers_stay_frozen(converter):
     """A frozen backbone stays frozen: each new parameter keeps the requires_grad of the dense
@@ -400,6 +478,66 @@ def test_converter_arguments_are_checked_whatever_the_model_holds(call, error, m
     convolutions took any layout, one without layers any rank or noise."""
     with pytest.raises(error, match=message):
         call(model())
+
+
+class MixedPrecision(nn.Module):
+    """A bfloat16 body under a float32 head."""
+
+    def __init__(self, head_device="cpu"):
+        super().__init__()
+        self.body = nn.Linear(4, 4, dtype=torch.bfloat16)
+        self.head = nn.Linear(4, 2, device=head_device)
+
+    def forward(self, x):
+        return self.head(self.body(x.bfloat16()).float())
+
+
+@pytest.mark.parametrize("make, message", [
+    (MixedPrecision, r"'body' \(Linear\) has a torch\.bfloat16 weight on cpu and 'head' \(Linear\) a "
+                     r"torch\.float32 one on cpu"),
+    (lambda: MixedPrecision(head_device="meta").bfloat16(), r"'body' \(Linear\) has a torch\.bfloat16 weight on cpu "
+                                                             r"and 'head' \(Linear\) a torch\.bfloat16 one on meta"),
+], ids=["dtype", "device"])
+def test_a_shared_alpha_over_layers_of_two_dtypes_or_devices_is_refused(make, message):
+    """One α cannot serve both: the model converted, then failed at its forward ("weights must
+    have alpha's dtype")."""
+    model = make()
+    before = _layers(model)
+    with pytest.raises(ValueError, match=r"shared_alpha=True needs every layer it converts in one dtype and on one "
+                                         r"device, but " + message):
+        multibranch(model, branches=2, shared_alpha=True)
+    assert _layers(model) == before
+    # Without a shared α each layer has its own, in its own dtype, and the model runs.
+    model = multibranch(MixedPrecision(), branches=2)
+    assert model.body.alpha_param.dtype == torch.bfloat16 and model.head.alpha_param.dtype == torch.float32
+    assert model(torch.randn(3, 4)).shape == (3, 2)
+    # Excluding the odd one out shares α among the rest.
+    model = multibranch(MixedPrecision(), branches=2, shared_alpha=True, exclude=["head"])
+    assert type(model.head) is nn.Linear and model(torch.randn(3, 4)).shape == (3, 2)
+
+
+@pytest.mark.parametrize("converter", ALL_CONVERTERS)
+def test_exclude_none_excludes_nothing(converter):
+    """factorize and multibranch raised TypeError: 'NoneType' object is not iterable; fedpara
+    had no exclude."""
+    model = ALL_CONVERTERS[converter](nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2)), exclude=None)
+    assert not any(type(m) in (nn.Conv2d, nn.Linear) for m in model.modules())
+    model = ALL_CONVERTERS[converter](nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2)), exclude="2")
+    assert type(model[2]) is nn.Linear and type(model[0]) is not nn.Conv2d
+    with pytest.raises(TypeError, match=r"exclude must be a module name, an iterable of them, or None, got 3"):
+        ALL_CONVERTERS[converter](nn.Sequential(nn.Linear(4, 2)), exclude=3)
+
+
+def test_finding_the_layers_takes_time_linear_in_the_module_count():
+    """_targets looked through every name found so far for each module: 5.5 s for 16k modules."""
+    with torch.device("meta"):
+        model = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)) for _ in range(4000))
+    named = list(model.named_modules(remove_duplicate=False))
+    start = time.perf_counter()
+    targets = _targets(named, set())
+    elapsed = time.perf_counter() - start
+    assert len(targets) == 8000 and targets[1][1] == ["0.2"]
+    assert elapsed < 1.0, f"_targets took {elapsed:.2f} s for {len(named)} modules"
 
 
 def test_noise_on_a_one_entry_weight_leaves_the_branches_finite():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -237,8 +238,18 @@ def test_nnz_and_parameter_count():
     assert layer.nnz(5e-4) == 10
     assert layer.parameter_count(5e-4) == 5 * 2 + 2 * 4 + 10
     assert FactorizedLinear(5, 4, sparse=False).nnz() == 0
-    with pytest.raises(ValueError, match="threshold must be >= 0"):
+    with pytest.raises(ValueError, match="threshold must be a number >= 0"):
         layer.nnz(-1.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "a", None, True, -1e-9, float("-inf")], ids=repr)
+@pytest.mark.parametrize("sparse", [True, False])
+def test_nnz_and_parameter_count_refuse_a_bad_threshold(bad, sparse):
+    """nnz(nan) counted nothing (0) and nnz('a') failed in a comparison; checked without μ too."""
+    layer = FactorizedLinear(5, 4, rank=2, sparse=sparse)
+    for count in (layer.nnz, layer.parameter_count):
+        with pytest.raises(ValueError, match=rf"threshold must be a number >= 0, got {re.escape(repr(bad))}"):
+            count(bad)
 
 
 def test_compiled_model_matches_eager():

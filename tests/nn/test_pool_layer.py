@@ -76,3 +76,19 @@ def test_leaves_alone_what_it_cannot_prove_the_same():
 def test_three_dim_input_is_one_image():
     x = torch.randn(4, 6, 6)
     assert torch.equal(ReLUMaxPool2d()(x), nn.functional.max_pool2d(torch.relu(x), 2))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 1, 4), (2, 3, 5, 1), (3, 1, 6)], ids=str)
+def test_too_small_an_input_raises_as_max_pool2d_does(shape):
+    """H or W below 2 pools to nothing: F.max_pool2d raises, the layer returned an empty tensor."""
+    x = torch.randn(shape)
+    with pytest.raises(RuntimeError, match="Output size is too small"):
+        nn.functional.max_pool2d(torch.relu(x), 2)
+    with pytest.raises(RuntimeError, match="Output size is too small"):
+        ReLUMaxPool2d()(x)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2, 2), (0, 3, 2, 5), (2, 3, 3, 2)], ids=str)
+def test_the_smallest_inputs_pool_as_max_pool2d_does(shape):
+    x = torch.randn(shape, dtype=torch.float64)
+    assert torch.equal(ReLUMaxPool2d()(x), nn.functional.max_pool2d(torch.relu(x), 2))

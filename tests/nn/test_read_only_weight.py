@@ -1,4 +1,4 @@
-"""A factorized or multi-branch layer's ``weight`` (and a multi-branch layer's ``bias``) is rebuilt
+"""A factorized, multi-branch or FedPara layer's ``weight`` (and a multi-branch layer's ``bias``) is rebuilt
 on every access: every way of writing to it raises, and every way of reading it still works."""
 from __future__ import annotations
 
@@ -11,21 +11,27 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pfl_kernels.nn import FactorizedConv2d, FactorizedLinear, MultiBranchConv2d, MultiBranchLinear, ReadOnlyWeightError
+from pfl_kernels.nn import (FactorizedConv2d, FactorizedLinear, FedParaConv2d, FedParaLinear, MultiBranchConv2d,
+                            MultiBranchLinear, ReadOnlyWeightError)
 
 # By module path: the package's ``multibranch`` attribute is the converter function.
-LAYER_MODULES = [importlib.import_module(f"pfl_kernels.nn.{name}") for name in ("factorized", "multibranch")]
+LAYER_MODULES = [importlib.import_module(f"pfl_kernels.nn.{name}") for name in ("factorized", "multibranch", "fedpara")]
 
 LAYERS = {
     "FactorizedConv2d": lambda: FactorizedConv2d(3, 4, 3, rank=2),
     "FactorizedLinear": lambda: FactorizedLinear(5, 3, rank=2),
     "MultiBranchConv2d": lambda: MultiBranchConv2d(3, 4, 3, branches=3),
     "MultiBranchLinear": lambda: MultiBranchLinear(5, 3, branches=3),
+    # FedPara layers had no weight: nn.MultiheadAttention, which reads out_proj.weight, failed.
+    "FedParaConv2d": lambda: FedParaConv2d(3, 4, 3, rank=2),
+    "FedParaLinear": lambda: FedParaLinear(5, 3, rank=2),
 }
 # What each message must point to instead of the weight.
 INIT_HINT = {"Factorized": r"initialise the factors instead: reset_parameters\(\), .*from_dense.*layer\.u, "
                            r"layer\.v and layer\.mu",
-             "MultiBranch": r"initialise the branches instead: reset_parameters\(\), .*from_dense.*layer\.branch_(weight|bias)"}
+             "MultiBranch": r"initialise the branches instead: reset_parameters\(\), .*from_dense.*"
+                            r"layer\.branch_(weight|bias)",
+             "FedPara": r"initialise the factors instead: reset_parameters\(\), or write layer\.x1"}
 
 
 def _no_grad(write):
@@ -81,7 +87,7 @@ def test_every_write_to_the_rebuilt_weight_raises(name, write):
     torch.manual_seed(0)
     layer = LAYERS[name]()
     before = _snapshot(layer)
-    hint = INIT_HINT["Factorized" if name.startswith("Factorized") else "MultiBranch"]
+    hint = next(h for prefix, h in INIT_HINT.items() if name.startswith(prefix))
     for attr in _rebuilt(name):
         if attr == "bias" and write in NEEDS_2D:
             continue
