@@ -12,7 +12,9 @@ I is in_channels / groups, as in ``nn.Conv2d.weight``.
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Sequence
+
 from .ops._memo import metadata_cached
 
 LAYOUTS = ("spatial", "simfed", "view", "linear")
@@ -27,16 +29,33 @@ class LayoutGeometry(NamedTuple):
     inner: int
 
 
+def _sizes(shape: Sequence[int]) -> tuple[int, ...]:
+    """The sizes of ``shape`` as ints; TypeError naming ``shape`` for one that is not an int (a
+    float such as 3.0 passed here and failed in torch's dispatcher with a RuntimeError).
+    Anything with ``__index__`` is an int, as for torch's size arguments (a numpy int, a
+    SymInt); a bool is not."""
+    sizes = []
+    for i, size in enumerate(shape):
+        try:
+            if isinstance(size, bool):
+                raise TypeError
+            sizes.append(operator.index(size))
+        except TypeError:
+            raise TypeError(f"shape must hold ints, got {type(size).__name__} {size!r} at index {i}") from None
+    return tuple(sizes)
+
+
 @metadata_cached
 def layout_geometry(shape: Sequence[int], layout: str) -> LayoutGeometry:
     """Return (R, C, A, B) for a weight of ``shape`` under ``layout``.
 
     Raises:
+        TypeError: a size that is not an int (3.0 included).
         ValueError: unknown layout, or a shape of the wrong rank or with a size < 1.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    shape = tuple(int(s) for s in shape)
+    shape = _sizes(shape)
     want = 2 if layout == "linear" else 4
     if len(shape) != want:
         kind = "[out_features, in_features]" if want == 2 else "[O, I, kh, kw]"

@@ -68,8 +68,23 @@ void check_args(const at::Tensor& params, const at::Tensor& alpha, const at::Ten
                     ", got ", counts.device());
 }
 
-// c[i, b] in double (row-major [K, B]), with the op's data checks (cheap: K·B reads): the
-// ValueErrors of check_branch_values in ops/branch_aggregate.py (the same wording and order).
+// Below any exponent of a nonzero product (each is at least 2 * -1074).
+constexpr int64_t kNoExponent = -(int64_t{1} << 40);
+
+// x = *mantissa 2^exponent with *mantissa in [0.5, 1) (0 for x = 0), exactly, subnormals too.
+int64_t frexp_exponent(double x, double* mantissa) {
+  int e = 0;
+  *mantissa = std::frexp(x, &e);
+  return e;
+}
+
+// 2^k for k <= 0, exact; 0 below 2^-1022 (reference.branch_aggregate.pow2: every backend flushes
+// the same products).
+double exact_pow2(int64_t k) { return k < -1022 ? 0.0 : std::ldexp(1.0, static_cast<int>(k)); }
+
+// c[i, b] in double (row-major [K, B]), formed as reference.branch_aggregate.coefficients does,
+// with the op's data checks (cheap: K·B reads): the ValueErrors of check_branch_values in
+// ops/branch_aggregate.py (the same wording and order).
 std::vector<double> coefficients(const at::Tensor& alpha, const at::Tensor& counts) {
   const int64_t K = alpha.size(0), B = alpha.size(1);
   const at::Tensor a = alpha.to(at::kDouble).contiguous();
@@ -87,13 +102,27 @@ std::vector<double> coefficients(const at::Tensor& alpha, const at::Tensor& coun
                         "] = ", v);
     }
   }
-  std::vector<double> c(K * B);
+  // n_i = mn_i 2^en_i and alpha_ib = ma_ib 2^ea_ib (frexp: mantissas in [0.5, 1)).
+  std::vector<double> mn(K), ma(K * B);
+  std::vector<int64_t> en(K), ea(K * B);
+  for (int64_t i = 0; i < K; ++i) en[i] = frexp_exponent(np[i], &mn[i]);
+  for (int64_t j = 0; j < K * B; ++j) ea[j] = frexp_exponent(ap[j], &ma[j]);
+  std::vector<double> c(K * B), w(K);
   for (int64_t b = 0; b < B; ++b) {
-    double total = 0;
-    for (int64_t i = 0; i < K; ++i) total += np[i] * ap[i * B + b];
+    // Each product n_i alpha_ib as mn_i ma_ib 2^(en_i + ea_ib), scaled by 2^-E_b (E_b: the
+    // branch's largest exponent), so that it cannot overflow (1e300 * 1e300 made NaN
+    // coefficients) nor, for tiny counts and alpha, underflow to a branch nobody weights.
+    int64_t top = kNoExponent;
     for (int64_t i = 0; i < K; ++i) {
-      c[i * B + b] = total > 0 ? np[i] * ap[i * B + b] / total : 1.0 / static_cast<double>(K);
+      if (mn[i] * ma[i * B + b] != 0) top = std::max(top, en[i] + ea[i * B + b]);
     }
+    double total = 0;
+    for (int64_t i = 0; i < K; ++i) {
+      const double m = mn[i] * ma[i * B + b];
+      w[i] = m != 0 ? m * exact_pow2(en[i] + ea[i * B + b] - top) : 0.0;
+      total += w[i];
+    }
+    for (int64_t i = 0; i < K; ++i) c[i * B + b] = total > 0 ? w[i] / total : 1.0 / static_cast<double>(K);
   }
   return c;
 }

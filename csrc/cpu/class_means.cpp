@@ -26,8 +26,11 @@
 #include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -39,7 +42,35 @@ namespace {
 
 using cpu::shape_str;
 
-// The checks of _check_op_args in ops/class_means.py (the same wording).
+// The machine's physical memory in bytes (what ops/class_means.py's device_memory reads), 0
+// where unknown.
+int64_t physical_memory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page_size > 0 ? static_cast<int64_t>(pages) * page_size : 0;
+}
+
+// ValueError naming num_classes when means [K?, C, D] and their int64 counts need more bytes
+// than the machine has (check_output_size in ops/class_means.py, the same wording): at::zeros
+// would fail in the allocator ("can't allocate memory: you tried to allocate ... bytes").
+void check_fits_in_memory(const at::Tensor& features, int64_t num_classes, const std::string& means_shape) {
+  static const int64_t memory = physical_memory();
+  if (memory == 0) return;
+  const int64_t lead = features.dim() == 3 ? features.size(0) : 1, dim = features.size(-1);
+  const int64_t row_bytes = dim * (features.scalar_type() == at::kDouble ? 8 : 4) + 8;  // a mean and its count
+  int64_t need = 0;
+  const bool huge = c10::mul_overflows(lead, num_classes, &need) || c10::mul_overflows(need, row_bytes, &need);
+  if (!huge && need <= memory) return;
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  char text[128];  // Python's f"{x:.1f}": both round the exact binary value to one decimal
+  std::snprintf(text, sizeof(text), "%.1f GiB, more than the %.1f GiB",
+                static_cast<double>(lead) * static_cast<double>(num_classes) * static_cast<double>(row_bytes) / gib,
+                static_cast<double>(memory) / gib);
+  TORCH_CHECK_VALUE(false, "num_classes=", num_classes, " is too large: means of shape ", means_shape,
+                    " and their counts need ", text, " of memory of ", features.device());
+}
+
+// The checks of _check_op_args in ops/class_means.py (the same wording), then the output's
+// size (check_output_size there).
 void check_args(const at::Tensor& features, const at::Tensor& labels, int64_t num_classes) {
   TORCH_CHECK_VALUE(features.dim() == 2 || features.dim() == 3, "features must be [N, D] or [K, N, D], got ",
                     shape_str(features.sizes()));
@@ -59,10 +90,12 @@ void check_args(const at::Tensor& features, const at::Tensor& labels, int64_t nu
   const bool overflows =
       c10::mul_overflows(features.dim() == 3 ? features.size(0) : int64_t{1}, num_classes, &elements) ||
       c10::mul_overflows(elements, std::max<int64_t>(features.size(-1), 1), &elements);
-  TORCH_CHECK_VALUE(!overflows, "num_classes=", num_classes, " is too large: means of shape ",
-                    features.dim() == 3 ? shape_str({features.size(0), num_classes, features.size(-1)})
-                                        : shape_str({num_classes, features.size(-1)}),
+  const std::string means_shape = features.dim() == 3
+                                      ? shape_str({features.size(0), num_classes, features.size(-1)})
+                                      : shape_str({num_classes, features.size(-1)});
+  TORCH_CHECK_VALUE(!overflows, "num_classes=", num_classes, " is too large: means of shape ", means_shape,
                     " would have more than 2**63 - 1 elements");
+  check_fits_in_memory(features, num_classes, means_shape);
 }
 
 // Per client k: counts[k, c], and (where order is not null) order[k, :] = the sample indices

@@ -269,8 +269,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> factorized_weight_bac
 
 // ---------------------------------------------------------------- soft threshold
 
-// mu <- sign(mu) * max(|mu| - t, 0), written as mu - clamp(mu, -t, t): one expression that
-// vectorizes and, like the reference, keeps NaN (std::max/min return their NaN first argument).
+// mu <- sign(mu) * max(|mu| - t, 0), written as copysign(mu - clamp(mu, -t, t), mu + 0)
+// (shrink in factorized_kernels.h): one branch-free expression that vectorizes and, like the
+// reference, keeps NaN (std::max/min return their NaN first argument).  The copysign gives a
+// zero the formula's sign, bit for bit: -0.0 where mu < 0 (mu - mu alone is +0.0), +0.0 for
+// mu = -0.0 (sign(-0.0) is 0, and -0.0 + 0 is +0.0; the compiler keeps that add, as it must
+// without -ffast-math).  Contiguous runs take the AVX2 build where the CPU has it (the same
+// operations: the same bits).
 void soft_threshold_cpu(at::Tensor& mu, double threshold) {
   TORCH_CHECK_TYPE(at::isFloatingType(mu.scalar_type()), "mu must be a floating tensor, got ", mu.scalar_type());
   TORCH_CHECK_VALUE(std::isfinite(threshold) && threshold >= 0, "threshold must be a finite number >= 0, got ",
@@ -285,6 +290,7 @@ void soft_threshold_cpu(at::Tensor& mu, double threshold) {
                                    .resize_outputs(false)
                                    .check_all_same_dtype(false)
                                    .build();
+  const bool wide = use_avx2();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mu.scalar_type(), "soft_threshold_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     // Rounded to mu's dtype first, as torch does with a Python scalar (mu.abs() - threshold).
@@ -293,20 +299,25 @@ void soft_threshold_cpu(at::Tensor& mu, double threshold) {
     // beyond the float range cast to float is undefined behaviour).
     const double largest = static_cast<double>(std::numeric_limits<scalar_t>::max());
     const acc_t t = static_cast<acc_t>(static_cast<scalar_t>(std::min(threshold, largest)));
-    auto shrink = [t](scalar_t x) {
-      const acc_t a = static_cast<acc_t>(x);
-      return cast_to<scalar_t>(a - std::min(std::max(a, -t), t));
-    };
     iter.for_each([&](char** data, const int64_t* strides, int64_t n, int64_t outer) {
+      // A copy local to the call: stores through p cannot alias it, so it stays in a register
+      // (through the captured reference it was reloaded for every element).
+      const acc_t thr = t;
       for (int64_t o = 0; o < outer; ++o) {
-        char* base = data[0] + o * strides[1];
+        char* row = data[0] + o * strides[1];
         if (strides[0] == sizeof(scalar_t)) {
-          scalar_t* p = reinterpret_cast<scalar_t*>(base);
-          for (int64_t i = 0; i < n; ++i) p[i] = shrink(p[i]);
+          scalar_t* p = reinterpret_cast<scalar_t*>(row);
+#if defined(PFL_FACTORIZED_AVX2)
+          if (wide) {
+            avx2::shrink_run(p, n, thr);
+            continue;
+          }
+#endif
+          base::shrink_run(p, n, thr);
         } else {
           for (int64_t i = 0; i < n; ++i) {
-            scalar_t* p = reinterpret_cast<scalar_t*>(base + i * strides[0]);
-            *p = shrink(*p);
+            scalar_t* p = reinterpret_cast<scalar_t*>(row + i * strides[0]);
+            *p = base::shrink(*p, thr);
           }
         }
       }

@@ -624,3 +624,20 @@ void backward_kernel(const at::Tensor& gw_t, const at::Tensor& u_t, const at::Te
     });
   }
 }
+
+// ---------------------------------------------------------------- soft threshold
+
+// soft_threshold_'s formula on one entry: sign(x) * max(|x| - t, 0) as
+// copysign(x - clamp(x, -t, t), x + 0), branch free (see soft_threshold_cpu).
+template <typename scalar_t, typename acc_t>
+C10_ALWAYS_INLINE scalar_t shrink(scalar_t x, acc_t t) {
+  const acc_t a = static_cast<acc_t>(x);
+  return cast_to<scalar_t>(std::copysign(a - std::min(std::max(a, -t), t), a + acc_t(0)));
+}
+
+// p[i] <- shrink(p[i], t) for i < n: the contiguous run, which the compiler vectorizes (8-wide
+// float in the AVX2 build: the copysign's extra operations made the 4-wide one 10% slower).
+template <typename scalar_t, typename acc_t>
+void shrink_run(scalar_t* __restrict p, int64_t n, acc_t t) {
+  for (int64_t i = 0; i < n; ++i) p[i] = shrink(p[i], t);
+}

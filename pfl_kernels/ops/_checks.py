@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Optional
 
@@ -114,6 +115,32 @@ def is_positive_int(value) -> bool:
         return not isinstance(value, bool) and operator.index(value) >= 1
     except TypeError:
         return False
+
+
+def integer(name: str, value) -> int:
+    """``value`` as a Python int if it is an integer (anything with ``__index__``, as torch's
+    size arguments take: a Python or numpy int, an integer 0-d tensor; not a bool), else
+    TypeError naming ``name``: a float such as 3.0 is a wrong kind of argument, not a wrong
+    value (the ops' contract, ``pfl_kernels.ops``)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def real_number(name: str, value) -> float:
+    """``value`` as a finite Python float: TypeError naming ``name`` unless it is a real number
+    (a Python or numpy int or float; not a bool, a str or a tensor, not even a 0-d one: a
+    tensor argument would read its value, a host sync), ValueError unless it is finite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    # Comparisons, not math.isfinite: torch.compile(dynamic=True) traces them on symbolic floats.
+    if not -math.inf < value < math.inf:
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
 
 
 def positive_int(name: str, value) -> int:

@@ -38,12 +38,20 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+class _Uncacheable(Exception):
+    """An argument that no key may hold: a sparse tensor, whose strides cannot be read."""
+
+
 def _metadata(arg):
     """The part of an argument a metadata check may read: a tensor's sizes, strides, dtype and
     device (never its values); a list or tuple as its items with their types; anything else
     with its type.  True, 1 and 1.0 are equal keys otherwise, and a check may tell them apart
-    (a shape [6.0, 3] is not a shape [6, 3])."""
+    (a shape [6.0, 3] is not a shape [6, 3]).  A tensor that is not dense (strided) raises
+    ``_Uncacheable``: a CSR tensor's ``stride()`` raised RuntimeError here, before the check
+    could refuse it as a ValueError naming the argument."""
     if isinstance(arg, torch.Tensor):
+        if arg.layout != torch.strided:
+            raise _Uncacheable
         return (arg.shape, arg.stride(), arg.dtype, arg.device)
     if isinstance(arg, (list, tuple)):
         return (type(arg), tuple(arg), tuple(map(type, arg)))
@@ -54,9 +62,10 @@ def metadata_cached(check: F) -> F:
     """Wrap ``check(*args)``, a function of its arguments' metadata alone, so that it runs once
     per signature; later calls with that signature return the first call's result.
 
-    Not cached: calls with keyword arguments, calls while tracing (symbolic sizes), and calls
-    whose key cannot be hashed (a SymInt).  A check that raises caches nothing, so bad input
-    fails on every call.  Callers must not mutate the result (it is shared).
+    Not cached: calls with keyword arguments, calls while tracing (symbolic sizes), calls
+    whose key cannot be hashed (a SymInt), and calls with a sparse tensor (which the check
+    refuses).  A check that raises caches nothing, so bad input fails on every call.  Callers
+    must not mutate the result (it is shared).
     """
     cache: dict = {}
 
@@ -69,7 +78,7 @@ def metadata_cached(check: F) -> F:
             return cache[key]
         except KeyError:
             pass
-        except TypeError:  # unhashable: a symbolic size outside a tracing context
+        except (TypeError, _Uncacheable):  # unhashable (a SymInt outside a tracing context), sparse
             return check(*args)
         result = check(*args)
         if len(cache) >= _MAX_ENTRIES:

@@ -332,6 +332,8 @@ def reflection_weights(attention: torch.Tensor, *, self_index: Optional[torch.Te
                              f"(each client's column, an integer tensor [{k}])")
         self_index = torch.arange(k, device=attention.device)
     else:
+        if isinstance(self_index, torch.Tensor):
+            check_is_tensor("self_index", self_index)  # a sparse one: the layout's ValueError
         if not isinstance(self_index, torch.Tensor) or self_index.dtype.is_floating_point \
                 or self_index.dtype.is_complex or self_index.dtype == torch.bool:
             raise TypeError(f"self_index must be an integer tensor [{k}], got "

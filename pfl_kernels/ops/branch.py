@@ -7,7 +7,8 @@ Ops in the ``pfl`` namespace:
   one pass over grad_W; a gradient not asked for is an empty tensor of shape [0].
 * ``project_simplex_(x)``: in place, each row of x [..., B] onto the probability simplex; a
   row holding NaN or ±Inf comes out all NaN (every kernel: reference, C++, Triton), as a
-  reduction propagates NaN.  The Python wrapper refuses such input instead.
+  reduction propagates NaN.  The Python wrapper refuses such input instead (in eager mode;
+  under torch.compile it cannot read the values and leaves them to the op).
 
 At the op level ``alpha``'s shape is the leading part of ``weights``' shape: weights
 [B, *shape] with alpha [B], or weights [K, B, *shape] with alpha [K, B].  The Python
@@ -20,7 +21,8 @@ from typing import Optional
 import torch
 
 from ..reference import branch as ref
-from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, has_values, values_finite
+from ._checks import (FLOAT_DTYPES, check_is_tensor, check_no_internal_overlap, check_same, check_tensor, has_values,
+                      values_finite)
 from ._eager import kernel_for
 from ._memo import metadata_cached
 from ._library import define_op, has_kernel, register_autograd, sum_defined
@@ -203,8 +205,9 @@ def _combine_expands(weights, alpha, shared_weights) -> bool:
     """The checks of ``branch_combine`` (errors that name the argument), once per signature
     (``metadata_cached``); whether the weights are shared and must be expanded over K."""
     check_tensor("alpha", alpha, dims=(1, 2))
-    if not isinstance(weights, torch.Tensor) or weights.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"weights must be a floating torch.Tensor, got {getattr(weights, 'dtype', type(weights))}")
+    check_is_tensor("weights", weights)
+    if weights.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"weights must be a floating torch.Tensor, got {weights.dtype}")
     check_same("alpha", alpha, "weights", weights)
     n_branches = alpha.shape[-1]
     if n_branches < 1:
@@ -265,22 +268,26 @@ def project_simplex_(x: torch.Tensor) -> torch.Tensor:
     optimizer step (``simplex='project'``).  Rows of a bank [K, B] are projected in one call.
     Call it under ``torch.no_grad()``.  Returns ``x``.
 
-    Non-finite input: this wrapper refuses x holding NaN or ±Inf (ValueError, x unchanged).
-    The op itself, ``torch.ops.pfl.project_simplex_`` called directly, makes every row
-    holding NaN or ±Inf all NaN and projects the other rows as usual, in every kernel
-    (reference, C++, Triton) alike.
+    Non-finite input: in eager mode this wrapper refuses x holding NaN or ±Inf (ValueError,
+    x unchanged).  The op itself, ``torch.ops.pfl.project_simplex_`` called directly, makes
+    every row holding NaN or ±Inf all NaN and projects the other rows as usual, in every
+    kernel (reference, C++, Triton) alike.  Under torch.compile (``fullgraph=True`` too) the
+    wrapper cannot read x's values without a graph break, so it does not: a compiled call
+    gives what eager gives on finite x, and the op's all-NaN rows (no ValueError) on rows
+    holding NaN or ±Inf.
 
     Raises:
-        TypeError: x not a floating tensor.  ValueError: x without a last dim of size >= 1,
-        or holding NaN/Inf.
+        TypeError: x not a floating tensor.  ValueError: x not dense (sparse), x without a
+        last dim of size >= 1, or (in eager mode) holding NaN/Inf.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x must be a floating torch.Tensor, got {getattr(x, 'dtype', type(x))}")
+    check_is_tensor("x", x)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be a floating torch.Tensor, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] < 1:
         raise ValueError(f"x must have B >= 1 entries in its last dim, got shape {list(x.shape)}")
-    # Meta and fake tensors have no values to read; under torch.compile the check still runs
-    # (a graph break, as before).
-    if (torch.compiler.is_compiling() or has_values(x)) and not values_finite(x):
+    # Meta and fake tensors have no values to read, and under torch.compile a read is a
+    # data-dependent guard (fullgraph=True failed on it): there the op's NaN rows stand in.
+    if has_values(x) and not values_finite(x):
         raise ValueError("x must be finite to be projected onto the simplex (it holds NaN or Inf)")
     kernel_for("project_simplex_", x)(x)
     return x

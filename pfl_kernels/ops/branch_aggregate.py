@@ -20,6 +20,10 @@ form the normalized coefficients c_ib = n_i α_ib / Σ_j n_j α_jb, which are th
 accumulation dtype (float32, float64 for float64 params).
 
 Semantics.
+* Finite counts and alpha of any magnitude give finite coefficients: each product n_i α_ib is
+  scaled per branch by a power of two before the sum (``reference.branch_aggregate.
+  scaled_products``), so counts and alpha of 1e300 (whose products overflow float64) give the
+  plain mean, as equal coefficients should, not NaN.
 * A branch nobody weights (Σ_j n_j α_jb = 0: all its α are 0, or all counts are) gets the
   plain average over the K clients instead of 0/0, and its gradient w.r.t. α is 0.
 * A client with c_ib = 0 (n_i = 0 or α_ib = 0) is not read for branch b: a NaN/Inf row of

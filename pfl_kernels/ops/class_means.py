@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..reference import class_means as ref
-from ._checks import FLOAT_DTYPES, check_is_tensor, positive_int
+from ._checks import FLOAT_DTYPES, check_is_tensor, integer
 from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
@@ -111,8 +111,8 @@ _INT64_MAX = 2**63 - 1
 def check_output_size(features, num_classes, memory: Optional[int] = None) -> None:
     """ValueError naming ``num_classes`` when the output cannot exist: means [K?, C, D] with
     more elements than an int64 counts, or (given ``memory``, bytes) means and counts that
-    need more bytes than that.  Computed in Python integers, which never wrap.  The kernels
-    check the int64 bound (the C++ one too), the wrapper also the memory of the device."""
+    need more bytes than that.  Computed in Python integers, which never wrap.  Every layer
+    checks both through ``check_output_fits`` (the C++ kernel in its own words, the same)."""
     lead = int(features.shape[0]) if features.dim() == 3 else 1
     dim = int(features.shape[-1])
     shape = [*([lead] if features.dim() == 3 else []), num_classes, dim]
@@ -140,9 +140,19 @@ def device_memory(device: torch.device) -> Optional[int]:
     return None
 
 
+def check_output_fits(features, num_classes) -> None:
+    """``check_output_size`` against the memory of features' device: the ValueError naming
+    num_classes that every layer gives (wrapper, C++ kernel, reference, fake kernel, Triton
+    launcher), where before the allocator failed ("can't allocate memory ...").  Skipped for
+    symbolic sizes (torch.compile's tracing): a guard on them would specialize the graph."""
+    if not all(isinstance(s, int) for s in (*features.shape, num_classes)):
+        return
+    check_output_size(features, num_classes, device_memory(features.device))
+
+
 def _reference_forward(features, labels, num_classes):
     _check_op_args(features, labels, num_classes)
-    check_output_size(features, num_classes)
+    check_output_fits(features, num_classes)
     check_label_values(labels, num_classes)
     return ref.class_means(features, labels, num_classes)
 
@@ -154,6 +164,7 @@ CLASS_MEANS = define_op("class_means(Tensor features, Tensor labels, int num_cla
 @torch.library.register_fake(CLASS_MEANS)
 def _class_means_fake(features, labels, num_classes):
     means_shape, counts_shape = _check_op_args(features, labels, num_classes)
+    check_output_fits(features, num_classes)
     return (features.new_empty(means_shape, dtype=ref.acc_dtype(features.dtype)),
             features.new_empty(counts_shape, dtype=torch.int64))
 
@@ -196,9 +207,10 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
 
     Raises:
         TypeError: non-tensor arguments, non-floating features, labels neither int64 nor
-        int32.  ValueError: shapes that do not fit, num_classes < 1 or so large that the
-        output would have more than 2**63 - 1 elements or more bytes than the device's memory
-        (naming num_classes), devices that differ, or a label outside [0, num_classes)
+        int32, num_classes not an int (3.0 included).  ValueError: shapes that do not fit,
+        num_classes < 1 or so large that the output would have more than 2**63 - 1 elements
+        or more bytes than the device's memory (naming num_classes, also at the op level),
+        devices that differ, or a label outside [0, num_classes)
         (naming the label and its index).
     """
     for name, t in (("features", features), ("labels", labels)):
@@ -207,7 +219,9 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
         raise TypeError(f"features must be a floating tensor (float16/bfloat16/float32/float64), got {features.dtype}")
     if labels.dtype not in LABEL_DTYPES:
         raise TypeError(f"labels must be an int64 or int32 tensor, got {labels.dtype}")
-    num_classes = positive_int("num_classes", num_classes)
+    num_classes = integer("num_classes", num_classes)
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be an integer >= 1, got {num_classes}")
     if features.dim() not in (2, 3):
         raise ValueError(f"features must be [N, D] or [K, N, D], got shape {list(features.shape)}")
     if tuple(labels.shape) != tuple(features.shape[:-1]):
@@ -217,7 +231,7 @@ def class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int):
     if labels.device != features.device:
         raise ValueError(f"labels must be on the device of features ({features.device}), got {labels.device}")
     if not torch.compiler.is_compiling():  # traced, the shapes may be symbolic
-        check_output_size(features, num_classes, device_memory(features.device))
+        check_output_fits(features, num_classes)
     # Labels outside [0, num_classes): checked by the op itself (every kernel), not here.
     return kernel_for("class_means", features, labels)(features, labels, num_classes)
 

@@ -20,7 +20,8 @@ import torch
 
 from .._layout import layout_geometry
 from ..reference import factorized as ref
-from ._checks import FLOAT_DTYPES, check_no_internal_overlap, check_same, check_tensor, client_count
+from ._checks import (FLOAT_DTYPES, check_is_tensor, check_no_internal_overlap, check_same, check_tensor, client_count,
+                      real_number)
 from ._memo import metadata_cached
 from ._eager import kernel_for
 from ._library import define_op, has_kernel, register_autograd, sum_defined
@@ -302,10 +303,13 @@ def factorized_weight(u: torch.Tensor, v: torch.Tensor, mu: Optional[torch.Tenso
         W of shape [*shape], or [K, *shape] if any factor has a client dimension.
 
     Raises:
-        TypeError: non-tensor or non-floating input, dtypes that differ.
+        TypeError: non-tensor or non-floating input, dtypes that differ, a shape that is not a
+            list or tuple of ints (3.0 included).
         ValueError: unknown layout, factor shapes that do not fit ``shape``, devices that differ,
             mask without mu, client counts that differ.
     """
+    if not isinstance(shape, (list, tuple)):  # torch.Size is a tuple
+        raise TypeError(f"shape must be a list or tuple of ints, got {type(shape).__name__}")
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         mask = mask.to(u.dtype) if isinstance(u, torch.Tensor) else mask
     k = _check_wrapper_args(u, v, mu, mask, list(shape), layout)
@@ -323,13 +327,26 @@ def soft_threshold_(mu: torch.Tensor, threshold: float) -> torch.Tensor:
     so a bank of clients' mu [K, R, C] is one call.  Call it under ``torch.no_grad()``.
 
     Raises:
-        TypeError: mu not a floating tensor.  ValueError: threshold negative or not finite.
+        TypeError: mu not a floating tensor; threshold not a real number (a Python or numpy
+        int or float; not a bool, a str, None or a tensor, 0-d included, as for
+        ``similarity_weights``' tau).  ValueError: mu not dense (sparse); threshold negative
+        or not finite.
     """
-    if not isinstance(mu, torch.Tensor) or mu.dtype not in (torch.float16, torch.bfloat16,
-                                                          torch.float32, torch.float64):
-        raise TypeError(f"mu must be a floating torch.Tensor, got {getattr(mu, 'dtype', type(mu))}")
-    threshold = float(threshold)
-    if not threshold >= 0 or threshold == float("inf"):
-        raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
+    check_is_tensor("mu", mu)
+    if mu.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"mu must be a floating torch.Tensor, got {mu.dtype}")
+    threshold = _threshold(threshold)
     kernel_for("soft_threshold_", mu)(mu, threshold)
     return mu
+
+
+def _threshold(value) -> float:
+    """soft_threshold_'s threshold as a float: ``real_number``'s TypeError unless a real
+    number; ValueError unless finite and >= 0, in the op's own words (one message for both)."""
+    try:
+        threshold = real_number("threshold", value)
+    except ValueError:
+        threshold = math.nan
+    if not threshold >= 0:
+        raise ValueError(f"threshold must be a finite number >= 0, got {float(value)}")
+    return threshold

@@ -50,13 +50,12 @@ above, so 1e19 rows get their true gradient): gradgradcheck holds for every op.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 
 from ..reference import similarity as ref
-from ._checks import FLOAT_DTYPES, check_is_tensor, check_same, check_tensor, values_finite
+from ._checks import FLOAT_DTYPES, check_is_tensor, check_same, check_tensor, integer, real_number, values_finite
 from ._eager import kernel_for
 from ._library import define_op, register_autograd
 from ._memo import metadata_cached
@@ -312,16 +311,6 @@ def _check_pair_args(x, y) -> None:
         raise ValueError(f"y must be [M, D] with D = {x.shape[1]} (x is {list(x.shape)}), got {list(y.shape)}")
 
 
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    # Comparisons, not math.isfinite: torch.compile(dynamic=True) traces them on symbolic floats.
-    if not -math.inf < value < math.inf:
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def pairwise_cosine(x: torch.Tensor, y: Optional[torch.Tensor] = None, *, eps: float = 1e-8) -> torch.Tensor:
     """Cosine similarity of every row of ``x`` with every row of ``y``, normalization fused.
 
@@ -354,7 +343,7 @@ def pairwise_cosine(x: torch.Tensor, y: Optional[torch.Tensor] = None, *, eps: f
         not finite.
     """
     _check_pair_args(x, y)
-    eps = _real("eps", eps)
+    eps = real_number("eps", eps)
     if eps <= 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     return kernel_for("pairwise_cosine", x, y)(x, y, eps)
@@ -437,14 +426,13 @@ def similarity_weights(sim: torch.Tensor, *, tau: float, scale: float, min_keep:
         outside [-1, M).
     """
     check_tensor("sim", sim, dims=(2,))
-    tau = _real("tau", tau)
+    tau = real_number("tau", tau)
     if not -1.0 <= tau <= 1.0:
         raise ValueError(f"tau must be in [-1, 1], got {tau}")
-    scale = _real("scale", scale)
+    scale = real_number("scale", scale)
     if (message := _scale_range_message(scale, sim.dtype)) is not None:
         raise ValueError(message)
-    if isinstance(min_keep, bool) or not isinstance(min_keep, numbers.Integral):
-        raise TypeError(f"min_keep must be an int, got {type(min_keep).__name__}")
+    min_keep = integer("min_keep", min_keep)
     if min_keep < 0:
         raise ValueError(f"min_keep must be >= 0, got {min_keep}")
     k, m = sim.shape

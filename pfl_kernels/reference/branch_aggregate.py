@@ -9,10 +9,21 @@ computed as Σ_i c_ib W_ib with the normalized coefficients c_ib = n_i α_ib / �
 (``coefficients``).  A branch that nobody weights (Σ_j n_j α_jb = 0) gets the plain average
 over all K clients (c_ib = 1/K).  Clients with c_ib = 0 are not read for branch b, so a
 NaN/Inf row of a client that does not weight b leaves W_b finite.
+
+The coefficients are scale-invariant, and formed so that finite counts and α give finite
+coefficients however large or small: each product n_i α_ib is scaled by a power of two,
+2^-E_b, that brings the branch's largest into [0.25, 1) (``scaled_products``), so the
+products and their sum can neither overflow (counts and α of 1e300 made every W_b NaN) nor
+underflow to a branch nobody weights.  Scaling by a power of two is exact, so for products
+within float64's normal range the coefficients are bit for bit n_i α_ib / Σ_j n_j α_jb.
+Every backend (the C++ and Triton kernels too) forms them this way.
 """
 from __future__ import annotations
 
 import torch
+
+# Below the exponent of any nonzero product (each is at least 2 * -1074).
+_NO_EXPONENT = -(1 << 40)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -20,13 +31,44 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """2.0**k in float64 for an integer tensor k, exactly, built from its bits: for k in
+    [-1022, 1023]; 0 below (products that far below the branch's largest count as 0, on every
+    backend), inf above.  ``torch.pow``/``exp2`` are not exact on every CPU."""
+    k = k.to(torch.int64)
+    bits = (k.clamp(-1022, 1023) + 1023) << 52
+    p = bits.view(torch.float64)
+    p = torch.where(k < -1022, torch.zeros((), dtype=torch.float64, device=p.device), p)
+    return torch.where(k > 1023, torch.full((), float("inf"), dtype=torch.float64, device=p.device), p)
+
+
+def scaled_products(alpha: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w [K, B], E [B]): w_ib = n_i α_ib 2^-E_b in float64, E_b the exponent that brings the
+    largest product of branch b into [0.25, 1) (w = 0 on a branch nobody weights).
+
+    With n_i = mn_i 2^en_i and α_ib = ma_ib 2^ea_ib (``frexp``, mantissas in [0.5, 1)), a
+    product is mn_i ma_ib 2^(en_i + ea_ib), its mantissa product in [0.25, 1): no product and
+    no sum of them overflows or underflows, whatever the counts and α (finite, >= 0)."""
+    mn, en = torch.frexp(counts.to(torch.float64))
+    ma, ea = torch.frexp(alpha.to(torch.float64))
+    m = mn[:, None] * ma  # [K, B], 0 exactly where n_i α_ib = 0
+    e = en.to(torch.int64)[:, None] + ea.to(torch.int64)
+    nonzero = m != 0
+    top = torch.where(nonzero, e, _NO_EXPONENT).amax(0)  # [B]
+    zero = torch.zeros((), dtype=torch.float64, device=m.device)
+    # A zero product's shift is 0, not e - top (up to 2^40): inf there would make 0 * inf =
+    # NaN in the gradient of torch.where's unselected side (double backward).
+    return torch.where(nonzero, m * pow2(torch.where(nonzero, e - top, 0)), zero), top
+
+
 def coefficients(alpha: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """c [K, B] with c_ib = n_i α_ib / Σ_j n_j α_jb (1/K where that sum is 0), in ``dtype``.
 
     Computed in float64 whatever ``dtype`` is, then rounded once: with float32 counts and
     alpha the products n_i α_ib (n_i up to 2^53) would otherwise lose digits before the sum.
+    The products are scaled per branch (``scaled_products``): no overflow, no underflow.
     """
-    weight = counts.to(torch.float64)[:, None] * alpha.to(torch.float64)  # [K, B]
+    weight, _ = scaled_products(alpha, counts)  # [K, B]
     total = weight.sum(0)  # [B]
     uniform = torch.full_like(weight, 1.0 / weight.shape[0])
     coef = torch.where(total > 0, weight / torch.where(total > 0, total, 1.0), uniform)
@@ -65,13 +107,16 @@ def branch_aggregate_backward(grad_out, branch_params, alpha, counts, output_mas
         # In branch_params' dtype: one pass, products rounded once (opmath inside the kernel).
         grad_params = (coef.to(branch_params.dtype)[..., None] * g[None]).reshape(branch_params.shape)
     if output_mask[1]:
-        n = counts.to(torch.float64)
-        weight = n[:, None] * alpha.to(torch.float64)
-        total = weight.sum(0)
+        weight, top = scaled_products(alpha, counts)
+        total = weight.sum(0)  # D_b 2^-E_b
         dots = torch.einsum("kbp,bp->kb", branch_params.reshape(k, b, -1), g).to(torch.float64)
         c64 = coefficients(alpha, counts, torch.float64)
         zero = torch.zeros((), dtype=torch.float64, device=dots.device)
         mean_dot = torch.where(c64 != 0, c64 * dots, zero).sum(0)  # ⟨g_b, W_b⟩
-        scale = torch.where(total > 0, n[:, None] / torch.where(total > 0, total, 1.0), zero)  # [K, B]
+        # n_i / D_b as (n_i 2^-E_b) / (D_b 2^-E_b): D_b itself may overflow (n and α of 1e200).
+        mn, en = torch.frexp(counts.to(torch.float64))
+        shift = torch.where(total > 0, en.to(torch.int64)[:, None] - top, 0)  # 0 where unused (see above)
+        n_scaled = mn[:, None] * pow2(shift)
+        scale = torch.where(total > 0, n_scaled / torch.where(total > 0, total, 1.0), zero)  # [K, B]
         grad_alpha = torch.where(scale != 0, scale * (dots - mean_dot), zero).to(alpha.dtype)
     return grad_params, grad_alpha

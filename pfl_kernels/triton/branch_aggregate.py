@@ -3,7 +3,8 @@
 W[b, p] = Σ_i c[i, b] · branch_params[i, b, p] with the normalized coefficients
 c = ``reference.branch_aggregate.coefficients`` (K·B numbers).  Two launches and one sync:
 
-* ``_coefficients_kernel`` (one program) forms c in float64 as the reference does, rounds it
+* ``_coefficients_kernel`` (one program) forms c in float64 as the reference does (each
+  product scaled per branch by a power of two: no overflow), rounds it
   to the accumulation dtype, and flags bad data (counts or alpha negative, NaN or Inf).  The
   plain-PyTorch coefficients and checks were about 20 small launches, each a host round trip
   (on the H200 of issue 30 the op took 350 µs against eager's 147 at K = 20, B = 5, P = 10^6).
@@ -75,6 +76,36 @@ def _counts_and_alpha(alpha_ptr, counts_ptr, k0, rb, mb, K, sa_k, sa_b, s_n, BLO
 
 
 @triton.jit
+def _frexp(x):
+    """(m, e) with x = m 2^e, m in [0.5, 1) (0 for x = 0), for float64 x >= 0, exactly: from
+    its bits, a subnormal x first scaled by 2^64 (exact) into the normal range."""
+    subnormal = ((x.to(tl.int64, bitcast=True) >> 52) & 0x7FF) == 0
+    bits = tl.where(subnormal, x * 18446744073709551616.0, x).to(tl.int64, bitcast=True)
+    e = ((bits >> 52) & 0x7FF) - 1022 - tl.where(subnormal, 64, 0)
+    m = ((bits & 0xFFFFFFFFFFFFF) | 0x3FE0000000000000).to(tl.float64, bitcast=True)
+    return tl.where(x == 0, 0.0, m), e
+
+
+@triton.jit
+def _products(n, a):
+    """Each n_i α_ib as (mantissa product in [0.25, 1) or 0, int64 exponent) [BLOCK_K, BLOCK_B]."""
+    mn, en = _frexp(n)
+    ma, ea = _frexp(a)
+    return mn[:, None] * ma, en[:, None].to(tl.int64) + ea.to(tl.int64)
+
+
+@triton.jit
+def _scaled_products(n, a, top):
+    """n_i α_ib 2^-top_b [BLOCK_K, BLOCK_B] in float64, as ``reference.branch_aggregate.
+    scaled_products`` forms it (2^k built from its bits: exact; 0 below 2^-1022), with
+    (mantissa product, exponent) = ``_products(n, a)``."""
+    m, e = _products(n, a)
+    k = tl.where(m != 0, e - top[None, :], 0)  # <= 0 where used
+    p = ((tl.maximum(k, -1022) + 1023) << 52).to(tl.float64, bitcast=True)
+    return tl.where((m != 0) & (k >= -1022), m * p, 0.0)
+
+
+@triton.jit
 def _coefficients_kernel(
     alpha_ptr, counts_ptr, coef_ptr, flags_ptr,
     K, B, sa_k, sa_b, s_n,
@@ -82,25 +113,32 @@ def _coefficients_kernel(
 ):
     # One program: c = n_i α_ib / Σ_j n_j α_jb (1/K where that sum is not > 0) in float64,
     # stored in coef's dtype, and the data checks' flags (counts bad, alpha bad) in int32.
+    # The products are scaled per branch by 2^-top_b, top_b the largest product's exponent
+    # (the reference's ``scaled_products``): none overflows, even for counts and α of 1e300.
     bad_n = tl.zeros([BLOCK_K], dtype=tl.int32)
     bad_a = tl.zeros([BLOCK_K, BLOCK_B], dtype=tl.int32)
     for b0 in range(0, B, BLOCK_B):
         rb = b0 + tl.arange(0, BLOCK_B)
         mb = rb < B
-        total = tl.zeros([BLOCK_B], dtype=tl.float64)
+        top = tl.full([BLOCK_B], -(1 << 40), tl.int64)  # below any product's exponent
         for k0 in range(0, K, BLOCK_K):
             rk, n, a = _counts_and_alpha(alpha_ptr, counts_ptr, k0, rb, mb, K, sa_k, sa_b, s_n, BLOCK_K)
             # (x >= 0) & (x < inf) is False for NaN, ±Inf and negatives alike
             bad_n |= ((n >= 0) & (n < float("inf"))) == 0
             bad_a |= ((a >= 0) & (a < float("inf"))) == 0
-            total += tl.sum(n[:, None] * a, axis=0)
+            m, e = _products(n, a)
+            top = tl.maximum(top, tl.max(tl.where(m != 0, e, -(1 << 40)), axis=0))
+        total = tl.zeros([BLOCK_B], dtype=tl.float64)
+        for k0 in range(0, K, BLOCK_K):
+            rk, n, a = _counts_and_alpha(alpha_ptr, counts_ptr, k0, rb, mb, K, sa_k, sa_b, s_n, BLOCK_K)
+            total += tl.sum(_scaled_products(n, a, top), axis=0)
         weighted = total > 0
         safe = tl.where(weighted, total, 1.0)
         for k0 in range(0, K, BLOCK_K):
             rk, n, a = _counts_and_alpha(alpha_ptr, counts_ptr, k0, rb, mb, K, sa_k, sa_b, s_n, BLOCK_K)
             # 1/K in float64 (a float literal over an int would be float32)
             uniform = tl.full([BLOCK_K, BLOCK_B], 1.0, tl.float64) / K
-            c = tl.where(weighted[None, :], (n[:, None] * a) / safe[None, :], uniform)
+            c = tl.where(weighted[None, :], _scaled_products(n, a, top) / safe[None, :], uniform)
             tl.store(coef_ptr + rk.to(tl.int64)[:, None] * B + rb[None, :], c.to(coef_ptr.dtype.element_ty),
                      mask=(rk < K)[:, None] & mb[None, :])
     tl.store(flags_ptr, tl.max(bad_n, axis=0))

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..ops import class_means as _ops  # noqa: F401  (defines the schema implemented here)
 from . import register_cuda
 from ..ops._checks import raise_flagged
-from ..ops.class_means import _check_op_args, check_output_size
+from ..ops.class_means import _check_op_args, check_output_fits
 from ..ops._memo import cdiv, next_power_of_2
 from ..ops.class_means import check_label_values, cuda_path, gemm_class_sums
 from ..reference import class_means as _ref
@@ -131,7 +131,7 @@ def class_means_triton(features: torch.Tensor, labels: torch.Tensor, num_classes
     recomputed by the segment kernel, which keeps each in its own class as the reference does.
     """
     means_shape, counts_shape = _check_op_args(features, labels, num_classes)
-    check_output_size(features, num_classes)
+    check_output_fits(features, num_classes)
     _check_devices(features, labels)
     acc = _ref.acc_dtype(features.dtype)
     batched = features.dim() == 3

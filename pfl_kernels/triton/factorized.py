@@ -307,8 +307,9 @@ def _soft_threshold_kernel(
     if not ACC_F64:
         thr = thr.to(tl.float32)
     xa = x.to(thr.dtype)
-    # sign(x) * max(|x| - t, 0); ``x * 0`` keeps the reference's NaN (and the sign of 0).
-    y = tl.where(xa > thr, xa - thr, tl.where(xa < -thr, xa + thr, xa * 0))
+    # sign(x) * max(|x| - t, 0); ``(x + 0) * 0`` keeps the reference's NaN and its zero's sign,
+    # bit for bit: -0.0 where x < 0, +0.0 for x = -0.0 (sign(-0.0) is 0; -0.0 + 0 is +0.0).
+    y = tl.where(xa > thr, xa - thr, tl.where(xa < -thr, xa + thr, (xa + 0.0) * 0.0))
     tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=m)
 
 

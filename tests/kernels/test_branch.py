@@ -342,6 +342,33 @@ def test_project_simplex_wrapper_refuses_nan_and_leaves_x_unchanged():
     torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_project_simplex_compiles_with_fullgraph(dynamic):
+    """torch.compile(fullgraph=True) failed on the wrapper's host read of x's values (a
+    data-dependent guard).  Compiled, the wrapper skips that read: finite x gives what eager
+    gives; rows holding NaN/Inf come out all NaN, the op's documented behaviour (eager raises)."""
+    torch._dynamo.reset()
+
+    def step(x):
+        project_simplex_(x)
+        return x * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for shape in ((3, 4), (5, 7)):  # a second shape: a recompile, or the dynamic graph again
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
+        want = x.clone()
+        want_out = step(want)
+        got = x.clone()
+        assert torch.equal(compiled(got), want_out) and torch.equal(got, want)
+    x = torch.tensor(NON_FINITE_ROWS)
+    want = x.clone()
+    torch.ops.pfl.project_simplex_(want)
+    got = x.clone()
+    compiled(got)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got).all(-1).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("value", [NAN, INF, -INF, 3e38], ids=["nan", "inf", "-inf", "large"])
 def test_the_wrapper_finds_one_non_finite_value_anywhere(value, dtype):

@@ -1,6 +1,7 @@
 """pfl::branch_aggregate (pFedMB Eq. 5) on CPU (the C++ kernel when built) against the float64 reference."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import pfl_kernels
 from pfl_kernels.ops import branch_aggregate
 from pfl_kernels.reference import branch_aggregate as ref
+from tests.kernels.branch_aggregate_oracle import EXTREME_CASES, case, exact_aggregate, exact_grad_alpha
 from tests.threads import on_one_and_many_threads
 from tests.tolerances import assert_close
 
@@ -120,6 +122,68 @@ def test_zero_weight_clients_are_skipped_exactly():
     keep = [1, 2, 3, 5, 6]
     out_kept = branch_aggregate(params[keep].contiguous(), alpha[keep].contiguous(), counts[keep].contiguous())
     assert_close(out, out_kept, F64)
+
+
+def _reference_kernels():
+    """The reference kernel of every op in place of the C++ one, for CPU tensors."""
+    from pfl_kernels.ops._library import REFERENCE_KERNELS
+    from pfl_kernels.triton import launchers_on_cpu
+
+    return launchers_on_cpu({q.split("::", 1)[1]: kernel for q, kernel in REFERENCE_KERNELS.items()})
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "reference"])
+@pytest.mark.parametrize("name", list(EXTREME_CASES))
+def test_extreme_counts_and_alpha_match_the_exact_formula(name, kernel):
+    """Counts and α of 1e300 (products beyond float64) made every branch NaN silently, and
+    tiny ones (products below it) a branch nobody weights; the coefficients are scale-
+    invariant, and every backend now forms them without overflow or underflow."""
+    params, alpha, counts = case(name)
+    with _reference_kernels() if kernel == "reference" else contextlib.nullcontext():
+        out = branch_aggregate(params, alpha, counts)
+        into = branch_aggregate(params, alpha, counts, out=torch.empty_like(params[0]))
+    want = exact_aggregate(params, alpha, counts)
+    assert torch.allclose(out, want, rtol=1e-13, atol=1e-300), f"{name}: {out} != {want}"
+    assert torch.equal(into, out)
+    if name == "products overflow, equal":  # equal coefficients: the plain mean
+        assert torch.allclose(out, params.mean(0), rtol=1e-13, atol=0)
+
+
+def test_extreme_values_keep_zero_weight_clients_unread():
+    """NaN isolation with products beyond float64: a client with α_ib = 0 (or n_i = 0) among
+    counts of 1e300 is still not read for b, and the others' weights are exact."""
+    params, alpha, counts = case("products overflow, unequal")
+    params[1, 1] = float("nan")  # α_11 = 0
+    out = branch_aggregate(params, alpha, counts)
+    assert torch.isfinite(out).all()
+    clean = params.clone()
+    clean[1, 1] = 0.0
+    assert torch.allclose(out, exact_aggregate(clean, alpha, counts), rtol=1e-13, atol=0)
+
+
+def test_coefficients_of_ordinary_values_are_the_plain_formula_bit_for_bit():
+    """The per-branch power-of-two scaling is exact: for products in float64's normal range
+    the coefficients are n_i α_ib / Σ_j n_j α_jb, every bit (no change to ordinary results)."""
+    _, alpha, counts = make_inputs(13, 4, (1,), F64, seed=21)
+    alpha[3, 1] = 0.0
+    weight = counts.to(F64)[:, None] * alpha
+    assert torch.equal(ref.coefficients(alpha, counts, F64), weight / weight.sum(0))
+
+
+@pytest.mark.parametrize("name", ["products overflow, equal", "products overflow, unequal", "products underflow",
+                                  "ordinary"])
+def test_grad_alpha_of_extreme_values(name):
+    """The backward's n_i / D_b: D_b = Σ_j n_j α_jb overflowed to inf (a zero gradient); it
+    is formed from the same scaled products as the coefficients."""
+    params, alpha, counts = case(name)
+    # n_i / D_b itself finite (1e300 / (1e300 · 1e300) is not): products of 1e400
+    alpha, counts = alpha.clamp_max(1e200), counts.clamp_max(1e200)
+    a = alpha.clone().requires_grad_()
+    out = branch_aggregate(params, a, counts)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    out.backward(g)
+    want = exact_grad_alpha(params, alpha, counts, g)
+    assert torch.allclose(a.grad, want, rtol=1e-10, atol=1e-300), f"{a.grad} != {want}"
 
 
 def test_non_contiguous_inputs():

@@ -20,6 +20,7 @@ pytestmark = MARKS
 if RUNNABLE:
     from pfl_kernels.reference import branch_aggregate as ref
     from pfl_kernels.triton import branch_aggregate as tba
+    from tests.kernels.branch_aggregate_oracle import EXTREME_CASES, case, exact_aggregate
 
 
 @pytest.fixture(params=["default-blocks", "tiny-blocks"])
@@ -101,6 +102,20 @@ def test_bad_values_raise_the_ops_error_and_leave_out_untouched(bad, variant, bl
         else:
             tba.branch_aggregate_triton(params, alpha, counts)
     assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("name", list(EXTREME_CASES) if RUNNABLE else [])
+def test_extreme_counts_and_alpha_match_the_exact_formula(name, blocks):
+    """Counts and α whose products overflow float64 (every branch was NaN) or underflow it:
+    the coefficient kernel scales them per branch as the reference does."""
+    params, alpha, counts = (t.to(DEVICE) for t in case(name))
+    want = exact_aggregate(params.cpu(), alpha.cpu(), counts.cpu())
+    for out in (tba.branch_aggregate_triton(params, alpha, counts),
+                tba.branch_aggregate_out_triton(params, alpha, counts, out=torch.empty_like(params[0]))):
+        assert torch.allclose(out.cpu(), want, rtol=1e-13, atol=1e-300), f"{name}: {out} != {want}"
+    coef, flags = tba._coefficients_and_checks(params, alpha, counts)
+    assert flags.tolist() == [0, 0]
+    torch.testing.assert_close(coef.cpu(), ref.coefficients(alpha.cpu(), counts.cpu(), F64), rtol=4 * 2.0**-52, atol=0)
 
 
 def test_float32(blocks):

@@ -2,6 +2,7 @@
 against a float64 definition."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -243,6 +244,37 @@ def test_errors_num_classes_too_large_for_the_output(num_classes, clients, messa
     with pytest.raises(ValueError, match=f"num_classes={num_classes} is too large: {message}") as error:
         class_means(features, labels, num_classes)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kernel", ["op", "reference", "fake"])
+def test_errors_num_classes_beyond_memory_at_the_op(kernel):
+    """A direct torch.ops.pfl.class_means call failed in the allocator ("can't allocate memory:
+    you tried to allocate 13194139533312 bytes"); every layer now gives the wrapper's message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pfl_kernels.ops.class_means import _reference_forward
+
+    features, labels = make_inputs(5, 3, 2)
+    with pytest.raises(ValueError) as wrapper_error:
+        class_means(features, labels, 2**40)
+    mode = FakeTensorMode() if kernel == "fake" else None
+    if mode is not None:
+        features, labels = mode.from_tensor(features), mode.from_tensor(labels)
+    call = _reference_forward if kernel == "reference" else torch.ops.pfl.class_means
+    with mode or contextlib.nullcontext(), pytest.raises(ValueError) as error:
+        call(features, labels, 2**40)
+    assert str(error.value) == str(wrapper_error.value)
+    assert str(error.value).startswith("num_classes=1099511627776 is too large: means of shape [1099511627776, 3] "
+                                       "and their counts need 20480.0 GiB, more than the ")
+
+
+def test_meta_tensors_need_no_memory_but_an_int64_count():
+    """On meta tensors (no memory) a large output is fine; one beyond int64 is not."""
+    features, labels = (t.to("meta") for t in make_inputs(5, 3, 2))
+    means, counts = torch.ops.pfl.class_means(features, labels, 2**40)
+    assert means.shape == (2**40, 3) and counts.shape == (2**40,)
+    with pytest.raises(ValueError, match=r"num_classes=4611686018427387904 is too large: .* more than 2\*\*63 - 1"):
+        torch.ops.pfl.class_means(features, labels, 2**62)
 
 
 @pytest.mark.parametrize("kernel", ["op", "reference"])

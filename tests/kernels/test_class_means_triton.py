@@ -134,6 +134,19 @@ def test_num_classes_beyond_int64_raises():
         tcm.class_means_triton(features, labels, 2**62)
 
 
+def test_num_classes_beyond_memory_raises_the_wrappers_error():
+    """The launcher refuses an output larger than the device's memory with the wrapper's
+    ValueError (the allocator's error before)."""
+    from pfl_kernels.ops import class_means
+
+    features, labels = make_inputs(5, 3, 2, seed=4)
+    with pytest.raises(ValueError) as wrapper_error:
+        class_means(features, labels, 2**40)
+    with pytest.raises(ValueError, match=r"^num_classes=1099511627776 is too large: .* GiB of memory of ") as error:
+        tcm.class_means_triton(features, labels, 2**40)
+    assert str(error.value) == str(wrapper_error.value)
+
+
 @interpreter_only
 def test_through_dispatcher_and_autograd():
     from pfl_kernels.ops import class_means

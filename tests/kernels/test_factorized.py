@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -250,6 +251,65 @@ def test_soft_threshold_non_contiguous_view_leaves_the_rest_untouched():
     ev = expected[:, 1::2, ::3].transpose(1, 2)
     ref.soft_threshold_(ev, 0.4)
     assert torch.equal(base, expected)
+
+
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+
+
+def signed_zero_inputs(dtype: torch.dtype, threshold: float, n: int = 2053) -> torch.Tensor:
+    """n entries of ``dtype`` (long enough for the vectorized loop and its tail): ±threshold
+    (|mu| - t = 0 exactly), ±0, subnormals, ±inf, the dtype's largest, and random values
+    around the threshold; no NaN (its sign bit is no part of the formula)."""
+    finfo = torch.finfo(dtype)
+    special = [-threshold, threshold, -0.0, 0.0, -1e-45, 1e-45, -finfo.tiny, finfo.tiny, float("inf"),
+               -float("inf"), finfo.max, -finfo.max, -0.3, 0.3]
+    spread = 2 * threshold if 0 < threshold < 1e30 else 1.0
+    noise = torch.randn(n - len(special), generator=torch.Generator().manual_seed(n), dtype=torch.float64) * spread
+    return torch.cat([torch.tensor(special, dtype=torch.float64), noise]).to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("threshold", [0.3, 0.0, 1e300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_soft_threshold_signs_of_zero_match_the_reference_bit_for_bit(dtype, threshold, layout):
+    """sign(mu) * max(|mu| - t, 0) is -0.0 for a negative mu with |mu| <= t and +0.0 for
+    mu = -0.0 (sign(-0.0) is 0): the C++ kernel's mu - clamp(mu, -t, t) gave +0.0 for the
+    first (mu = -0.3 or -1e-45 with t = 0.3, any finite mu with a t beyond the dtype)."""
+    values = signed_zero_inputs(dtype, threshold)
+    want = values.clone()
+    ref.soft_threshold_(want, threshold)
+    if layout == "strided":  # the kernel's strided loop
+        got = torch.zeros(2 * values.numel(), dtype=dtype)[::2]
+        got.copy_(values)
+    else:
+        got = values.clone()
+    soft_threshold_(got, threshold)
+    bits, want_bits = got.contiguous().view(_BITS[dtype]), want.view(_BITS[dtype])
+    differ = (bits != want_bits).nonzero().flatten().tolist()
+    assert not differ, (f"{len(differ)} entries differ, first mu = {values[differ[0]].item()!r}: "
+                        f"got {got[differ[0]].item()!r}, reference {want[differ[0]].item()!r}")
+
+
+@pytest.mark.parametrize("threshold", ["0.1", True, torch.tensor(0.1), None, torch.tensor([0.1, 0.2]), [0.1]],
+                         ids=repr)
+def test_error_soft_threshold_not_a_real_number(threshold):
+    """A str, a bool or a tensor (0-d too, as similarity_weights' tau and scale) is a wrong kind
+    of threshold: TypeError naming it, mu untouched (float() accepted "0.1", True and a 0-d
+    tensor, and None or a 2-element tensor failed without naming threshold)."""
+    mu = torch.randn(4)
+    before = mu.clone()
+    with pytest.raises(TypeError, match="^threshold must be a real number, got "):
+        soft_threshold_(mu, threshold)
+    assert torch.equal(mu, before)
+
+
+@pytest.mark.parametrize("threshold", [1, np.float32(0.5), np.int64(1), np.float64(0.25)], ids=repr)
+def test_soft_threshold_takes_python_and_numpy_numbers(threshold):
+    mu = torch.randn(64, dtype=torch.float64)
+    want = mu.clone()
+    ref.soft_threshold_(want, float(threshold))
+    assert torch.equal(soft_threshold_(mu, threshold), want)
 
 
 def test_compile_matches_eager():

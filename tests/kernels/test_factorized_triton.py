@@ -261,6 +261,22 @@ def test_soft_threshold_beyond_the_dtype_keeps_infinities(dtype):
     assert torch.equal(x[:5], want[:5]) and x[5].isnan()
 
 
+@pytest.mark.parametrize("threshold", [0.3, 0.0, 1e300])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_soft_threshold_signs_of_zero_match_the_reference_bit_for_bit(dtype, threshold):
+    """-0.0 where mu < 0 and |mu| <= t, +0.0 for mu = -0.0 (sign(-0.0) is 0): ``x * 0`` gave
+    -0.0 for mu = -0.0 where the reference gives +0.0."""
+    finfo = torch.finfo(dtype)
+    special = [-threshold, threshold, -0.0, 0.0, -1e-45, 1e-45, -finfo.tiny, finfo.tiny, float("inf"),
+               -float("inf"), finfo.max, -finfo.max, -0.3, 0.3]
+    noise = torch.randn(67, generator=torch.Generator().manual_seed(6), dtype=F64)
+    x = torch.cat([torch.tensor(special, dtype=F64), noise]).to(DEVICE, dtype)
+    want = _soft_reference(x, threshold)
+    tf.soft_threshold_triton_(x, threshold)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    assert torch.equal(x.view(bits), want.view(bits)), (x, want)
+
+
 def test_soft_threshold_rejects_overlap():
     assert_rejects_overlap(tf.soft_threshold_triton_, 0.1)
 
