@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 # Below the exponent of any nonzero product (each is at least 2 * -1074).
-_NO_EXPONENT = -(1 << 40)
+_NO_EXPONENT = -float(1 << 30)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -31,15 +31,47 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# The exponents here are integer-valued float64 tensors, never integer ones, and the powers of
+# two are built by products, never from bits: converting frexp's int32 exponents does not
+# compile in inductor's vectorized CPU code (torch 2.11 and 2.13), a bit cast
+# (``view(torch.float64)``) has no vmap rule on 2.11, and ``torch.pow``/``exp2`` are not exact
+# on every CPU.
+
+
 def pow2(k: torch.Tensor) -> torch.Tensor:
-    """2.0**k in float64 for an integer tensor k, exactly, built from its bits: for k in
-    [-1022, 1023]; 0 below (products that far below the branch's largest count as 0, on every
-    backend), inf above.  ``torch.pow``/``exp2`` are not exact on every CPU."""
-    k = k.to(torch.int64)
-    bits = (k.clamp(-1022, 1023) + 1023) << 52
-    p = bits.view(torch.float64)
-    p = torch.where(k < -1022, torch.zeros((), dtype=torch.float64, device=p.device), p)
-    return torch.where(k > 1023, torch.full((), float("inf"), dtype=torch.float64, device=p.device), p)
+    """2.0**k in float64 for k holding integers, exactly: for k in [-1022, 1023]; 0 below
+    (products that far below the branch's largest count as 0, on every backend), inf above.
+    A product of exact powers of two, one per bit of |k|: each partial product is a normal
+    float64 between 1 and the result, so every step is exact."""
+    k = k.to(torch.float64)
+    e = k.clamp(-1022, 1023)
+    magnitude, negative = e.abs(), e < 0
+    p = torch.ones_like(k)
+    for bit in range(9, -1, -1):  # |e| <= 1023 < 2^10
+        step = float(1 << bit)
+        has = magnitude >= step
+        magnitude = torch.where(has, magnitude - step, magnitude)
+        factor = torch.where(negative, torch.full_like(p, 2.0 ** -step), torch.full_like(p, 2.0 ** step))
+        p = torch.where(has, p * factor, p)
+    p = torch.where(k < -1022, torch.zeros_like(p), p)
+    return torch.where(k > 1023, torch.full_like(p, float("inf")), p)
+
+
+def frexp(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, e) of float64 x >= 0, finite, as ``torch.frexp``: x = m 2^e, m in [0.5, 1) (0 for
+    x = 0), e integer-valued, here float64 (see above).  The exponent is log2's, set right
+    where log2 rounds across a power of two, then checked exactly against 2^(e-1) <= x < 2^e."""
+    subnormal = x < 2.0 ** -1022
+    normal = torch.where(subnormal, x * 2.0 ** 64, x)  # exact: a subnormal made normal
+    positive = normal > 0
+    safe = torch.where(positive, normal, torch.ones_like(normal))
+    e = torch.floor(torch.log2(safe)) + 1
+    low = pow2(e - 1)
+    e = torch.where(low > safe, e - 1, torch.where(low * 2 <= safe, e + 1, e))
+    half = torch.floor(e / 2)  # 2^-e in two factors, each within pow2's range
+    m = safe * pow2(-half) * pow2(half - e)
+    zero = torch.zeros_like(x)
+    return torch.where(positive, m, zero), torch.where(positive, torch.where(subnormal, e - 64, e), zero)
 
 
 def scaled_products(alpha: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +81,14 @@ def scaled_products(alpha: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Te
     With n_i = mn_i 2^en_i and α_ib = ma_ib 2^ea_ib (``frexp``, mantissas in [0.5, 1)), a
     product is mn_i ma_ib 2^(en_i + ea_ib), its mantissa product in [0.25, 1): no product and
     no sum of them overflows or underflows, whatever the counts and α (finite, >= 0)."""
-    mn, en = torch.frexp(counts.to(torch.float64))
-    ma, ea = torch.frexp(alpha.to(torch.float64))
+    mn, en = frexp(counts.to(torch.float64))
+    ma, ea = frexp(alpha.to(torch.float64))
     m = mn[:, None] * ma  # [K, B], 0 exactly where n_i α_ib = 0
-    e = en.to(torch.int64)[:, None] + ea.to(torch.int64)
+    e = en[:, None] + ea
     nonzero = m != 0
     top = torch.where(nonzero, e, _NO_EXPONENT).amax(0)  # [B]
     zero = torch.zeros((), dtype=torch.float64, device=m.device)
-    # A zero product's shift is 0, not e - top (up to 2^40): inf there would make 0 * inf =
+    # A zero product's shift is 0, not e - top (up to 2^30): inf there would make 0 * inf =
     # NaN in the gradient of torch.where's unselected side (double backward).
     return torch.where(nonzero, m * pow2(torch.where(nonzero, e - top, 0)), zero), top
 
@@ -114,8 +146,8 @@ def branch_aggregate_backward(grad_out, branch_params, alpha, counts, output_mas
         zero = torch.zeros((), dtype=torch.float64, device=dots.device)
         mean_dot = torch.where(c64 != 0, c64 * dots, zero).sum(0)  # ⟨g_b, W_b⟩
         # n_i / D_b as (n_i 2^-E_b) / (D_b 2^-E_b): D_b itself may overflow (n and α of 1e200).
-        mn, en = torch.frexp(counts.to(torch.float64))
-        shift = torch.where(total > 0, en.to(torch.int64)[:, None] - top, 0)  # 0 where unused (see above)
+        mn, en = frexp(counts.to(torch.float64))
+        shift = torch.where(total > 0, en[:, None] - top, 0.0)  # 0 where unused (see above)
         n_scaled = mn[:, None] * pow2(shift)
         scale = torch.where(total > 0, n_scaled / torch.where(total > 0, total, 1.0), zero)  # [K, B]
         grad_alpha = torch.where(scale != 0, scale * (dots - mean_dot), zero).to(alpha.dtype)
