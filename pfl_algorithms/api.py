@@ -24,7 +24,7 @@ server side
   ``configure``       what the sampled clients receive: a Message for all, or one per client
   ``aggregate``       combine the round's :class:`Uploads` into new server state
   ``evaluation``      which model a client is evaluated with (a Message or an Evaluation)
-  ``finetune_phase``  the run's fine-tuning before evaluation, where its steps have own rules
+  ``finetune_phase``  the run's fine-tuning before evaluation (what keeps its parameters valid)
   ``round_metrics``   its own numbers for the round's metrics line (FedDAF's α)
   ``state_dict``      server state for checkpoints
 client side (run by an executor, wherever the client is)
@@ -232,8 +232,9 @@ class Algorithm:
     def finetune_phase(self, client: int, epochs: int) -> Phase:
         """The run's fine-tuning before each evaluation (``--finetune-epochs``; pFedMB's tables
         fine-tune every method): ``epochs`` epochs of the run's optimizer, from fresh state, on
-        the groups ``client`` trains in its plan.  A method whose steps follow rules of its own
-        (pFedMB's per-layer rates) keeps them here."""
+        the groups ``client`` trains in its plan, each parameter at the run's lr: the same
+        protocol for every method.  A method adds what keeps its parameters valid (pFedMB
+        projects α back onto the simplex after each step)."""
         return finetune_phase(self, client, epochs)
 
     def round_metrics(self, round_: int) -> Mapping[str, float]:

@@ -164,11 +164,6 @@ class ClientView:
         return self._cohort.groups.order
 
     @property
-    def lr(self) -> float:
-        """The run's client learning rate (what a phase's ``lr`` of None means)."""
-        return self._fed.settings.optimizer.lr
-
-    @property
     def shared_groups(self) -> tuple[str, ...]:
         """The groups that may leave the client (not among the algorithm's ``local_groups``), in
         layout order."""

@@ -286,37 +286,18 @@ def test_paired_digits_with_a_shared_alpha_stays_finite(tmp_path):
         assert all(not m["skipped_non_finite"] for m in lines)
 
 
-def _effective_lr(fed, phase, client=0):
-    """Each parameter value's learning rate under ``phase`` for ``client``: the phase's
-    optimizer lr (its lr_scale included) times its lr_scales ([P])."""
-    from pfl_algorithms.engine.client import ClientView, phase_lr_scale, phase_optimizer
+def test_finetuning_is_the_engines_protocol_with_alpha_kept_on_the_simplex():
+    """The run's fine-tuning is every method's protocol (each parameter at the run's lr, fresh
+    state: rounds.finetune_phase), α and the weights together; pFedMB adds only its projection."""
+    from pfl_algorithms.engine.rounds import finetune_phase
 
-    cohort = fed.cohorts[0]
-    cohort.work.load(cohort.params.row(client), cohort.buffers.row(client), cohort.int_buffers.row(client))
-    view = ClientView(fed, cohort, client, 0, None, {})
-    scales = phase_lr_scale(cohort, phase, view)
-    rate = phase_optimizer(phase, fed.settings).lr
-    return rate * (torch.ones_like(view.params) if scales is None else scales)
-
-
-@pytest.mark.parametrize("settings", [{}, {"weight_lr": 0.02}, {"alpha_lr": 0.03}, {"shared_alpha": True},
-                                      {"shared_alpha": True, "weight_lr": 0.02}])
-def test_finetuning_steps_every_parameter_at_its_rate_of_the_training_plan(settings):
-    """The run's fine-tuning before evaluation (--finetune-epochs: the paper's tables fine-tune
-    every method) trains α and the weights in one phase, each at the rate its own phase of the
-    plan gives it: the engine's plain phase stepped the branches at the run's lr, ‖α_l‖² times
-    slower than the plan's dense-equivalent rate."""
-    algo, fed = federation(**settings)
-    cohort = fed.cohorts[0]
-    cohort.params.row(0)[cohort.span(ALPHA)] = torch.linspace(-1, 2, cohort.span(ALPHA).stop
-                                                              - cohort.span(ALPHA).start, dtype=torch.float64)
-    alpha_phase, weight_phase = algo.plan(0)
-    want = _effective_lr(fed, weight_phase)
-    want[cohort.span(ALPHA)] = _effective_lr(fed, alpha_phase)[cohort.span(ALPHA)]
-    finetune = algo.finetune_phase(0, 1)
-    assert finetune.epochs == 1 and set(finetune.groups) == {ALPHA, *algo._weight_groups}
-    torch.testing.assert_close(_effective_lr(fed, finetune), want, **TOL)
-    assert not torch.allclose(want, torch.full_like(want, 0.1))  # the rates do differ from the run's lr
+    for simplex, projects in (("softmax", False), ("projection", True)):
+        algo, fed = federation(simplex=simplex)
+        phase = algo.finetune_phase(0, 1)
+        plain = finetune_phase(algo, 0, 1)
+        assert (phase.epochs, phase.groups, phase.lr, phase.lr_scale, phase.lr_scales) == \
+            (plain.epochs, plain.groups, plain.lr, plain.lr_scale, plain.lr_scales)
+        assert set(phase.groups) == {ALPHA, *algo._weight_groups} and (phase.after_step is not None) == projects
 
 
 def test_finetuning_under_projection_keeps_alpha_on_the_simplex(monkeypatch):
