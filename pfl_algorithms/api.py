@@ -73,8 +73,7 @@ from .engine.cohort_stats import Senders
 from .engine.groups import BUFFERS, GroupRule
 from .engine.messages import Message, Sparse, Statistic
 from .engine.optim import SGD, Adam, OptimizerSettings, make_optimizer
-from .engine.plan import Batch, Phase, capturable_hook
-from .engine.rounds import finetune_phase
+from .engine.plan import Batch, Phase, capturable_hook, finetune_phase
 from .engine.uploads import Uploads
 from .models.base import head_parameter_names
 from .option_types import (Fraction, NonNegativeFloat, NonNegativeInt, OneOf, PositiveFloat, PositiveInt, Range,
@@ -153,7 +152,7 @@ class Algorithm:
     Settings: ClassVar[type] = NoSettings
     capabilities: ClassVar[Capabilities] = Capabilities()
     # Local fine-tuning epochs before evaluation when the run gives no --finetune-epochs
-    # (the engine runs it for every algorithm: ``rounds.finetune_phase``).
+    # (the engine runs it for every algorithm: ``plan.finetune_phase``).
     finetune_epochs: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs):

@@ -42,7 +42,7 @@ class EngineSettings:
     default, or 'sequential'); ``workers``: tasks at once for 'threaded' (None: one per core).
     ``eval_role``: evaluate only the clients with this role (None: every client).
     ``finetune_epochs``: before evaluation, each client fine-tunes a scratch copy of its
-    evaluation model for that many epochs (``rounds.finetune_phase``; 0: none).
+    evaluation model for that many epochs (``Algorithm.finetune_phase``; 0: none).
     ``chunk_clients``: clients per chunk of the ``batched`` executor (None: from free memory).
     ``threaded_hooks``: the ``batched`` executor sends plans with begin hooks or loss terms to
     threads (``--executor auto`` on a CPU, where that is faster for them).

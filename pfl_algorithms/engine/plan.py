@@ -215,3 +215,17 @@ def check_lr_scales(scales: Mapping[str, float]) -> None:
 def state_names(plan) -> list[str]:
     """The optimizer-state name of each phase of ``plan`` (its own, or ``phase<i>``)."""
     return [phase.state if phase.state is not None else f"phase{i}" for i, phase in enumerate(plan)]
+
+
+def finetune_phase(algorithm, client: int, epochs: int) -> Phase:
+    """Local fine-tuning before evaluation, for every algorithm (pFedMB's tables fine-tune every
+    method): ``epochs`` epochs of the run's optimizer, from fresh state, on the groups the
+    client trains in its local plan (every group if a phase trains every group), each parameter
+    at the run's lr.  The default of ``Algorithm.finetune_phase`` (pFedMB adds its projection)."""
+    groups: Optional[set] = set()
+    for phase in algorithm.plan(client):
+        if phase.groups is None:
+            groups = None
+            break
+        groups.update(phase.groups)
+    return Phase(epochs=epochs, groups=None if groups is None else tuple(sorted(groups)), state="finetune")

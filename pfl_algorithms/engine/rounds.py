@@ -36,7 +36,7 @@ from .client import (EvalResult, EvalTask, Evaluation, TrainResult, TrainTask, p
                      run_train_task)
 from .federation import EngineSettings, Federation, Server
 from .messages import Message
-from .plan import Phase, state_names
+from .plan import state_names
 from .uploads import Uploads
 
 
@@ -183,20 +183,6 @@ def as_evaluation(value) -> Evaluation:
     if isinstance(value, Evaluation):
         return value
     raise TypeError(f"evaluation() must return None, a Message or an Evaluation, got {type(value).__name__}")
-
-
-def finetune_phase(algorithm, client: int, epochs: int) -> Phase:
-    """Local fine-tuning before evaluation, for every algorithm (pFedMB's tables fine-tune every
-    method): ``epochs`` epochs of the run's optimizer, from fresh state, on the groups the
-    client trains in its local plan (every group if a phase trains every group).  The default
-    of ``Algorithm.finetune_phase``, which a method with rules of its own for its steps extends."""
-    groups: Optional[set] = set()
-    for phase in algorithm.plan(client):
-        if phase.groups is None:
-            groups = None
-            break
-        groups.update(phase.groups)
-    return Phase(epochs=epochs, groups=None if groups is None else tuple(sorted(groups)), state="finetune")
 
 
 def evaluation_task(fed: Federation, algorithm, client: int, split: str) -> EvalTask:

@@ -288,8 +288,8 @@ def test_paired_digits_with_a_shared_alpha_stays_finite(tmp_path):
 
 def test_finetuning_is_the_engines_protocol_with_alpha_kept_on_the_simplex():
     """The run's fine-tuning is every method's protocol (each parameter at the run's lr, fresh
-    state: rounds.finetune_phase), α and the weights together; pFedMB adds only its projection."""
-    from pfl_algorithms.engine.rounds import finetune_phase
+    state: plan.finetune_phase), α and the weights together; pFedMB adds only its projection."""
+    from pfl_algorithms.engine.plan import finetune_phase
 
     for simplex, projects in (("softmax", False), ("projection", True)):
         algo, fed = federation(simplex=simplex)

@@ -8,7 +8,8 @@ import pytest
 
 from pfl_algorithms.algorithms import ALGORITHMS, make_algorithm
 from pfl_algorithms.cli import main
-from pfl_algorithms.engine.rounds import finetune_phase, run_round
+from pfl_algorithms.engine.plan import finetune_phase
+from pfl_algorithms.engine.rounds import run_round
 from pfl_algorithms.runner import run
 
 from ..algorithms.federation_cases import make_federation
