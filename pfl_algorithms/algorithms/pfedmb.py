@@ -233,7 +233,7 @@ class PFedMB(FedAvg):
         pFedMB's own per-layer rates (lr / ‖α_l‖² for the branches) are this file's choice for
         its training (the paper does not report η_W), not part of the protocol the paper applies
         to every method alike; with them in a joint phase pFedMB's Dirichlet column fell from
-        85.4% to 75.6% (the README's reproduction notes)."""
+        85.6% to 75.6% (reproductions/README.md)."""
         return replace(super().finetune_phase(client, epochs), after_step=self._projection())
 
     def _alpha_scale(self) -> float:
