@@ -59,9 +59,9 @@ from torch.func import functional_call
 from .batched_eval import batchable_evaluation, evaluate_chunk
 from .captured_steps import (batched_step, chunk_rows, chunk_state, copy_gradients, stacked_forward,
                              write_back)
-from .client import (ClientView, TaskValues, TrainResult, apply_downloads, finish_train_task_later,
+from .client import (ClientView, TaskValues, TrainResult, apply_downloads, begin_on_rows, finish_train_task_later,
                      initial_optimizer_state, local_results, phase_lr_scale, phase_optimizer, phase_parameters,
-                     phase_schedule, resolve_train_results, trains_only, training_batch)
+                     phase_schedule, resolve_train_results, training_batch)
 from .cohort_stats import answer_statistics
 from .executors import Executor, ThreadedExecutor
 from .local import ChunkGather, client_batches
@@ -326,7 +326,7 @@ def _run_phase(fed, cohort, tasks, index, optimizer, state, views, params, grads
     module.train()
     for i, task in enumerate(tasks):
         if task.plan[index].begin is not None:
-            _begin(fed, cohort, task, task.plan[index], views[i], names, params[i], buffers[i], int_buffers[i])
+            _begin(fed, cohort, task, task.plan[index], views[i], params[i], buffers[i], int_buffers[i])
     scales = [phase_lr_scale(cohort, task.plan[index], views[i]) for i, task in enumerate(tasks)]
     lr_scale = None if all(s is None for s in scales) else torch.stack(
         [torch.ones_like(params[i]) if s is None else s for i, s in enumerate(scales)])
@@ -396,15 +396,11 @@ def _static_step(fed, cohort, chunk, optimizer, ranges, trained, state_name, sta
         views[i].step += 1
 
 
-def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, names, params, buffers, int_buffers) -> None:
+def _begin(fed, cohort, task, phase: Phase, row_view: ClientView, params, buffers, int_buffers) -> None:
     """``phase``'s begin hook on a normal ClientView of ``task``'s client: its rows loaded into the
     working model (the hook may run or change it, as on the other executors), written back after."""
-    work = cohort.work
-    work.load(params, buffers, int_buffers)
-    with trains_only(work.module, names):
-        phase.begin(ClientView(fed, cohort, task.client, task.round, task.download, row_view._extra,
-                               row_view._values))
-    work.store(params, buffers, int_buffers)
+    begin_on_rows(ClientView(fed, cohort, task.client, task.round, task.download, row_view._extra, row_view._values),
+                  (phase,), params, buffers, int_buffers)
 
 
 def _step(cohort, module, tasks, index, optimizer, lrs, state, views, params, grads, buffers, int_buffers, members,

@@ -18,7 +18,7 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from .client import ClientView, EvalResult, apply_downloads, phase_parameters, trains_only
+from .client import ClientView, EvalResult, apply_downloads, begin_on_rows
 from .conv_gemm import batched_convolutions
 from .local import EVAL_BATCH, ChunkGather, scores
 
@@ -36,17 +36,10 @@ def _begins_only(phase) -> bool:
 
 def _run_begins(fed, cohort, task, params, buffers, int_buffers) -> None:
     """``task``'s begin hooks on its client's model (the rows ``params``, ``buffers``,
-    ``int_buffers``, changed in place), as ``client.run_eval_task`` runs its plan: on a
-    ClientView of the working model loaded with them, written back after."""
-    row = cohort.row(task.client)
-    work = cohort.work
-    work.load(params, buffers, int_buffers)
-    view = ClientView(fed, cohort, task.client, task.round, task.evaluation.download,
-                      {name: bank.row(row).clone() for name, bank in cohort.extra.items()})
-    for phase in task.evaluation.plan:
-        with trains_only(work.module, phase_parameters(cohort, phase, task.client)[0]):
-            phase.begin(view)
-    work.store(params, buffers, int_buffers)
+    ``int_buffers``, changed in place), as ``client.run_eval_task`` runs its plan."""
+    extra = {name: bank.row(cohort.row(task.client)).clone() for name, bank in cohort.extra.items()}
+    view = ClientView(fed, cohort, task.client, task.round, task.evaluation.download, extra)
+    begin_on_rows(view, task.evaluation.plan, params, buffers, int_buffers)
 
 
 @torch.no_grad()

@@ -464,6 +464,21 @@ def trains_only(module: nn.Module, names) -> Iterator[None]:
             p.requires_grad_(True)
 
 
+def begin_on_rows(view: ClientView, phases: Sequence[Phase], params: Tensor, buffers: Tensor,
+                  int_buffers: Tensor) -> None:
+    """The ``begin`` hooks of ``phases`` on ``view`` (a ClientView of its cohort's working
+    model), the working model loaded with the client's rows ``params``, ``buffers`` and
+    ``int_buffers`` first and written back to them after: the batched executor's training and
+    evaluation, whose clients' rows are stacked elsewhere.  Each hook runs with only its
+    phase's parameters requiring grad, as in ``_run_phase``."""
+    cohort, work = view._cohort, view._work
+    work.load(params, buffers, int_buffers)
+    for phase in phases:
+        with trains_only(work.module, phase_parameters(cohort, phase, view.client)[0]):
+            phase.begin(view)
+    work.store(params, buffers, int_buffers)
+
+
 def _run_phase(fed, view: ClientView, phase: Phase, state: dict, generator, augment, totals: _Totals) -> None:
     cohort, work, module = view._cohort, view._work, view.module
     optimizer = phase_optimizer(phase, fed.settings)
